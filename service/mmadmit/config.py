@@ -1,0 +1,170 @@
+"""One typed, frozen configuration object, built once at start-up (CLI.md).
+
+Every setting is a field of :class:`ServeConfig` with a default, a command-line
+flag and an environment variable (``MMADMIT_`` + the flag name upper-cased with
+``-`` as ``_``). A flag wins over the variable, the variable over the default.
+Invalid values raise :class:`ConfigError`; the CLI prints one line and exits 2.
+No other module reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import ConfigError
+from .materializer import Limits
+from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
+
+ENV_PREFIX = "MMADMIT_"
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+OFF = "off"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects NaN
+        raise ValueError("must be a non-negative number")
+    return value
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _host_port(text: str) -> str:
+    if text == OFF:
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be HOST:PORT (port 0 binds an ephemeral port) or 'off'")
+    return text
+
+
+def _zmq_addr(text: str) -> str:
+    if text == OFF:
+        return text
+    if "://" not in text:
+        raise ValueError("must be a ZMQ endpoint such as tcp://127.0.0.1:5557 or 'off'")
+    return text
+
+
+def _choice(options: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of ``mmadmit serve`` (and, for the model part, ``materialize``)."""
+
+    model: str = field(default="qwen2_5_vl", metadata={"help": "built-in profile (" + ", ".join(PRESETS) + ") or a config.json path/dir"})
+    role: Role = field(default="aggregated", metadata={"parse": _choice(ROLES), "help": "aggregated, prefill or decode"})
+    language_model_only: bool = field(default=False, metadata={"parse": _bool, "flag": True, "help": "the engine serves only the language half of a multimodal checkpoint"})
+    max_model_len: int | None = field(default=None, metadata={"parse": _positive_int, "help": "reject longer prompts (TOO_LARGE)"})
+    grpc_listen: str = field(default="127.0.0.1:50051", metadata={"parse": _host_port, "help": "gRPC HOST:PORT, or off"})
+    zmq_listen: str = field(default="tcp://127.0.0.1:5557", metadata={"parse": _zmq_addr, "help": "ZMQ ROUTER endpoint (reply mode), or off"})
+    zmq_forward: str | None = field(default=None, metadata={"parse": _zmq_addr, "help": "PUSH endpoint for forward mode"})
+    metrics_listen: str = field(default="127.0.0.1:9464", metadata={"parse": _host_port, "help": "Prometheus /metrics HOST:PORT, or off"})
+    device: DeviceChoice = field(default="auto", metadata={"parse": _choice(("auto", "cpu", "cuda")), "help": "auto (CUDA when present), cpu or cuda"})
+    workers: int | None = field(default=None, metadata={"parse": _positive_int, "help": "materializer workers (default 2 on CPU, 4 with CUDA)"})
+    max_inflight: int = field(default=64, metadata={"parse": _positive_int, "help": "admitted requests in flight before OVERLOADED"})
+    max_tokens: int = field(default=262_144, metadata={"parse": _positive_int, "help": "tokens per request"})
+    max_items: int = field(default=256, metadata={"parse": _positive_int, "help": "multimodal items per request"})
+    max_tensor_bytes: int = field(default=536_870_912, metadata={"parse": _positive_int, "help": "bytes of one tensor"})
+    max_message_bytes: int = field(default=1_073_741_824, metadata={"parse": _positive_int, "help": "bytes of one received message (gRPC receive limit too)"})
+    cuda_min_tokens: int = field(default=32_768, metadata={"parse": _positive_int, "help": "requests shorter than this stay on the CPU path even with CUDA"})
+    drain_timeout: float = field(default=10.0, metadata={"parse": _nonneg_float, "help": "seconds to finish in-flight work on SIGTERM"})
+    log_level: LogLevel = field(default="info", metadata={"parse": _choice(("debug", "info", "warning", "error")), "help": "log level"})
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_tokens=self.max_tokens,
+            max_items=self.max_items,
+            max_tensor_bytes=self.max_tensor_bytes,
+        )
+
+    def load_profile(self) -> ModelProfile:
+        return load_profile(
+            self.model,
+            role=self.role,
+            language_model_only=self.language_model_only,
+            max_model_len=self.max_model_len,
+        )
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
+    """Add one flag per config field; values stay raw strings until :func:`build_config`."""
+    for f in dataclasses.fields(ServeConfig):
+        if fields is not None and f.name not in fields:
+            continue
+        help_text = f"{f.metadata.get('help', '')} (env {env_name(f.name)}; default {f.default})"
+        if f.metadata.get("flag"):
+            parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const="1",
+                                default=None, help=help_text)
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar="VALUE",
+                                help=help_text)
+
+
+def build_config(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """Resolve flag > environment > default for every field and validate it."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(ServeConfig):
+        raw = given.get(f.name)
+        source = flag_name(f.name)
+        if raw is None and env_name(f.name) in env:
+            raw, source = env[env_name(f.name)], env_name(f.name)
+        if raw is None:
+            continue
+        if not isinstance(raw, str):  # already typed (programmatic use)
+            values[f.name] = raw
+            continue
+        parse = f.metadata.get("parse", str)
+        try:
+            values[f.name] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}={raw!r}: {exc}") from exc
+    config = ServeConfig(**values)
+    if config.zmq_forward is not None and config.zmq_listen == OFF:
+        raise ConfigError("--zmq-forward needs --zmq-listen (forward mode takes requests from it)")
+    return config
+
+
+def default_workers(config: ServeConfig, cuda: bool) -> int:
+    return config.workers if config.workers is not None else (4 if cuda else 2)

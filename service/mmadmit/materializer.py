@@ -1,0 +1,534 @@
+"""The materializer: MATERIALIZE.md rules 1 to 8, transport-free.
+
+``Materializer.materialize(request)`` returns a :class:`Materialized` outcome or
+raises an :class:`AdmissionError`; ``Materializer.run`` turns the latter into an
+:class:`Abort`. Everything is validated before any work is spent (hashing,
+positions, substitution), and the input request is never modified: a request is
+either fully materialized into a *new* request object or aborted.
+
+Array work (pad substitution, M-RoPE positions) goes through an
+:class:`ArrayOps` object so the CUDA stream pool can run it on a device; the
+CPU implementation is numpy. Hashing always runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from . import mrope
+from .errors import (
+    Abort,
+    AbortCode,
+    AdmissionError,
+    InvalidRequest,
+    TextOnlyModel,
+    TooLarge,
+    abort_from_exception,
+)
+from .hashing import UINT64_MAX, feature_hash, pad_interval, pad_value
+from .model import Item, Materialized, Modality, MultimodalInputs, Request, Rule, Tensor
+from .profile import ModelProfile
+
+logger = logging.getLogger(__name__)
+
+Outcome = Materialized | Abort
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits (CLI.md); exceeding one is ``TOO_LARGE``."""
+
+    max_tokens: int = 262_144
+    max_items: int = 256
+    max_tensor_bytes: int = 536_870_912
+    max_tensor_rank: int = 8
+
+
+class ArrayOps(Protocol):
+    """The array work of a materialization; CPU (numpy) or a CUDA stream."""
+
+    def substitute(self, ids: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """A copy of ``ids`` with ``ids[index] = values``."""
+        ...
+
+    def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
+        """M-RoPE ``[3, n]`` int64 positions and the delta."""
+        ...
+
+
+class CpuArrayOps:
+    def substitute(self, ids: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+        out = ids.copy()
+        out[index] = values
+        return out
+
+    def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
+        return mrope.positions(n, plan)
+
+
+CPU_OPS = CpuArrayOps()
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """All spans of a request, flattened: token indices and their owners."""
+
+    index: np.ndarray  # token index of every span token
+    item_of: np.ndarray  # owning item of every span token
+    count: int
+
+
+def _span_tokens(items: Sequence[Item]) -> _Spans:
+    starts, lengths, owners = [], [], []
+    for i, item in enumerate(items):
+        assert item.offsets is not None
+        starts.append(item.offsets[:, 0])
+        lengths.append(item.offsets[:, 1] - item.offsets[:, 0] + 1)
+        owners.append(np.full(len(item.offsets), i, np.int64))
+    if not starts:
+        empty = np.zeros(0, np.int64)
+        return _Spans(empty, empty, 0)
+    start = np.concatenate(starts)
+    length = np.concatenate(lengths)
+    owner = np.concatenate(owners)
+    total = int(length.sum())
+    first = np.zeros(len(start), np.int64)
+    np.cumsum(length[:-1], out=first[1:])
+    span_of = np.repeat(np.arange(len(start)), length)
+    index = start[span_of] + (np.arange(total, dtype=np.int64) - first[span_of])
+    return _Spans(index, owner[span_of], total)
+
+
+def _parse_validation_error(text: str) -> Abort:
+    code_name, sep, rest = text.partition(": ")
+    if sep and code_name in AbortCode.__members__:
+        return Abort(AbortCode[code_name], rest)
+    return Abort(AbortCode.INVALID_REQUEST, text)
+
+
+def _scalar_of(t: Tensor, what: str) -> int:
+    if not t.dtype.is_integer or t.dtype.numpy is None:
+        raise InvalidRequest(f"{what} must be an integer tensor, got {t.dtype.name}")
+    arr = t.to_numpy()
+    if arr.size != 1:
+        raise InvalidRequest(f"{what} must hold exactly one value, got shape {list(t.shape)}")
+    return int(arr.reshape(-1)[0])
+
+
+def _delta_tensor(delta: int) -> Tensor:
+    return Tensor.from_numpy(np.array([[delta]], dtype=np.int64))
+
+
+class Materializer:
+    """One instance per process; thread-safe (it holds no per-request state)."""
+
+    def __init__(self, profile: ModelProfile, limits: Limits | None = None) -> None:
+        self.profile = profile
+        self.limits = limits or Limits()
+
+    # ------------------------------------------------------------------ entry points
+
+    def run(self, req: Request, ops: ArrayOps = CPU_OPS) -> Outcome:
+        """Materialize or abort; never raises (unexpected errors become ``INTERNAL``)."""
+        try:
+            return self.materialize(req, ops)
+        except AdmissionError as exc:
+            return exc.to_abort()
+        except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
+            logger.exception("rid=%s: materializer failed", req.rid)
+            return abort_from_exception(exc)
+
+    def materialize(self, req: Request, ops: ArrayOps = CPU_OPS) -> Materialized:
+        if req.validation_error is not None:
+            abort = _parse_validation_error(req.validation_error)
+            raise _Marked(abort)
+        self._check_sizes(req)
+        original = req.input_ids_unpadded if req.input_ids_unpadded is not None else req.input_ids
+        self._check_vocab(original, "input_ids_unpadded" if req.input_ids_unpadded is not None else "input_ids")
+        mm = req.mm
+        profile = self.profile
+        has_mrope_field = mm is not None and (
+            mm.mrope_positions is not None
+            or mm.mrope_position_delta is not None
+            or mm.mrope_position_delta_scalar is not None
+        )
+        items = mm.items if mm is not None else []
+
+        # Rule 1: text request.
+        if mm is None or (not items and not has_mrope_field):
+            self._check_unpadded(req, [])
+            return Materialized(req, Rule.TEXT)
+
+        # Rule 2: decode-side exemption.
+        if profile.role == "decode" and profile.language_model_only and profile.multimodal:
+            return self._decode_exempt(req, mm, original)
+
+        # Rule 3: text-only model.
+        if items and not profile.multimodal_active:
+            raise TextOnlyModel("multimodal inputs were provided for a text-only model")
+
+        # Rule 4: materialized upstream.
+        if req.input_ids_unpadded is not None:
+            return self._upstream(req, mm, original, ops)
+
+        # Rules 5 to 8.
+        plan = self._validate_items(items, mm, original, need_pad=False)
+        spans = _span_tokens(items)
+        new_items = [self._with_pad_value(i, item) for i, item in enumerate(items)]
+        new_mm = dataclasses.replace(mm, items=new_items)
+        if profile.uses_mrope:
+            assert plan is not None
+            self._set_positions(new_mm, mm, len(original), plan, ops)
+        pads = np.asarray([it.pad_value for it in new_items], np.int64)
+        padded = ops.substitute(original, spans.index, pads[spans.item_of])
+        return Materialized(
+            dataclasses.replace(req, input_ids=padded, input_ids_unpadded=original, mm=new_mm),
+            Rule.NORMAL,
+        )
+
+    # ------------------------------------------------------------------ rules
+
+    def _decode_exempt(self, req: Request, mm: MultimodalInputs, original: np.ndarray) -> Materialized:
+        if not self.profile.uses_mrope:
+            return Materialized(dataclasses.replace(req, mm=None), Rule.DECODE_EXEMPT)
+        delta = self._carried_delta(mm)
+        if delta is None and mm.mrope_positions is not None:
+            pos = self._check_positions(mm.mrope_positions, len(req.input_ids))
+            delta = int(pos.max()) + 1 - len(req.input_ids) if pos.size else 0
+        if delta is None:
+            plan = self._validate_items(mm.items, mm, original, need_pad=False, hashable=False)
+            assert plan is not None
+            delta = mrope.delta_only(len(original), plan)
+        new_mm = MultimodalInputs(
+            items=[],
+            im_token_id=mm.im_token_id,
+            video_token_id=mm.video_token_id,
+            mrope_positions=None,
+            mrope_position_delta=_delta_tensor(delta),
+            mrope_position_delta_scalar=delta,
+            extra=mm.extra,
+        )
+        return Materialized(dataclasses.replace(req, mm=new_mm), Rule.DECODE_EXEMPT)
+
+    def _upstream(
+        self, req: Request, mm: MultimodalInputs, original: np.ndarray, ops: ArrayOps
+    ) -> Materialized:
+        items = mm.items
+        plan = self._validate_items(items, mm, original, need_pad=True)
+        self._check_unpadded(req, items)
+        if not self.profile.uses_mrope:
+            return Materialized(req, Rule.UPSTREAM)
+        new_mm = dataclasses.replace(mm)
+        self._set_positions(new_mm, mm, len(original), plan, ops)
+        return Materialized(dataclasses.replace(req, mm=new_mm), Rule.UPSTREAM)
+
+    def _set_positions(
+        self,
+        new_mm: MultimodalInputs,
+        mm: MultimodalInputs,
+        n: int,
+        plan: mrope.RunPlan | None,
+        ops: ArrayOps,
+    ) -> None:
+        """Rule 7: keep and check carried positions, or compute them."""
+        carried = self._carried_delta(mm)
+        if mm.mrope_positions is not None:
+            if carried is None:
+                pos = self._check_positions(mm.mrope_positions, n)
+                carried = int(pos.max()) + 1 - n if pos.size else 0
+            else:
+                self._check_positions(mm.mrope_positions, n)
+            if mm.mrope_position_delta is None:
+                new_mm.mrope_position_delta = _delta_tensor(carried)
+            new_mm.mrope_position_delta_scalar = carried
+            return
+        assert plan is not None
+        positions, delta = ops.positions(n, plan)
+        if carried is not None and carried != delta:
+            raise InvalidRequest(
+                f"the payload carries mrope_position_delta {carried} but the grids and spans "
+                f"give {delta}"
+            )
+        new_mm.mrope_positions = Tensor.from_numpy(positions)
+        new_mm.mrope_position_delta = _delta_tensor(delta)
+        new_mm.mrope_position_delta_scalar = delta
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_sizes(self, req: Request) -> None:
+        lim = self.limits
+        n = len(req.input_ids)
+        if n == 0:
+            raise InvalidRequest("input_ids is empty")
+        if n > lim.max_tokens:
+            raise TooLarge(f"{n} tokens exceed the limit of {lim.max_tokens} (--max-tokens)")
+        mml = self.profile.max_model_len
+        if mml is not None and n > mml - 1:
+            raise TooLarge(
+                f"{n} prompt tokens leave no room to generate within max_model_len {mml} "
+                f"(at most {mml - 1})"
+            )
+        mm = req.mm
+        if mm is None:
+            return
+        if len(mm.items) > lim.max_items:
+            raise TooLarge(f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)")
+        tensors: list[tuple[str, Tensor]] = []
+        if mm.mrope_positions is not None:
+            tensors.append(("mrope_positions", mm.mrope_positions))
+        if mm.mrope_position_delta is not None:
+            tensors.append(("mrope_position_delta", mm.mrope_position_delta))
+        for i, item in enumerate(mm.items):
+            if item.feature is not None:
+                tensors.append((f"item {i} feature", item.feature))
+            tensors.extend((f"item {i} {k}", v) for k, v in item.side.items() if isinstance(v, Tensor))
+            shm = item.feature_shm
+            if shm is not None and shm.shape is not None:
+                if len(shm.shape) > lim.max_tensor_rank:
+                    raise TooLarge(f"item {i} feature_shm: rank {len(shm.shape)} exceeds {lim.max_tensor_rank}")
+        for what, t in tensors:
+            if len(t.shape) > lim.max_tensor_rank:
+                raise TooLarge(f"{what}: rank {len(t.shape)} exceeds the limit of {lim.max_tensor_rank}")
+            if t.nbytes > lim.max_tensor_bytes:
+                raise TooLarge(
+                    f"{what}: {t.nbytes} bytes exceed the limit of {lim.max_tensor_bytes} "
+                    "(--max-tensor-bytes)"
+                )
+            if t.nbytes != t.expected_nbytes:
+                raise InvalidRequest(
+                    f"{what}: {t.nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
+                    f"needs {t.expected_nbytes}"
+                )
+
+    def _check_vocab(self, ids: np.ndarray, what: str) -> None:
+        vocab = self.profile.vocab_size
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidRequest(
+                f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
+            )
+
+    def _check_unpadded(self, req: Request, items: Sequence[Item]) -> None:
+        unpadded = req.input_ids_unpadded
+        if unpadded is None:
+            return
+        ids = req.input_ids
+        if len(unpadded) != len(ids):
+            raise InvalidRequest(
+                f"input_ids_unpadded has {len(unpadded)} tokens but input_ids has {len(ids)}"
+            )
+        differs = np.flatnonzero(ids != unpadded)
+        if differs.size == 0:
+            return
+        spans = _span_tokens(items)
+        owner = np.full(len(ids), -1, np.int64)
+        owner[spans.index] = spans.item_of
+        pads = np.asarray([-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64)
+        # owner -1 indexes the trailing sentinel -2, which never equals an id
+        expected = pads[owner[differs]]
+        bad = ids[differs] != expected
+        if bad.any():
+            p = int(differs[np.argmax(bad)])
+            who = int(owner[p])
+            where = "outside every item's span" if who < 0 else f"in item {who}'s span"
+            raise InvalidRequest(
+                f"input_ids[{p}] = {int(ids[p])} differs from input_ids_unpadded[{p}] = "
+                f"{int(unpadded[p])} {where}; only an item's pad value may replace its placeholders"
+            )
+
+    def _check_positions(self, t: Tensor, n: int) -> np.ndarray:
+        if not t.dtype.is_integer or t.dtype.numpy is None:
+            raise InvalidRequest(f"mrope_positions must be an integer tensor, got {t.dtype.name}")
+        if t.shape != (3, n):
+            raise InvalidRequest(f"mrope_positions must have shape [3, {n}], got {list(t.shape)}")
+        return t.to_numpy()
+
+    def _carried_delta(self, mm: MultimodalInputs) -> int | None:
+        tensor_delta = (
+            None
+            if mm.mrope_position_delta is None
+            else _scalar_of(mm.mrope_position_delta, "mrope_position_delta")
+        )
+        scalar = mm.mrope_position_delta_scalar
+        if tensor_delta is not None and scalar is not None and tensor_delta != scalar:
+            raise InvalidRequest(
+                f"mrope_position_delta {tensor_delta} disagrees with mrope_position_delta_scalar "
+                f"{scalar}"
+            )
+        return tensor_delta if tensor_delta is not None else scalar
+
+    def _validate_items(
+        self,
+        items: Sequence[Item],
+        mm: MultimodalInputs,
+        original: np.ndarray,
+        *,
+        need_pad: bool,
+        hashable: bool = True,
+    ) -> mrope.RunPlan | None:
+        """Rule 5 for every item; returns the M-RoPE run plan for M-RoPE families."""
+        profile = self.profile
+        n = len(original)
+        placeholder = {
+            Modality.IMAGE: mm.im_token_id if mm.im_token_id is not None else profile.image_token_id,
+            Modality.VIDEO: mm.video_token_id
+            if mm.video_token_id is not None
+            else profile.video_token_id,
+            Modality.AUDIO: profile.audio_token_id,
+        }
+        expected_ids = []
+        for i, item in enumerate(items):
+            if item.modality not in (1, 2, 3):
+                raise InvalidRequest(
+                    f"item {i}: unknown modality {item.modality} (1 image, 2 video, 3 audio)"
+                )
+            modality = Modality(item.modality)
+            if not profile.supports(modality):
+                raise InvalidRequest(
+                    f"item {i}: the model ({profile.model_type or profile.family.value}) takes no "
+                    f"{modality.name.lower()} input"
+                )
+            offs = item.offsets
+            if offs is None or len(offs) == 0:
+                raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
+            bad = (offs[:, 0] < 0) | (offs[:, 0] > offs[:, 1]) | (offs[:, 1] >= n)
+            if bad.any():
+                k = int(np.argmax(bad))
+                raise InvalidRequest(
+                    f"item {i}: span {k} [{int(offs[k, 0])}, {int(offs[k, 1])}] is not a valid "
+                    f"inclusive range inside input_ids (0 <= start <= end < {n})"
+                )
+            self._check_hash_and_pad(i, item, modality, need_pad, hashable)
+            expected_ids.append(placeholder[modality])
+        self._check_disjoint(items)
+        self._check_placeholders(items, original, expected_ids)
+        if profile.uses_mrope:
+            return mrope.plan_runs(profile, items)
+        for i, item in enumerate(items):
+            mrope.check_no_audio_in_video(i, item)
+        return None
+
+    def _check_hash_and_pad(
+        self, i: int, item: Item, modality: Modality, need_pad: bool, hashable: bool
+    ) -> None:
+        if item.hash is not None and not 0 <= item.hash <= UINT64_MAX:
+            raise InvalidRequest(f"item {i}: hash {item.hash} is not an unsigned 64-bit integer")
+        if item.pad_value is not None:
+            lo, hi = pad_interval(modality)
+            if not lo <= item.pad_value <= hi:
+                raise InvalidRequest(
+                    f"item {i}: pad_value {item.pad_value} is outside the "
+                    f"{modality.name.lower()} interval [{lo}, {hi}]"
+                )
+        elif need_pad:
+            raise InvalidRequest(
+                f"item {i}: input_ids_unpadded is set (materialized upstream) but the item has no "
+                "pad_value"
+            )
+        elif hashable and item.hash is None:
+            if item.feature is None:
+                why = (
+                    "a shared-memory feature cannot be hashed without reading the segment"
+                    if item.feature_shm is not None
+                    else "it has no feature to hash"
+                )
+                raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
+            if item.feature.nbytes != item.feature.expected_nbytes:
+                raise InvalidRequest(
+                    f"item {i} feature: {item.feature.nbytes} bytes but shape "
+                    f"{list(item.feature.shape)} of {item.feature.dtype.name} needs "
+                    f"{item.feature.expected_nbytes}"
+                )
+
+    @staticmethod
+    def _check_disjoint(items: Sequence[Item]) -> None:
+        rows = [
+            np.column_stack([it.offsets, np.full(len(it.offsets), i), np.arange(len(it.offsets))])
+            for i, it in enumerate(items)
+            if it.offsets is not None
+        ]
+        if not rows:
+            return
+        spans = np.concatenate(rows)
+        if len(spans) < 2:
+            return
+        spans = spans[np.argsort(spans[:, 0], kind="stable")]
+        clash = spans[1:, 0] <= spans[:-1, 1]
+        if clash.any():
+            k = int(np.argmax(clash))
+            a, b = spans[k], spans[k + 1]
+            raise InvalidRequest(
+                f"item {int(b[2])} span {int(b[3])} [{int(b[0])}, {int(b[1])}] overlaps item "
+                f"{int(a[2])} span {int(a[3])} [{int(a[0])}, {int(a[1])}]"
+            )
+
+    @staticmethod
+    def _check_placeholders(
+        items: Sequence[Item], original: np.ndarray, expected_ids: list[int | None]
+    ) -> None:
+        if not items:
+            return
+        spans = _span_tokens(items)
+        want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.item_of]
+        got = original[spans.index]
+        bad = got != want
+        if bad.any():
+            k = int(np.argmax(bad))
+            i = int(spans.item_of[k])
+            p = int(spans.index[k])
+            item = items[i]
+            assert item.offsets is not None
+            span_k = int(np.flatnonzero((item.offsets[:, 0] <= p) & (p <= item.offsets[:, 1]))[0])
+            s, e = (int(v) for v in item.offsets[span_k])
+            raise InvalidRequest(
+                f"item {i}: span {span_k} [{s}, {e}] holds token {int(got[k])} at {p}; every token "
+                f"in a {Modality(item.modality).name.lower()} span must be the placeholder "
+                f"{int(want[k])}"
+            )
+
+    # ------------------------------------------------------------------ rule 6
+
+    @staticmethod
+    def _with_pad_value(i: int, item: Item) -> Item:
+        if item.pad_value is not None:
+            return item
+        content_hash = item.hash
+        if content_hash is None:
+            assert item.feature is not None
+            content_hash = feature_hash(item.feature.data)
+        return dataclasses.replace(
+            item, hash=content_hash, pad_value=pad_value(Modality(item.modality), content_hash)
+        )
+
+
+class _Marked(AdmissionError):
+    """A request that arrived already marked invalid (``validation_error`` set)."""
+
+    def __init__(self, abort: Abort) -> None:
+        super().__init__(abort.message)
+        self.code = abort.code
+
+
+def total_feature_bytes(req: Request) -> int:
+    """Bytes of inline features a request carries (for metrics and size hints)."""
+    if req.mm is None:
+        return 0
+    return sum(it.feature.nbytes for it in req.mm.items if it.feature is not None)
+
+
+__all__ = [
+    "ArrayOps",
+    "CPU_OPS",
+    "CpuArrayOps",
+    "Limits",
+    "Materializer",
+    "Outcome",
+    "total_feature_bytes",
+]

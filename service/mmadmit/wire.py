@@ -1,0 +1,511 @@
+"""The ZMQ msgpack wire of SMG / TokenSpeed (WIRE.md): frames <-> internal model.
+
+Scope: pure codec, no sockets. A message is ``[type, payload, aux_1, ...]``;
+the payload is a positional msgpack array (``TokenizedGenerateReqInput``).
+
+How it stays fast and loses nothing:
+
+* The payload is split with ``msgspec`` into one :class:`msgspec.Raw` per
+  element (C speed, zero-copy). Elements mmadmit does not interpret keep their
+  raw bytes and are re-emitted verbatim, so fields of a newer peer survive a
+  round trip, and shorter arrays simply leave trailing fields at their default.
+* Token-id arrays go straight between msgpack bytes and int64 numpy arrays
+  (:mod:`mmadmit.intcodec`), never through per-token Python ints.
+* Tensors are views: inline data (ext code 3, < 256 bytes) or a ``memoryview``
+  on the received aux frame. Re-encoding hands the *same* buffer objects back
+  as frames, so feature bytes are never copied by mmadmit. Ownership: the
+  received frames are kept alive by the views referencing them; a buffer given
+  to the transport for sending is never written afterwards.
+* Every element that is not a token array is decoded by a decoder whose
+  ext hook refuses every extension type but 3 (tensor data): pickle (1) and
+  cloudpickle (2) are never accepted anywhere in a message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .dtypes import parse_dtype
+from .errors import Abort, InvalidRequest
+from .intcodec import decode_int_array, encode_int_array
+from .model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
+
+MSG_ADD = 0x00
+MSG_ABORT = 0x01
+STATUS_MATERIALIZED = 0x00
+STATUS_ABORTED = 0x01
+
+TAG = "TokenizedGenerateReqInput"
+EXT_TENSOR_DATA = 3
+INLINE_LIMIT_BYTES = 256  # the reference encoder inlines tensors below this size
+
+# TokenizedGenerateReqInput element indices (WIRE.md)
+F_RID = 1
+F_INPUT_IDS = 4
+F_SAMPLING = 5
+F_UNPADDED = 21
+F_MM = 22
+F_VALIDATION_ERROR = 23
+N_FIELDS = 24
+
+# Defaults of the typed fields, for elements a shorter array leaves out and for
+# the minimal abort message (a scheduler's typed decoder rejects nil for them).
+_FIELD_DEFAULTS: dict[int, Any] = {
+    6: False,  # return_logprob
+    7: -1,  # logprob_start_len
+    8: 0,  # top_logprobs_num
+    10: False,  # stream
+    14: False,  # return_hidden_states
+    15: 0.0,  # created_time
+}
+
+_MM_FIELDS = 7
+_ITEM_FIELDS = 10
+
+
+class WireError(InvalidRequest):
+    """A message that does not decode; ``rid`` is what could be recovered ("" if nothing)."""
+
+    def __init__(self, message: str, rid: str = "") -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
+@dataclass(frozen=True)
+class _InlineData:
+    data: bytes
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == EXT_TENSOR_DATA:
+        # msgspec only guarantees the view for the hook's duration: copy (< 256 bytes).
+        return _InlineData(bytes(data))
+    if code in (1, 2):
+        raise InvalidRequest(f"msgpack ext type {code} (pickle) is never accepted")
+    raise InvalidRequest(f"unknown msgpack ext type {code}")
+
+
+_SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+_ENC = msgspec.msgpack.Encoder()
+_NIL = msgspec.Raw(_ENC.encode(None))
+
+
+def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw]:
+    try:
+        return _SPLIT.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
+
+
+def _value(raw: msgspec.Raw, what: str) -> Any:
+    try:
+        return _ANY.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{what}: undecodable msgpack ({exc})") from exc
+
+
+def _is_nil(raw: msgspec.Raw) -> bool:
+    return bytes(raw) == b"\xc0"
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{what} must be an integer, got {type(value).__name__}")
+    return value
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@dataclass
+class WireExtra:
+    """What the codec keeps to re-encode a request: raw elements and aux frames."""
+
+    raw: list[msgspec.Raw]
+    aux: list[memoryview]
+    feature_aux: set[int] = field(default_factory=set)  # aux indices used by features only
+
+
+@dataclass
+class WireMessage:
+    """A decoded message: an ADD (``request``) or an ABORT (``abort_rids``)."""
+
+    kind: int
+    request: Request | None = None
+    abort_rids: list[str] = field(default_factory=list)
+
+
+def _as_buffer(frame: Any) -> memoryview:
+    # zmq.Frame exposes .buffer; bytes / memoryview work directly.
+    buf = getattr(frame, "buffer", frame)
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class _TensorReader:
+    def __init__(self, aux: list[memoryview]) -> None:
+        self.aux = aux
+        self.used: dict[int, str] = {}
+
+    def tensor(self, value: Any, what: str, role: str) -> Tensor:
+        if not isinstance(value, (list, tuple)) or len(value) != 3:
+            raise InvalidRequest(f"{what} must be a tensor [dtype, shape, data]")
+        dtype_name, shape, data = value
+        dtype = parse_dtype(dtype_name)
+        if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
+        if isinstance(data, _InlineData):
+            buf = memoryview(data.data)
+        elif isinstance(data, int) and not isinstance(data, bool):
+            if not 1 <= data <= len(self.aux):
+                raise InvalidRequest(
+                    f"{what}: data refers to aux frame {data}, but the message has "
+                    f"{len(self.aux)} aux frame(s)"
+                )
+            buf = self.aux[data - 1]
+            prev = self.used.get(data)
+            self.used[data] = role if prev in (None, role) else "shared"
+        else:
+            raise InvalidRequest(f"{what}: data must be ext type 3 or an aux frame index")
+        expected = math.prod(shape) * dtype.itemsize
+        if buf.nbytes != expected:
+            raise InvalidRequest(
+                f"{what}: {buf.nbytes} data bytes but shape {list(shape)} of {dtype.name} "
+                f"needs {expected}"
+            )
+        return Tensor(dtype, tuple(shape), buf)
+
+
+def _is_tensor_value(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 3
+        and isinstance(value[0], str)
+        and isinstance(value[1], (list, tuple))
+    )
+
+
+def _decode_offsets(value: Any, what: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequest(f"{what}: offsets must be an array of [start, end] pairs")
+    pairs = []
+    for span in value:
+        if (
+            not isinstance(span, (list, tuple))
+            or len(span) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+        ):
+            raise InvalidRequest(f"{what}: offsets must be integer [start, end] pairs, got {span!r}")
+        pairs.append(span)
+    try:
+        return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    except OverflowError as exc:
+        raise InvalidRequest(f"{what}: offset out of range") from exc
+
+
+def _decode_shm(value: Any, what: str) -> ShmHandle | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("shm_name"), str):
+        raise InvalidRequest(f"{what}: feature_shm must be a map with a string shm_name")
+    shape = value.get("shape")
+    dtype = value.get("dtype")
+    return ShmHandle(
+        name=value["shm_name"],
+        shape=tuple(shape) if isinstance(shape, (list, tuple)) else None,
+        dtype=dtype if isinstance(dtype, str) else None,
+    )
+
+
+def _decode_item(raw: msgspec.Raw, idx: int, reader: _TensorReader) -> Item:
+    what = f"item {idx}"
+    elems = _split(raw, what)
+    vals = [_value(r, what) for r in elems[:_ITEM_FIELDS]]
+    for extra_raw in elems[_ITEM_FIELDS:]:
+        _value(extra_raw, what)  # validated (no pickle), kept raw
+    vals += [None] * (_ITEM_FIELDS - len(vals))
+    modality = vals[0]
+    if isinstance(modality, bool) or not isinstance(modality, int):
+        raise InvalidRequest(f"{what}: modality must be an integer, got {modality!r}")
+    feature = None
+    if vals[4] is not None:
+        feature = reader.tensor(vals[4], f"{what} feature", "feature")
+    side: dict[str, Any] = {}
+    msd = vals[6]
+    if msd is not None:
+        if not isinstance(msd, dict):
+            raise InvalidRequest(f"{what}: model_specific_data must be a map")
+        for key, value in msd.items():
+            if not isinstance(key, str):
+                raise InvalidRequest(f"{what}: model_specific_data keys must be strings")
+            side[key] = (
+                reader.tensor(value, f"{what} {key}", "side") if _is_tensor_value(value) else value
+            )
+    return Item(
+        modality=modality,
+        hash=_opt_int(vals[1], f"{what}: hash"),
+        pad_value=_opt_int(vals[2], f"{what}: pad_value"),
+        offsets=_decode_offsets(vals[3], what),
+        feature=feature,
+        feature_shm=_decode_shm(vals[5], what),
+        side=side,
+        extra=elems,
+    )
+
+
+def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
+    elems = _split(raw, "multimodal_inputs")
+    items_raw = _split(elems[0], "mm_items") if elems and not _is_nil(elems[0]) else []
+    items = [_decode_item(r, i, reader) for i, r in enumerate(items_raw)]
+    vals = [_value(r, "multimodal_inputs") for r in elems[1:_MM_FIELDS]]
+    for extra_raw in elems[_MM_FIELDS:]:
+        _value(extra_raw, "multimodal_inputs")
+    vals += [None] * (_MM_FIELDS - 1 - len(vals))
+    positions = vals[2]
+    delta = vals[3]
+    return MultimodalInputs(
+        items=items,
+        im_token_id=_opt_int(vals[0], "im_token_id"),
+        video_token_id=_opt_int(vals[1], "video_token_id"),
+        mrope_positions=None
+        if positions is None
+        else reader.tensor(positions, "mrope_positions", "positions"),
+        mrope_position_delta=None
+        if delta is None
+        else reader.tensor(delta, "mrope_position_delta", "delta"),
+        mrope_position_delta_scalar=_opt_int(vals[4], "mrope_position_delta_scalar"),
+        extra=elems,
+    )
+
+
+def _ids(raw: msgspec.Raw, what: str) -> np.ndarray:
+    try:
+        return decode_int_array(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"{what} must be an array of integers ({exc})") from exc
+
+
+def recover_rid(payload: Any) -> str:
+    """Best effort: the rid of a payload that failed to decode ("" if unreadable)."""
+    try:
+        elems = _SPLIT.decode(_as_buffer(payload))
+        rid = msgspec.msgpack.decode(elems[F_RID]) if len(elems) > F_RID else ""
+        return rid if isinstance(rid, str) else ""
+    except Exception:  # noqa: BLE001 - any failure means "no rid"
+        return ""
+
+
+def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
+    """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong."""
+    buf = _as_buffer(payload)
+    try:
+        elems = _split(buf, "the payload")
+        if not elems:
+            raise InvalidRequest("the payload is an empty array")
+        tag = _value(elems[0], "tag")
+        if tag != TAG:
+            raise InvalidRequest(f"payload tag must be {TAG!r}, got {tag!r}")
+        rid = _value(elems[F_RID], "rid") if len(elems) > F_RID else None
+        if not isinstance(rid, str):
+            raise InvalidRequest(f"rid must be a string, got {type(rid).__name__}")
+    except InvalidRequest as exc:
+        raise WireError(exc.message, recover_rid(buf)) from exc
+    try:
+        aux = [_as_buffer(f) for f in aux_frames]
+        reader = _TensorReader(aux)
+        for i, raw in enumerate(elems):
+            if i in (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM):
+                continue
+            _value(raw, f"element {i}")  # no pickle / unknown ext anywhere
+        if len(elems) <= F_INPUT_IDS:
+            raise InvalidRequest("the payload has no input_ids")
+        input_ids = _ids(elems[F_INPUT_IDS], "input_ids")
+        unpadded = None
+        if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
+            unpadded = _ids(elems[F_UNPADDED], "input_ids_unpadded")
+        mm = None
+        if len(elems) > F_MM and not _is_nil(elems[F_MM]):
+            mm = _decode_mm(elems[F_MM], reader)
+        verr = None
+        if len(elems) > F_VALIDATION_ERROR:
+            verr = _value(elems[F_VALIDATION_ERROR], "validation_error")
+            if verr is not None and not isinstance(verr, str):
+                raise InvalidRequest("validation_error must be nil or a string")
+    except InvalidRequest as exc:
+        raise WireError(exc.message, rid) from exc
+    extra = WireExtra(
+        raw=elems,
+        aux=aux,
+        feature_aux={k for k, role in reader.used.items() if role == "feature"},
+    )
+    return Request(
+        rid=rid,
+        input_ids=input_ids,
+        input_ids_unpadded=unpadded,
+        mm=mm,
+        validation_error=verr,
+        extra=extra,
+    )
+
+
+def decode_message(frames: list[Any]) -> WireMessage:
+    """Decode ``[type, payload, *aux]``; :class:`WireError` for anything malformed."""
+    if len(frames) < 2:
+        raise WireError(f"a message needs at least 2 frames (type, payload), got {len(frames)}")
+    kind = bytes(_as_buffer(frames[0]))
+    if kind == bytes([MSG_ADD]):
+        return WireMessage(MSG_ADD, request=decode_request(frames[1], list(frames[2:])))
+    if kind == bytes([MSG_ABORT]):
+        if len(frames) != 2:
+            raise WireError(f"an ABORT message has exactly 2 frames, got {len(frames)}")
+        try:
+            rids = _ANY.decode(_as_buffer(frames[1]))
+        except (msgspec.DecodeError, InvalidRequest) as exc:
+            raise WireError(f"ABORT payload: undecodable ({exc})") from exc
+        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+            raise WireError("ABORT payload must be an array of request id strings")
+        return WireMessage(MSG_ABORT, abort_rids=rids)
+    raise WireError(
+        f"unknown message type byte {kind.hex() or '(empty)'}; expected 00 (ADD) or 01 (ABORT)",
+        recover_rid(frames[1]),
+    )
+
+
+# --------------------------------------------------------------------------- encode
+
+
+class _FrameWriter:
+    """Tensor encoder that keeps received aux indices and appends new buffers."""
+
+    def __init__(self, aux: list[memoryview]) -> None:
+        self.frames: list[Any] = list(aux)
+
+    def tensor(self, t: Tensor) -> list[Any]:
+        if t.nbytes < INLINE_LIMIT_BYTES:
+            data: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(t.data))
+        else:
+            for i, frame in enumerate(self.frames):
+                if frame is t.data:  # a received frame: keep its index, no copy
+                    data = i + 1
+                    break
+            else:
+                self.frames.append(t.data)
+                data = len(self.frames)
+        return [t.dtype.name, list(t.shape), data]
+
+
+def _raw_at(raw: list[msgspec.Raw], i: int, default: Any = None) -> Any:
+    if i < len(raw):
+        return raw[i]
+    return _FIELD_DEFAULTS.get(i, default)
+
+
+def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> msgspec.Raw:
+    elems = list(item.extra) if isinstance(item.extra, list) else []
+    out: list[Any] = [_raw_at(elems, i) for i in range(max(_ITEM_FIELDS, len(elems)))]
+    out[0] = item.modality
+    out[1] = item.hash
+    out[2] = item.pad_value
+    if drop_feature:
+        out[4] = None
+    elif item.feature is not None:
+        out[4] = writer.tensor(item.feature)
+    if not elems:  # built without a wire original (gRPC, tests): encode every field
+        out[3] = None if item.offsets is None else item.offsets.tolist()
+        out[5] = None if item.feature_shm is None else {
+            "shm_name": item.feature_shm.name,
+            "shape": list(item.feature_shm.shape or ()),
+            "dtype": item.feature_shm.dtype,
+        }
+        out[6] = {
+            k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()
+        }
+    else:
+        # side tensors may live in aux frames: re-emit them through the writer so
+        # indices stay valid (received frames keep theirs).
+        if item.side and any(isinstance(v, Tensor) for v in item.side.values()):
+            out[6] = {
+                k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()
+            }
+    return msgspec.Raw(_ENC.encode(out))
+
+
+def _encode_mm(mm: MultimodalInputs, writer: _FrameWriter, drop_features: bool) -> msgspec.Raw:
+    elems = list(mm.extra) if isinstance(mm.extra, list) else []
+    out: list[Any] = [_raw_at(elems, i) for i in range(max(_MM_FIELDS, len(elems)))]
+    out[0] = [_encode_item(it, writer, drop_features) for it in mm.items]
+    out[1] = mm.im_token_id
+    out[2] = mm.video_token_id
+    out[3] = None if mm.mrope_positions is None else writer.tensor(mm.mrope_positions)
+    out[4] = None if mm.mrope_position_delta is None else writer.tensor(mm.mrope_position_delta)
+    out[5] = mm.mrope_position_delta_scalar
+    return msgspec.Raw(_ENC.encode(out))
+
+
+def _wire_extra(req: Request) -> WireExtra:
+    if isinstance(req.extra, WireExtra):
+        return req.extra
+    return WireExtra(raw=[], aux=[])
+
+
+def encode_request(
+    req: Request, *, validation_error: str | None = None, drop_features: bool = False
+) -> list[Any]:
+    """Encode a request as ``[payload, *aux]`` (the frames after the type/status byte)."""
+    extra = _wire_extra(req)
+    raw = extra.raw
+    aux: list[Any] = list(extra.aux)
+    if drop_features:
+        # Features are removed; blank their frames so other indices stay valid.
+        aux = [b"" if (i + 1) in extra.feature_aux else f for i, f in enumerate(aux)]
+    writer = _FrameWriter(aux)
+    out: list[Any] = [_raw_at(raw, i) for i in range(max(N_FIELDS, len(raw)))]
+    out[0] = TAG
+    out[F_RID] = req.rid
+    out[F_INPUT_IDS] = msgspec.Raw(encode_int_array(req.input_ids))
+    if not raw:
+        out[F_SAMPLING] = []
+    out[F_UNPADDED] = (
+        None
+        if req.input_ids_unpadded is None
+        else msgspec.Raw(encode_int_array(req.input_ids_unpadded))
+    )
+    out[F_MM] = None if req.mm is None else _encode_mm(req.mm, writer, drop_features)
+    out[F_VALIDATION_ERROR] = validation_error if validation_error is not None else req.validation_error
+    return [_ENC.encode(out), *writer.frames]
+
+
+def minimal_abort_payload(rid: str, abort: Abort) -> bytes:
+    """A request that still decodes as ``TokenizedGenerateReqInput``, for broken input."""
+    out: list[Any] = [_FIELD_DEFAULTS.get(i) for i in range(N_FIELDS)]
+    out[0] = TAG
+    out[F_RID] = rid
+    out[F_INPUT_IDS] = []
+    out[F_SAMPLING] = []
+    out[F_VALIDATION_ERROR] = abort.as_validation_error()
+    return _ENC.encode(out)
+
+
+def encode_materialized(outcome: Materialized) -> list[Any]:
+    """Reply-mode frames for a materialized outcome: ``[0x00, payload, *aux]``."""
+    return [bytes([STATUS_MATERIALIZED]), *encode_request(outcome.request)]
+
+
+def encode_aborted(req: Request | None, abort: Abort, rid: str = "") -> list[Any]:
+    """Reply-mode frames for an abort: ``[0x01, payload, *aux]`` (features removed)."""
+    if req is None:
+        return [bytes([STATUS_ABORTED]), minimal_abort_payload(rid, abort)]
+    frames = encode_request(req, validation_error=abort.as_validation_error(), drop_features=True)
+    return [bytes([STATUS_ABORTED]), *frames]
