@@ -1,0 +1,285 @@
+"""The materializer pool: one shared materializer, ``workers`` threads, bounded admission.
+
+Every transport admits through :meth:`MaterializerPool.submit`, which either
+returns a :class:`Ticket` at once or raises ``Overloaded`` / ``ShuttingDown``
+(never an unbounded queue). A ticket ends in exactly one outcome, whichever
+comes first:
+
+* the worker finishes: the materialized request or its abort;
+* :meth:`Ticket.cancel` (ZMQ ABORT, gRPC ``Abort``/cancel): ``CANCELLED``;
+* its own deadline (``timeout_ms``): ``DEADLINE_EXCEEDED``;
+* the drain deadline at shutdown: ``SHUTTING_DOWN``.
+
+Work still queued when a ticket ends early is removed from the queue; work
+already running finishes on its worker and its outcome is discarded. The
+in-flight count (queued + running) drops only when a worker really lets go of
+the request, so "in flight" never hides work still holding memory.
+
+Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
+and numpy/torch array work run in parallel. Each worker owns its
+:class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
+:class:`~mmadmit.devices.TorchArrayOps` bound to that worker's own stream.
+The event loop only awaits futures; it never materializes nor waits on a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import Abort, AbortCode, Overloaded, ShuttingDown
+from .materializer import CPU_OPS, ArrayOps, Materializer, Outcome
+from .model import Request
+
+logger = logging.getLogger(__name__)
+
+# A test hook run on the worker thread before each request (tests hold workers
+# with it to make queueing deterministic); None in production.
+BeforeRun = Callable[[Request], None]
+
+
+@dataclass
+class PoolStats:
+    """Counters for metrics; written on the event loop thread only."""
+
+    admitted: int = 0
+    overloaded: int = 0
+    rejected_shutting_down: int = 0
+    completed: int = 0
+    cancelled_queued: int = 0  # removed before a worker took them
+    discarded_running: int = 0  # ended early while running; result thrown away
+    shutdown_aborted: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)  # by outcome name
+
+
+class Ticket:
+    """One admitted request. Methods must be called on the pool's event loop."""
+
+    __slots__ = ("id", "rid", "_pool", "_cf", "_done", "_deadline_handle", "_released", "started_at")
+
+    def __init__(self, pool: MaterializerPool, rid: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = next(pool._ids)
+        self.rid = rid
+        self._pool = pool
+        self._cf: concurrent.futures.Future[Outcome] | None = None
+        self._done: asyncio.Future[Outcome] = loop.create_future()
+        self._deadline_handle: asyncio.TimerHandle | None = None
+        self._released = False
+        self.started_at = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self._done.done()
+
+    async def outcome(self) -> Outcome:
+        """Wait for the one outcome. If the awaiting task is cancelled (a gRPC call
+        cancelled or past its deadline), the ticket's work is cancelled too."""
+        try:
+            return await asyncio.shield(self._done)
+        except asyncio.CancelledError:
+            self.cancel(AbortCode.CANCELLED, "the caller went away")
+            raise
+
+    def cancel(self, code: AbortCode = AbortCode.CANCELLED, message: str = "cancelled by the client") -> bool:
+        """End the ticket early with ``code``; False if it already had an outcome."""
+        if self._done.done():
+            return False
+        self._finish(Abort(code, message))
+        cf = self._cf
+        if cf is not None and cf.cancel():
+            self._pool.stats.cancelled_queued += 1
+            self._release()
+        else:
+            self._pool.stats.discarded_running += 1
+        return True
+
+    def _finish(self, outcome: Outcome) -> None:
+        if self._done.done():
+            return
+        self._done.set_result(outcome)
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
+        name = outcome.code.value if isinstance(outcome, Abort) else "MATERIALIZED"
+        stats = self._pool.stats
+        stats.outcomes[name] = stats.outcomes.get(name, 0) + 1
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self)
+
+
+class MaterializerPool:
+    """The process's one pool; create it on the event loop that will use it."""
+
+    def __init__(
+        self,
+        materializer: Materializer,
+        *,
+        workers: int = 2,
+        max_inflight: int = 64,
+        ops_factory: Callable[[int], ArrayOps] | None = None,
+        choose_ops: Callable[[Request, ArrayOps], ArrayOps] | None = None,
+        before_run: BeforeRun | None = None,
+    ) -> None:
+        if workers < 1 or max_inflight < 1:
+            raise ValueError("workers and max_inflight must be positive")
+        self.materializer = materializer
+        self.workers = workers
+        self.max_inflight = max_inflight
+        self.stats = PoolStats()
+        self._ids = itertools.count(1)
+        self._ops_factory = ops_factory
+        self._choose_ops = choose_ops
+        self._before_run = before_run
+        self._local = threading.local()
+        self._worker_ids = itertools.count()
+        self._tickets: dict[int, Ticket] = {}
+        self._running = 0
+        self._running_lock = threading.Lock()
+        self._draining = False
+        self._idle: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="mmadmit-worker", initializer=self._init_worker
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    def _init_worker(self) -> None:
+        index = next(self._worker_ids)
+        self._local.ops = self._ops_factory(index) if self._ops_factory else CPU_OPS
+
+    def _work(self, req: Request) -> Outcome:
+        ops: ArrayOps = getattr(self._local, "ops", CPU_OPS)
+        if self._choose_ops is not None:
+            ops = self._choose_ops(req, ops)
+        if self._before_run is not None:
+            self._before_run(req)
+        return self.materializer.run(req, ops)
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet let go by a worker (queued + running)."""
+        return len(self._tickets)
+
+    @property
+    def queued(self) -> int:
+        return max(0, len(self._tickets) - self._running)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def submit(self, req: Request, *, timeout_s: float | None = None) -> Ticket:
+        """Admit ``req`` now or raise ``Overloaded`` / ``ShuttingDown``; never blocks."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._idle = asyncio.Event()
+            self._idle.set()
+        if self._draining:
+            self.stats.rejected_shutting_down += 1
+            raise ShuttingDown("the service is shutting down; retry on another replica")
+        if len(self._tickets) >= self.max_inflight:
+            self.stats.overloaded += 1
+            raise Overloaded(
+                f"{len(self._tickets)} requests in flight (limit {self.max_inflight}, "
+                "--max-inflight); retry later"
+            )
+        ticket = Ticket(self, req.rid, loop)
+        self._tickets[ticket.id] = ticket
+        assert self._idle is not None
+        self._idle.clear()
+        self.stats.admitted += 1
+        if timeout_s is not None:
+            ticket._deadline_handle = loop.call_later(
+                timeout_s,
+                ticket.cancel,
+                AbortCode.DEADLINE_EXCEEDED,
+                f"no outcome within the request's timeout of {timeout_s * 1000:.0f} ms",
+            )
+        cf = self._executor.submit(self._run_tracked, req)
+        ticket._cf = cf
+        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, ticket, f))
+        return ticket
+
+    def _run_tracked(self, req: Request) -> Outcome:
+        # Runs on a worker thread.
+        with self._running_lock:
+            self._running += 1
+        try:
+            return self._work(req)
+        finally:
+            with self._running_lock:
+                self._running -= 1
+
+    def _on_done(self, ticket: Ticket, cf: concurrent.futures.Future[Outcome]) -> None:
+        if cf.cancelled():
+            return  # removed from the queue by Ticket.cancel, already released
+        ticket._release()
+        if ticket.done:
+            return  # ended early; the finished work is discarded
+        exc = cf.exception()
+        if exc is not None:  # materializer.run never raises; this is a bug
+            logger.error("rid=%s: worker raised %r", ticket.rid, exc)
+            ticket._finish(Abort(AbortCode.INTERNAL, "internal error in a worker"))
+        else:
+            ticket._finish(cf.result())
+        self.stats.completed += 1
+
+    def _release(self, ticket: Ticket) -> None:
+        self._tickets.pop(ticket.id, None)
+        if not self._tickets and self._idle is not None:
+            self._idle.set()
+
+    async def materialize(self, req: Request, *, timeout_s: float | None = None) -> Outcome:
+        """Submit and await; admission refusals come back as aborts."""
+        try:
+            ticket = self.submit(req, timeout_s=timeout_s)
+        except (Overloaded, ShuttingDown) as exc:
+            return exc.to_abort()
+        return await ticket.outcome()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def begin_drain(self) -> None:
+        """From now on every submit is refused with ``SHUTTING_DOWN``."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for in-flight work; end the rest ``SHUTTING_DOWN``.
+
+        Returns how many tickets were ended by the deadline.
+        """
+        self.begin_drain()
+        if self._idle is None or not self._tickets:
+            return 0
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return 0
+        except TimeoutError:
+            pass
+        ended = 0
+        for ticket in list(self._tickets.values()):
+            if ticket.cancel(AbortCode.SHUTTING_DOWN, "the service shut down before this request finished"):
+                ended += 1
+        self.stats.shutdown_aborted += ended
+        logger.warning("[shutdown] %d request(s) still in flight after %.1fs ended SHUTTING_DOWN", ended, timeout_s)
+        return ended
+
+    def close(self) -> None:
+        """Stop the workers (idempotent). Running work is abandoned, not joined."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
