@@ -13,6 +13,7 @@ CPU implementation is numpy. Hashing always runs on the CPU.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -85,23 +86,19 @@ class _Spans:
 
 
 def _span_tokens(items: Sequence[Item]) -> _Spans:
-    starts, lengths, owners = [], [], []
-    for i, item in enumerate(items):
-        assert item.offsets is not None
-        starts.append(item.offsets[:, 0])
-        lengths.append(item.offsets[:, 1] - item.offsets[:, 0] + 1)
-        owners.append(np.full(len(item.offsets), i, np.int64))
-    if not starts:
+    """Expand every span of every item into token indices (one vectorized pass)."""
+    offs = [it.offsets for it in items if it.offsets is not None and len(it.offsets)]
+    if not offs:
         empty = np.zeros(0, np.int64)
         return _Spans(empty, empty, 0)
-    start = np.concatenate(starts)
-    length = np.concatenate(lengths)
-    owner = np.concatenate(owners)
+    counts = [len(it.offsets) if it.offsets is not None else 0 for it in items]
+    sp = np.concatenate(offs)
+    owner = np.repeat(np.arange(len(items)), counts)
+    length = sp[:, 1] - sp[:, 0] + 1
     total = int(length.sum())
-    first = np.zeros(len(start), np.int64)
-    np.cumsum(length[:-1], out=first[1:])
-    span_of = np.repeat(np.arange(len(start)), length)
-    index = start[span_of] + (np.arange(total, dtype=np.int64) - first[span_of])
+    first = np.cumsum(length) - length
+    span_of = np.repeat(np.arange(len(sp)), length)
+    index = np.arange(total, dtype=np.int64) + (sp[:, 0] - first)[span_of]
     return _Spans(index, owner[span_of], total)
 
 
@@ -178,8 +175,7 @@ class Materializer:
             return self._upstream(req, mm, original, ops)
 
         # Rules 5 to 8.
-        plan = self._validate_items(items, mm, original, need_pad=False)
-        spans = _span_tokens(items)
+        plan, spans = self._validate_items(items, mm, original, need_pad=False)
         new_items = [self._with_pad_value(i, item) for i, item in enumerate(items)]
         new_mm = dataclasses.replace(mm, items=new_items)
         if profile.uses_mrope:
@@ -202,7 +198,7 @@ class Materializer:
             pos = self._check_positions(mm.mrope_positions, len(req.input_ids))
             delta = int(pos.max()) + 1 - len(req.input_ids) if pos.size else 0
         if delta is None:
-            plan = self._validate_items(mm.items, mm, original, need_pad=False, hashable=False)
+            plan, _ = self._validate_items(mm.items, mm, original, need_pad=False, hashable=False)
             assert plan is not None
             delta = mrope.delta_only(len(original), plan)
         new_mm = MultimodalInputs(
@@ -220,8 +216,8 @@ class Materializer:
         self, req: Request, mm: MultimodalInputs, original: np.ndarray, ops: ArrayOps
     ) -> Materialized:
         items = mm.items
-        plan = self._validate_items(items, mm, original, need_pad=True)
-        self._check_unpadded(req, items)
+        plan, spans = self._validate_items(items, mm, original, need_pad=True)
+        self._check_unpadded(req, items, spans)
         if not self.profile.uses_mrope:
             return Materialized(req, Rule.UPSTREAM)
         new_mm = dataclasses.replace(mm)
@@ -315,7 +311,7 @@ class Materializer:
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )
 
-    def _check_unpadded(self, req: Request, items: Sequence[Item]) -> None:
+    def _check_unpadded(self, req: Request, items: Sequence[Item], spans: _Spans | None = None) -> None:
         unpadded = req.input_ids_unpadded
         if unpadded is None:
             return
@@ -327,7 +323,8 @@ class Materializer:
         differs = np.flatnonzero(ids != unpadded)
         if differs.size == 0:
             return
-        spans = _span_tokens(items)
+        if spans is None:
+            spans = _span_tokens(items)
         owner = np.full(len(ids), -1, np.int64)
         owner[spans.index] = spans.item_of
         pads = np.asarray([-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64)
@@ -372,8 +369,8 @@ class Materializer:
         *,
         need_pad: bool,
         hashable: bool = True,
-    ) -> mrope.RunPlan | None:
-        """Rule 5 for every item; returns the M-RoPE run plan for M-RoPE families."""
+    ) -> tuple[mrope.RunPlan | None, _Spans]:
+        """Rule 5 for every item; returns the M-RoPE plan (M-RoPE families) and the spans."""
         profile = self.profile
         n = len(original)
         placeholder = {
@@ -395,25 +392,42 @@ class Materializer:
                     f"item {i}: the model ({profile.model_type or profile.family.value}) takes no "
                     f"{modality.name.lower()} input"
                 )
-            offs = item.offsets
-            if offs is None or len(offs) == 0:
+            if item.offsets is None or len(item.offsets) == 0:
                 raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
-            bad = (offs[:, 0] < 0) | (offs[:, 0] > offs[:, 1]) | (offs[:, 1] >= n)
-            if bad.any():
-                k = int(np.argmax(bad))
-                raise InvalidRequest(
-                    f"item {i}: span {k} [{int(offs[k, 0])}, {int(offs[k, 1])}] is not a valid "
-                    f"inclusive range inside input_ids (0 <= start <= end < {n})"
-                )
             self._check_hash_and_pad(i, item, modality, need_pad, hashable)
             expected_ids.append(placeholder[modality])
-        self._check_disjoint(items)
-        self._check_placeholders(items, original, expected_ids)
+        if not items:
+            return (mrope.plan_runs(profile, items) if profile.uses_mrope else None), _span_tokens(items)
+        counts = [len(it.offsets) for it in items]  # type: ignore[arg-type]
+        sp = np.concatenate([it.offsets for it in items])  # type: ignore[misc]
+        owner = np.repeat(np.arange(len(items)), counts)
+        k_in_item = np.arange(len(sp)) - np.repeat(np.cumsum(counts) - counts, counts)
+        bad = (sp[:, 0] < 0) | (sp[:, 0] > sp[:, 1]) | (sp[:, 1] >= n)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise InvalidRequest(
+                f"item {int(owner[k])}: span {int(k_in_item[k])} [{int(sp[k, 0])}, {int(sp[k, 1])}] "
+                f"is not a valid inclusive range inside input_ids (0 <= start <= end < {n})"
+            )
+        if len(sp) > 1:
+            order = np.argsort(sp[:, 0], kind="stable")
+            ss = sp[order]
+            clash = ss[1:, 0] <= ss[:-1, 1]
+            if clash.any():
+                k = int(np.argmax(clash))
+                a, b = order[k], order[k + 1]
+                raise InvalidRequest(
+                    f"item {int(owner[b])} span {int(k_in_item[b])} [{int(sp[b, 0])}, {int(sp[b, 1])}] "
+                    f"overlaps item {int(owner[a])} span {int(k_in_item[a])} "
+                    f"[{int(sp[a, 0])}, {int(sp[a, 1])}]"
+                )
+        spans = _span_tokens(items)
+        self._check_placeholders(items, original, expected_ids, spans)
         if profile.uses_mrope:
-            return mrope.plan_runs(profile, items)
+            return mrope.plan_runs(profile, items), spans
         for i, item in enumerate(items):
             mrope.check_no_audio_in_video(i, item)
-        return None
+        return None, spans
 
     def _check_hash_and_pad(
         self, i: int, item: Item, modality: Modality, need_pad: bool, hashable: bool
@@ -448,34 +462,11 @@ class Materializer:
                 )
 
     @staticmethod
-    def _check_disjoint(items: Sequence[Item]) -> None:
-        rows = [
-            np.column_stack([it.offsets, np.full(len(it.offsets), i), np.arange(len(it.offsets))])
-            for i, it in enumerate(items)
-            if it.offsets is not None
-        ]
-        if not rows:
-            return
-        spans = np.concatenate(rows)
-        if len(spans) < 2:
-            return
-        spans = spans[np.argsort(spans[:, 0], kind="stable")]
-        clash = spans[1:, 0] <= spans[:-1, 1]
-        if clash.any():
-            k = int(np.argmax(clash))
-            a, b = spans[k], spans[k + 1]
-            raise InvalidRequest(
-                f"item {int(b[2])} span {int(b[3])} [{int(b[0])}, {int(b[1])}] overlaps item "
-                f"{int(a[2])} span {int(a[3])} [{int(a[0])}, {int(a[1])}]"
-            )
-
-    @staticmethod
     def _check_placeholders(
-        items: Sequence[Item], original: np.ndarray, expected_ids: list[int | None]
+        items: Sequence[Item], original: np.ndarray, expected_ids: list[int | None], spans: _Spans
     ) -> None:
         if not items:
             return
-        spans = _span_tokens(items)
         want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.item_of]
         got = original[spans.index]
         bad = got != want
@@ -503,9 +494,10 @@ class Materializer:
         if content_hash is None:
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
-        return dataclasses.replace(
-            item, hash=content_hash, pad_value=pad_value(Modality(item.modality), content_hash)
-        )
+        out = copy.copy(item)  # cheaper than dataclasses.replace on the hot path
+        out.hash = content_hash
+        out.pad_value = pad_value(Modality(item.modality), content_hash)
+        return out
 
 
 class _Marked(AdmissionError):

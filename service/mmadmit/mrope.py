@@ -74,45 +74,31 @@ def _int_tensor(item_idx: int, key: str, tensor: Tensor) -> np.ndarray:
     return tensor.to_numpy().astype(np.int64, copy=False)
 
 
-def item_grid(profile: ModelProfile, idx: int, item: Item) -> np.ndarray | None:
-    """Validate an item's grid (rule 5) and return it as ``[rows, 3]`` int64 (None for audio)."""
-    modality = Modality(item.modality)
-    merge = profile.spatial_merge_size
-    other = {Modality.IMAGE: Modality.VIDEO, Modality.VIDEO: Modality.IMAGE}
+def _grid_of(profile: ModelProfile, idx: int, item: Item, modality: Modality) -> np.ndarray | None:
+    """The item's raw grid as ``[rows, 3]`` int64 after the per-item key checks (None for audio)."""
     if modality is Modality.AUDIO:
         for key in GRID_KEYS.values():
             if key in item.side:
                 raise InvalidRequest(f"item {idx}: an audio item must not carry {key}")
         return None
     key = GRID_KEYS[modality]
-    wrong = GRID_KEYS[other[modality]]
+    wrong = GRID_KEYS[Modality.VIDEO if modality is Modality.IMAGE else Modality.IMAGE]
     if wrong in item.side:
         raise InvalidRequest(f"item {idx}: a {modality.name.lower()} item must not carry {wrong}")
     tensor = item.side.get(key)
     if tensor is None:
         raise InvalidRequest(f"item {idx}: {modality.name.lower()} item has no {key}")
+    if not isinstance(tensor, Tensor):
+        raise InvalidRequest(f"item {idx}: {key} must be a tensor")
     grid = _int_tensor(idx, key, tensor)
     if grid.ndim == 1 and grid.shape[0] == 3:
         grid = grid.reshape(1, 3)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
-        raise InvalidRequest(
-            f"item {idx}: {key} must have shape [rows, 3], got {list(tensor.shape)}"
-        )
-    if (grid <= 0).any():
-        raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {grid.tolist()}")
-    if (grid[:, 1] % merge).any() or (grid[:, 2] % merge).any():
-        raise InvalidRequest(
-            f"item {idx}: {key} h and w must be divisible by spatial_merge_size {merge}, "
-            f"got {grid.tolist()}"
-        )
-    if modality is Modality.IMAGE and (grid[:, 0] != 1).any():
-        raise InvalidRequest(f"item {idx}: image_grid_thw rows must have t == 1, got {grid.tolist()}")
+        raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(tensor.shape)}")
     return grid
 
 
-def _seconds_per_row(
-    profile: ModelProfile, idx: int, item: Item, rows: int
-) -> np.ndarray:
+def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> np.ndarray:
     """float32 seconds per grid row for a video item (one value broadcast or one per row)."""
     if profile.family is Family.QWEN3_OMNI:
         keys, default = _OMNI_TIME_KEYS, profile.seconds_per_chunk or 2.0
@@ -122,8 +108,12 @@ def _seconds_per_row(
         tensor = item.side.get(key)
         if tensor is None:
             continue
-        if not (tensor.dtype.is_float or tensor.dtype.is_integer) or tensor.dtype.numpy is None:
-            raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor, got {tensor.dtype.name}")
+        if (
+            not isinstance(tensor, Tensor)
+            or not (tensor.dtype.is_float or tensor.dtype.is_integer)
+            or tensor.dtype.numpy is None
+        ):
+            raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
         values = tensor.to_numpy().astype(np.float32).reshape(-1)
         if values.size == 1:
             values = np.repeat(values, rows)
@@ -137,28 +127,22 @@ def _seconds_per_row(
     return np.full(rows, default, dtype=np.float32)
 
 
-def _temporal_index(profile: ModelProfile, modality: Modality, frames: int, seconds: float) -> np.ndarray:
-    k = np.arange(frames, dtype=np.int64)
-    if modality is not Modality.VIDEO:
-        return np.zeros(frames, np.int64)
-    family = profile.family
-    if family is Family.QWEN2_5_VL:
-        tps = np.float32(profile.tokens_per_second)
-        return np.trunc((k.astype(np.float32) * np.float32(seconds)) * tps).astype(np.int64)
-    if family is Family.QWEN3_OMNI:
-        step = np.float32(np.float32(seconds) * np.float32(profile.position_id_per_seconds))
-        return np.trunc(k.astype(np.float32) * step).astype(np.int64)
-    if family.video_run_per_frame:
-        return np.zeros(frames, np.int64)
-    return k  # Qwen2-VL
-
-
 def check_no_audio_in_video(idx: int, item: Item) -> None:
     flag = item.side.get("use_audio_in_video")
-    if flag is not None and flag.nbytes and flag.dtype.numpy is not None and flag.to_numpy().any():
+    if flag is None:
+        return
+    if isinstance(flag, Tensor):
+        on = flag.nbytes > 0 and flag.dtype.numpy is not None and bool(flag.to_numpy().any())
+    else:
+        on = bool(flag)
+    if on:
         raise Unsupported(
             f"item {idx}: use_audio_in_video (audio interleaved into video) is not supported yet"
         )
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
 
 
 def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
@@ -166,75 +150,120 @@ def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
 
     Spans must already be validated (bounds, disjointness, placeholder ids); this
     checks the grids and that each span's length equals its row's merged patch
-    count, and builds the runs in prompt order.
+    count, and builds the runs in prompt order. One light pass per item gathers
+    arrays; every check and the run construction are vectorized over all rows.
     """
     merge = profile.spatial_merge_size
-    merge2 = merge * merge
-    starts: list[int] = []
-    frames: list[int] = []
-    rows: list[int] = []
-    cols: list[int] = []
-    t_parts: list[np.ndarray] = []
-    per_frame = profile.family.video_run_per_frame
+    split_video = profile.family.video_run_per_frame
+    grids: list[np.ndarray] = []
+    spans: list[np.ndarray] = []
+    secs: list[np.ndarray] = []
+    owners: list[int] = []
+    videos: list[bool] = []
     for idx, item in enumerate(items):
         modality = Modality(item.modality)
         check_no_audio_in_video(idx, item)
-        grid = item_grid(profile, idx, item)
+        grid = _grid_of(profile, idx, item, modality)
         if grid is None:
             continue
         assert item.offsets is not None
-        spans = item.offsets
-        seconds = (
+        is_video = modality is Modality.VIDEO
+        grids.append(grid)
+        spans.append(item.offsets)
+        owners.append(idx)
+        videos.append(is_video)
+        secs.append(
             _seconds_per_row(profile, idx, item, len(grid))
-            if modality is Modality.VIDEO
+            if is_video
             else np.zeros(len(grid), np.float32)
         )
-        split = per_frame and modality is Modality.VIDEO
-        expected_spans = int(grid[:, 0].sum()) if split else len(grid)
-        if len(spans) != expected_spans:
-            unit = "temporal frames" if split else "grid rows"
-            raise InvalidRequest(
-                f"item {idx}: {len(spans)} placeholder spans but {expected_spans} expected "
-                f"(one per {unit[:-1]}; {GRID_KEYS[modality]}={grid.tolist()})"
-            )
-        span_i = 0
-        for row_i, (t, h, w) in enumerate(grid.tolist()):
-            hh, ww = h // merge, w // merge
-            if split:
-                units = [(1, np.zeros(1, np.int64))] * t
-            else:
-                units = [(t, _temporal_index(profile, modality, t, float(seconds[row_i])))]
-            for unit_t, t_index in units:
-                start, end = (int(v) for v in spans[span_i])
-                want = unit_t * hh * ww
-                if end - start + 1 != want:
-                    raise InvalidRequest(
-                        f"item {idx}: span {span_i} [{start}, {end}] holds {end - start + 1} "
-                        f"tokens; grid row {row_i} [{t}, {h}, {w}] requires {want} "
-                        f"(t*h*w/{merge2}" + (" per frame)" if split else ")")
-                    )
-                starts.append(start)
-                frames.append(unit_t)
-                rows.append(hh)
-                cols.append(ww)
-                t_parts.append(t_index)
-                span_i += 1
-    if not starts:
+    if not grids:
         empty = np.zeros(0, np.int64)
         return RunPlan(empty, empty, empty, empty, empty, empty)
-    start_a = np.asarray(starts, np.int64)
-    frames_a = np.asarray(frames, np.int64)
-    t_off = np.zeros(len(starts), np.int64)
-    np.cumsum(frames_a[:-1], out=t_off[1:])
-    order = np.argsort(start_a, kind="stable")
-    t_index = np.concatenate(t_parts)
+
+    g = np.concatenate(grids)  # [R, 3] raw rows
+    n_rows = np.array([len(x) for x in grids])
+    row_owner = np.repeat(np.arange(len(grids)), n_rows)
+    row_video = np.repeat(np.array(videos), n_rows)
+    t, h, w = g[:, 0], g[:, 1], g[:, 2]
+
+    def fail(mask: np.ndarray, what: str) -> None:
+        r = _first(mask)
+        o = int(row_owner[r])
+        key = GRID_KEYS[Modality.VIDEO if videos[o] else Modality.IMAGE]
+        raise InvalidRequest(f"item {owners[o]}: {key} {what}, got {grids[o].tolist()}")
+
+    bad = (g <= 0).any(axis=1)
+    if bad.any():
+        fail(bad, "rows must be positive")
+    bad = (h % merge != 0) | (w % merge != 0)
+    if bad.any():
+        fail(bad, f"h and w must be divisible by spatial_merge_size {merge}")
+    bad = ~row_video & (t != 1)
+    if bad.any():
+        fail(bad, "rows must have t == 1")
+
+    split = row_video & split_video  # one span per temporal frame of this row
+    units_per_row = np.where(split, t, 1)
+    expected = np.bincount(row_owner, weights=units_per_row, minlength=len(grids)).astype(np.int64)
+    actual = np.array([len(x) for x in spans])
+    bad = expected != actual
+    if bad.any():
+        o = _first(bad)
+        unit = "temporal frame" if videos[o] and split_video else "grid row"
+        key = GRID_KEYS[Modality.VIDEO if videos[o] else Modality.IMAGE]
+        raise InvalidRequest(
+            f"item {owners[o]}: {actual[o]} placeholder spans but {expected[o]} expected "
+            f"(one per {unit}; {key}={grids[o].tolist()})"
+        )
+
+    unit_row = np.repeat(np.arange(len(g)), units_per_row)
+    frames = np.where(split, 1, t)[unit_row]
+    hh = (h // merge)[unit_row]
+    ww = (w // merge)[unit_row]
+    sp = np.concatenate(spans)
+    span_len = sp[:, 1] - sp[:, 0] + 1
+    want = frames * hh * ww
+    bad = span_len != want
+    if bad.any():
+        u = _first(bad)
+        r = int(unit_row[u])
+        o = int(row_owner[r])
+        first_unit_of_owner = int(np.searchsorted(row_owner[unit_row], o))
+        row_in_item = r - int(np.searchsorted(row_owner, o))
+        raise InvalidRequest(
+            f"item {owners[o]}: span {u - first_unit_of_owner} [{int(sp[u, 0])}, {int(sp[u, 1])}] "
+            f"holds {int(span_len[u])} tokens; grid row {row_in_item} {g[r].tolist()} requires "
+            f"{int(want[u])} (t*h*w/{merge * merge}" + (" per frame)" if split[r] else ")")
+        )
+
+    # Temporal index of every frame of every unit.
+    t_off = np.cumsum(frames) - frames
+    unit_of_frame = np.repeat(np.arange(len(frames)), frames)
+    k = np.arange(int(frames.sum()), dtype=np.int64) - t_off[unit_of_frame]
+    video_frame = (row_video & ~split)[unit_row][unit_of_frame]
+    family = profile.family
+    if family is Family.QWEN2_5_VL:
+        s = np.concatenate(secs)[unit_row][unit_of_frame]
+        scaled = np.trunc((k.astype(np.float32) * s) * np.float32(profile.tokens_per_second))
+        t_index = np.where(video_frame, scaled.astype(np.int64), 0)
+    elif family is Family.QWEN3_OMNI:
+        s = np.concatenate(secs)[unit_row][unit_of_frame]
+        step = (s * np.float32(profile.position_id_per_seconds)).astype(np.float32)
+        t_index = np.where(video_frame, np.trunc(k.astype(np.float32) * step).astype(np.int64), 0)
+    elif family.video_run_per_frame:
+        t_index = np.zeros(len(k), np.int64)
+    else:  # Qwen2-VL
+        t_index = np.where(video_frame, k, 0)
+
+    order = np.argsort(sp[:, 0], kind="stable")
     return RunPlan(
-        start=start_a[order],
-        frames=frames_a[order],
-        rows=np.asarray(rows, np.int64)[order],
-        cols=np.asarray(cols, np.int64)[order],
-        t_off=t_off[order],
-        t_index=t_index,
+        start=sp[order, 0].astype(np.int64),
+        frames=frames[order].astype(np.int64),
+        rows=hh[order].astype(np.int64),
+        cols=ww[order].astype(np.int64),
+        t_off=t_off[order].astype(np.int64),
+        t_index=t_index.astype(np.int64),
     )
 
 
@@ -245,40 +274,87 @@ def delta_only(n: int, plan: RunPlan) -> int:
 
 
 def positions(n: int, plan: RunPlan) -> tuple[np.ndarray, int]:
-    """The ``[3, n]`` int64 M-RoPE positions and the delta, vectorized."""
+    """The ``[3, n]`` int64 M-RoPE positions and the delta, vectorized.
+
+    Built as one cumulative sum of per-token increments: text tokens step by 1
+    on every axis and run tokens by (0, 0, 1) inside a grid row, so only the
+    first token of each grid row and the first text token after each run need
+    an explicit jump. Per-token work is a handful of streaming passes; all
+    bookkeeping is per grid row (tokens / W of them), never per token.
+    """
     k = len(plan.start)
     if k == 0:
         base = np.arange(n, dtype=np.int64)
         return np.broadcast_to(base, (3, n)).copy(), 0
-    length = plan.length
+    frames, rows, cols = plan.frames, plan.rows, plan.cols
+    length = frames * rows * cols
     shift = plan.extent + 1 - length  # displacement each run adds after itself
-    shift_before = np.zeros(k, np.int64)
-    np.cumsum(shift[:-1], out=shift_before[1:])
-    run_s = plan.start + shift_before  # position of each run's origin
+    shift_before = np.cumsum(shift) - shift
+    origin = plan.start + shift_before  # position of each run's first token
+    end = plan.start + length  # one past each run
 
-    # Text (and audio) tokens: i + total shift of the runs that end before i.
-    step = np.zeros(n + 1, np.int64)
-    np.add.at(step, plan.start + length, shift)
-    out = np.empty((3, n), np.int64)
-    text = np.arange(n, dtype=np.int64)
-    text += np.cumsum(step[:n])
-    out[:] = text
+    d = np.empty((3, n), np.int64)
+    # Base increments: text (1, 1, 1); run tokens (0, 0, 1).
+    cover = np.zeros(n + 1, np.int8)
+    cover[plan.start] += 1
+    cover[end] -= 1
+    in_run = np.cumsum(cover[:n], dtype=np.int8).view(np.bool_)
+    np.logical_not(in_run, out=d[0], casting="unsafe")
+    d[1] = d[0]
+    d[2] = 1
 
-    # Run tokens: all runs at once, through per-token run ids.
-    total = int(length.sum())
-    run_of = np.repeat(np.arange(k), length)
-    first_tok = np.zeros(k, np.int64)
-    np.cumsum(length[:-1], out=first_tok[1:])
-    local = np.arange(total, dtype=np.int64) - first_tok[run_of]
-    idx = plan.start[run_of] + local
-    plane = (plan.rows * plan.cols)[run_of]
-    frame = local // plane
-    rem = local - frame * plane
-    cols = plan.cols[run_of]
-    row = rem // cols
-    col = rem - row * cols
-    origin = run_s[run_of]
-    out[0, idx] = origin + plan.t_index[plan.t_off[run_of] + frame]
-    out[1, idx] = origin + row
-    out[2, idx] = origin + col
-    return out, int(shift.sum())
+    # Every grid row of every run, flattened: its run, frame and row inside the frame.
+    rows_per_run = frames * rows
+    n_rows = int(rows_per_run.sum())
+    run_of_row = np.repeat(np.arange(k), rows_per_run)
+    row_in_run = np.arange(n_rows, dtype=np.int64) - np.repeat(np.cumsum(rows_per_run) - rows_per_run, rows_per_run)
+    r_rows = rows[run_of_row]
+    frame = row_in_run // r_rows
+    row = row_in_run - frame * r_rows
+    t_val = plan.t_index[plan.t_off[run_of_row] + frame]
+    o = origin[run_of_row]
+    first_tok = plan.start[run_of_row] + row_in_run * cols[run_of_row]
+    # Position of each row's first token, and of the token just before it.
+    cur = np.stack([o + t_val, o + row, o])
+    prev_tok = first_tok - 1
+    prev = np.empty_like(cur)
+    inner = row_in_run > 0  # previous token is the last of the previous row, same run
+    w_last = cols[run_of_row] - 1
+    prev[:, inner] = np.stack([
+        o[inner] + plan.t_index[plan.t_off[run_of_row[inner]] + (row_in_run[inner] - 1) // r_rows[inner]],
+        o[inner] + (row_in_run[inner] - 1) % r_rows[inner],
+        o[inner] + w_last[inner],
+    ])
+    starts = ~inner
+    run_idx = run_of_row[starts]
+    # A run's first token follows either text or the last token of the run before it.
+    after_run = np.zeros(len(run_idx), np.bool_)
+    after_run[1:] = end[run_idx[1:] - 1] == plan.start[run_idx[1:]]
+    text_prev = (plan.start[run_idx] - 1) + shift_before[run_idx]
+    prev_s = np.broadcast_to(text_prev, (3, len(run_idx))).copy()
+    if after_run.any():
+        p_run = run_idx[after_run] - 1
+        last_frame_t = plan.t_index[plan.t_off[p_run] + frames[p_run] - 1]
+        prev_s[:, after_run] = np.stack([
+            origin[p_run] + last_frame_t, origin[p_run] + rows[p_run] - 1, origin[p_run] + cols[p_run] - 1,
+        ])
+    prev[:, starts] = prev_s
+    valid = prev_tok >= 0
+    d[:, first_tok[valid]] = cur[:, valid] - prev[:, valid]
+    if not valid.all():  # a run at token 0 starts from its own origin
+        d[:, first_tok[~valid]] = cur[:, ~valid]
+    # The first text token after each run resumes at origin + extent + 1.
+    follows = end < n
+    nxt = end[follows]
+    text_after = nxt[~in_run[nxt]]
+    if len(text_after):
+        run_k = np.searchsorted(end, text_after)
+        last_t = plan.t_index[plan.t_off[run_k] + frames[run_k] - 1]
+        resume = origin[run_k] + plan.extent[run_k] + 1
+        d[0, text_after] = resume - (origin[run_k] + last_t)
+        d[1, text_after] = resume - (origin[run_k] + rows[run_k] - 1)
+        d[2, text_after] = resume - (origin[run_k] + cols[run_k] - 1)
+    if not in_run[0]:
+        d[:, 0] = 0
+    np.cumsum(d, axis=1, out=d)
+    return d, int(shift.sum())
