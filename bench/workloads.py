@@ -1,0 +1,111 @@
+"""Synthetic precomputed requests for the benchmarks (seeded, reproducible).
+
+``qwen3_5_request(n)`` / ``qwen3_omni_request(n)`` build an ``n``-token prompt
+whose media tokens are 50-85% of it (images, videos with several frames, audio
+for Omni), with content hashes supplied, as the internal model. ``frames_of``
+encodes one as a ZMQ ADD message through the service's own codec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mmadmit import wire
+from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+from mmadmit.profile import ModelProfile, load_profile
+
+
+def _grid(key: str, t: int, h: int, w: int) -> dict[str, Tensor]:
+    return {key: Tensor.from_numpy(np.array([[t, h, w]], np.int64))}
+
+
+def _feature(rows: int, nbytes: int | None = None) -> Tensor:
+    if nbytes is not None:
+        return Tensor.from_numpy(np.zeros(nbytes // 2, np.uint16).view(np.float16).reshape(-1, 2))
+    return Tensor.from_numpy(np.ones((rows, 2), np.float32))
+
+
+def build_request(profile: ModelProfile, n: int, *, seed: int = 0, media_fraction: float = 0.7,
+                  feature_bytes: int | None = None, with_hash: bool = True) -> Request:
+    """An n-token request for a Qwen3.5 or Qwen3-Omni profile (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    omni = profile.audio_token_id is not None
+    ids = rng.integers(0, 150_000, n).astype(np.int64)
+    items: list[Item] = []
+    pos = 8
+    media_budget = int(n * media_fraction)
+    used = 0
+    k = 0
+    # long prompts carry larger media, as real ones do (and stay under --max-items)
+    side_img = 32 if n <= 8192 else 64
+    side_vid = 16 if n <= 8192 else 32
+    img_tokens = side_img * side_img // 4
+    per_frame = side_vid * side_vid // 4
+    while used < media_budget:
+        kind = k % (3 if omni else 2)
+        k += 1
+        if kind == 0:  # image side_img x side_img patches
+            length = img_tokens
+            if pos + length + 16 >= n:
+                break
+            ids[pos - 1] = profile.vision_start_token_id or 0
+            ids[pos : pos + length] = profile.image_token_id
+            items.append(Item(int(Modality.IMAGE), hash=int(rng.integers(0, 2**63)),
+                              offsets=np.array([[pos, pos + length - 1]], np.int64),
+                              feature=_feature(length * 4, feature_bytes),
+                              side=_grid("image_grid_thw", 1, side_img, side_img)))
+        elif kind == 1:  # video of 4 frames
+            frames, per = 4, per_frame
+            length = frames * per + (frames * 8 if not omni else 0)
+            if pos + length + 16 >= n:
+                break
+            spans = []
+            if omni:
+                ids[pos : pos + frames * per] = profile.video_token_id
+                spans.append([pos, pos + frames * per - 1])
+                length = frames * per
+            else:
+                p = pos
+                for _ in range(frames):
+                    ids[p : p + per] = profile.video_token_id
+                    spans.append([p, p + per - 1])
+                    p += per + 8  # timestamp text + vision_end/start between frame runs
+            side = _grid("video_grid_thw", frames, side_vid, side_vid)
+            if omni:
+                side["video_second_per_grid"] = Tensor.from_numpy(np.array([1.0], np.float32))
+            items.append(Item(int(Modality.VIDEO), hash=int(rng.integers(0, 2**63)),
+                              offsets=np.array(spans, np.int64),
+                              feature=_feature(frames * per * 4, feature_bytes), side=side))
+        else:  # audio 100 tokens
+            length = 100
+            if pos + length + 16 >= n:
+                break
+            ids[pos : pos + length] = profile.audio_token_id
+            items.append(Item(int(Modality.AUDIO), hash=int(rng.integers(0, 2**63)),
+                              offsets=np.array([[pos, pos + length - 1]], np.int64),
+                              feature=_feature(length * 4, feature_bytes)))
+        used += length
+        pos += length + 8
+    if not with_hash:
+        for item in items:
+            item.hash = None
+    mm = MultimodalInputs(items=items, im_token_id=profile.image_token_id,
+                          video_token_id=profile.video_token_id)
+    return Request(rid=f"bench-{n}-{seed}", input_ids=ids, mm=mm)
+
+
+def profile_for(name: str) -> ModelProfile:
+    return load_profile(name)
+
+
+def frames_of(req: Request) -> list[Any]:
+    return [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+
+
+def media_share(req: Request) -> float:
+    assert req.mm is not None
+    total = sum(int((it.offsets[:, 1] - it.offsets[:, 0] + 1).sum()) for it in req.mm.items
+                if it.offsets is not None)
+    return total / len(req.input_ids)

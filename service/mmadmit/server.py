@@ -1,0 +1,235 @@
+"""``mmadmit serve``: wiring and lifecycle only (no request logic lives here).
+
+Start-up: profile -> materializer -> pool -> transports bound -> one warm-up
+request through the pool -> health SERVING and the ready line on stderr::
+
+    mmadmit ready grpc=HOST:PORT zmq=tcp://HOST:PORT metrics=HOST:PORT
+
+Every resource is entered into one ``AsyncExitStack`` as soon as it exists, so
+a start-up that fails half-way still releases what it had.
+
+Shutdown (SIGTERM or SIGINT), in this order: health NOT_SERVING; the pool
+refuses new work, so both transports, which keep reading, answer every new
+request ``SHUTTING_DOWN`` at once; in-flight work gets ``--drain-timeout``
+seconds, then what remains ends ``SHUTTING_DOWN``; the transports send their
+last replies and stop; the process exits 0. A second signal exits at once with
+status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .config import OFF, ServeConfig, default_workers
+from .devices import cuda_ops_factory, resolve_device
+from .errors import ConfigError
+from .materializer import CPU_OPS, ArrayOps, Materializer
+from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
+from .pool import BeforeRun, MaterializerPool
+from .profile import ModelProfile
+
+logger = logging.getLogger("mmadmit.server")
+
+EXIT_FORCED = 1
+
+
+@dataclass
+class ServerHandle:
+    """What a running server exposes to its owner (tests, the CLI)."""
+
+    config: ServeConfig
+    profile: ModelProfile
+    pool: MaterializerPool
+    addresses: dict[str, str] = field(default_factory=dict)
+    grpc: Any = None
+    zmq: Any = None
+    metrics: Any = None
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ready_line(self) -> str:
+        parts = [f"{name}={self.addresses.get(name, OFF)}" for name in ("grpc", "zmq", "metrics")]
+        return "mmadmit ready " + " ".join(parts)
+
+
+def warmup_request(profile: ModelProfile) -> Request:
+    """A small valid request that exercises the profile's whole path."""
+    text = np.arange(1, 9, dtype=np.int64) % profile.vocab_size
+    if not (profile.multimodal_active and profile.supports(Modality.IMAGE)):
+        return Request(rid="mmadmit-warmup", input_ids=text)
+    merge = profile.spatial_merge_size
+    image_id = profile.image_token_id
+    assert image_id is not None
+    start = len(text)
+    ids = np.concatenate([text, np.full(4, image_id, np.int64), text])
+    grid = Tensor.from_numpy(np.array([[1, 2 * merge, 2 * merge]], np.int64))
+    item = Item(
+        modality=int(Modality.IMAGE),
+        hash=0,
+        offsets=np.array([[start, start + 3]], np.int64),
+        side={"image_grid_thw": grid},
+    )
+    return Request(rid="mmadmit-warmup", input_ids=ids, mm=MultimodalInputs(items=[item]))
+
+
+def build_pool(
+    config: ServeConfig, profile: ModelProfile, *, before_run: BeforeRun | None = None
+) -> MaterializerPool:
+    device = resolve_device(config.device)
+    materializer = Materializer(profile, config.limits)
+    ops_factory = None
+    choose_ops: Callable[[Request, ArrayOps], ArrayOps] | None = None
+    if device == "cuda":
+        ops_factory = cuda_ops_factory()
+        threshold = config.cuda_min_tokens
+
+        def choose_ops(req: Request, ops: ArrayOps) -> ArrayOps:
+            # Small requests do not pay for the transfers: keep them on the CPU.
+            return ops if len(req.input_ids) >= threshold else CPU_OPS
+
+    workers = default_workers(config, device == "cuda")
+    logger.info("materializer: %s on %s, %d worker(s), max %d in flight",
+                profile.family.value, device, workers, config.max_inflight)
+    return MaterializerPool(
+        materializer,
+        workers=workers,
+        max_inflight=config.max_inflight,
+        ops_factory=ops_factory,
+        choose_ops=choose_ops,
+        before_run=before_run,
+    )
+
+
+async def start_server(
+    config: ServeConfig,
+    stack: contextlib.AsyncExitStack,
+    *,
+    before_run: BeforeRun | None = None,
+) -> ServerHandle:
+    """Bind everything, warm up, turn SERVING; resources are pushed onto ``stack``."""
+    profile = config.load_profile()
+    pool = build_pool(config, profile, before_run=before_run)
+    stack.callback(pool.close)
+    handle = ServerHandle(config=config, profile=profile, pool=pool)
+
+    if config.grpc_listen != OFF:
+        from .grpc_server import GrpcServer
+
+        grpc_server = GrpcServer(
+            pool, profile, listen=config.grpc_listen, max_message_bytes=config.max_message_bytes
+        )
+        stack.push_async_callback(grpc_server.stop, 0.0)
+        handle.addresses["grpc"] = await grpc_server.start()
+        handle.grpc = grpc_server
+    if config.zmq_listen != OFF:
+        from .zmq_ingest import ZmqIngest
+
+        ingest = ZmqIngest(
+            pool,
+            listen=config.zmq_listen,
+            forward=config.zmq_forward,
+            max_message_bytes=config.max_message_bytes,
+        )
+        stack.push_async_callback(ingest.stop, 0.0)
+        handle.addresses["zmq"] = await ingest.start()
+        handle.zmq = ingest
+    if config.metrics_listen != OFF:
+        from .metrics import MetricsServer
+
+        metrics = MetricsServer(handle, listen=config.metrics_listen)
+        stack.push_async_callback(metrics.stop)
+        handle.addresses["metrics"] = await metrics.start()
+        handle.metrics = metrics
+
+    outcome = await pool.materialize(warmup_request(profile))
+    if not isinstance(outcome, Materialized):
+        raise RuntimeError(f"warm-up request failed: {outcome}")
+    if handle.grpc is not None:
+        handle.grpc.set_serving()
+    return handle
+
+
+async def shutdown(handle: ServerHandle) -> None:
+    """Drain in the fixed order of the module docstring (idempotent enough to call once)."""
+    config = handle.config
+    logger.info("[shutdown] draining: up to %.1fs for %d request(s) in flight",
+                config.drain_timeout, handle.pool.inflight)
+    if handle.grpc is not None:
+        handle.grpc.enter_drain()
+    handle.pool.begin_drain()
+    await handle.pool.drain(config.drain_timeout)
+    if handle.zmq is not None:
+        await handle.zmq.stop(config.drain_timeout)
+    if handle.grpc is not None:
+        await handle.grpc.stop(1.0)
+    logger.info("[shutdown] done")
+
+
+async def serve(
+    config: ServeConfig,
+    *,
+    on_ready: Callable[[ServerHandle], Awaitable[None] | None] | None = None,
+    install_signals: bool = True,
+) -> int:
+    """Run until a signal (or ``handle.stop_event``); return the exit status."""
+    async with contextlib.AsyncExitStack() as stack:
+        handle = await start_server(config, stack)
+        loop = asyncio.get_running_loop()
+        if install_signals:
+            _install_signal_handlers(loop, handle.stop_event)
+        print(handle.ready_line(), file=sys.stderr, flush=True)
+        logger.info("ready: %s", handle.ready_line())
+        if on_ready is not None:
+            result = on_ready(handle)
+            if asyncio.iscoroutine(result):
+                await result
+        await handle.stop_event.wait()
+        await shutdown(handle)
+    return 0
+
+
+def _install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("[shutdown] second signal %d: exiting at once", signum)
+            os._exit(EXIT_FORCED)
+        logger.info("[shutdown] signal %d received", signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def run(config: ServeConfig) -> int:
+    """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
+    configure_logging(config.log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        runner: Callable[..., int] = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        return runner(serve(config))
+    except ConfigError:
+        raise
+    except OSError as exc:
+        # A bind failure is an operator problem, not a crash: one clear line.
+        raise ConfigError(f"cannot start: {exc}") from exc
