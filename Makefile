@@ -1,0 +1,43 @@
+# mmadmit developer entry points. `make run` and `make test` set everything up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and explicitly, so that resolving the package's loose
+# `torch>=2.4` never pulls a multi-GB CUDA build onto a CPU machine. On a machine
+# without a local CPU wheel, point TORCH_INDEX at a CPU wheel index, e.g.
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+MMADMIT_ARGS ?=
+
+.PHONY: setup run test lint bench protos clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || \
+	  $(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/mmadmit serve $(MMADMIT_ARGS)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check service clients tests bench scripts
+	$(VENV)/bin/mypy service/mmadmit clients/mmadmit_client
+
+bench: setup
+	$(PY) bench/bench_materialize.py
+	$(PY) bench/bench_zmq.py
+	$(PY) bench/bench_grpc.py
+
+protos: setup
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info service/mmadmit/_proto service/mmadmit/*.so

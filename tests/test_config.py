@@ -1,0 +1,66 @@
+"""Configuration: one typed object, flag > MMADMIT_* env > default, clear errors.
+
+Run with: python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mmadmit.config import ServeConfig, build_config, env_name
+from mmadmit.errors import ConfigError
+from mmadmit.profile import Family
+
+
+def test_defaults_match_cli_md() -> None:
+    c = build_config({}, environ={})
+    assert c == ServeConfig()
+    assert (c.model, c.role, c.grpc_listen, c.zmq_listen, c.metrics_listen) == (
+        "qwen2_5_vl", "aggregated", "127.0.0.1:50051", "tcp://127.0.0.1:5557", "127.0.0.1:9464")
+    assert (c.max_inflight, c.max_tokens, c.max_items) == (64, 262144, 256)
+    assert (c.max_tensor_bytes, c.max_message_bytes, c.drain_timeout) == (536870912, 1073741824, 10.0)
+    assert c.load_profile().family is Family.QWEN2_5_VL
+
+
+def test_flag_beats_env_beats_default() -> None:
+    env = {env_name("max_inflight"): "7", env_name("role"): "decode"}
+    assert env_name("grpc_listen") == "MMADMIT_GRPC_LISTEN"
+    c = build_config({"max_inflight": "9"}, environ=env)
+    assert c.max_inflight == 9 and c.role == "decode"
+    assert build_config({}, environ={"MMADMIT_LANGUAGE_MODEL_ONLY": "true"}).language_model_only
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ({"role": "encoder"}, "--role"),
+        ({"max_inflight": "0"}, "--max-inflight"),
+        ({"grpc_listen": "nowhere"}, "--grpc-listen"),
+        ({"zmq_listen": "127.0.0.1:5"}, "--zmq-listen"),
+        ({"drain_timeout": "-1"}, "--drain-timeout"),
+        ({"device": "tpu"}, "--device"),
+    ],
+)
+def test_invalid_values_name_the_flag(args: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        build_config(args, environ={})
+
+
+def test_invalid_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="MMADMIT_WORKERS"):
+        build_config({}, environ={"MMADMIT_WORKERS": "many"})
+
+
+def test_unknown_model_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="neither a built-in profile"):
+        build_config({"model": "/nonexistent/model"}, environ={}).load_profile()
+
+
+def test_cli_exits_2_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mmadmit", "serve", "--max-inflight", "-3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--max-inflight" in proc.stderr
