@@ -191,6 +191,7 @@ class Materializer:
     # ------------------------------------------------------------------ rules
 
     def _decode_exempt(self, req: Request, mm: MultimodalInputs, original: np.ndarray) -> Materialized:
+        self._check_unpadded(req, mm.items)
         if not self.profile.uses_mrope:
             return Materialized(dataclasses.replace(req, mm=None), Rule.DECODE_EXEMPT)
         delta = self._carried_delta(mm)
@@ -323,7 +324,19 @@ class Materializer:
         differs = np.flatnonzero(ids != unpadded)
         if differs.size == 0:
             return
-        if spans is None:
+        if spans is None:  # not validated yet (decode exemption): they must be usable here
+            n = len(ids)
+            for i, it in enumerate(items):
+                offs = it.offsets
+                if offs is None or not len(offs):
+                    continue
+                ok = (offs[:, 0] >= 0) & (offs[:, 0] <= offs[:, 1]) & (offs[:, 1] < n)
+                if not ok.all():
+                    k = int(np.argmax(~ok))
+                    raise InvalidRequest(
+                        f"item {i}: span {k} [{int(offs[k, 0])}, {int(offs[k, 1])}] is not a valid "
+                        f"inclusive range inside input_ids (0 <= start <= end < {n})"
+                    )
             spans = _span_tokens(items)
         owner = np.full(len(ids), -1, np.int64)
         owner[spans.index] = spans.item_of

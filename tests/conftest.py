@@ -1,0 +1,109 @@
+"""Shared test helpers: where the wire vectors live and how to load them.
+
+``VECTORS`` is ``$MMADMIT_VECTORS`` or ``<repo>/../shared/vectors`` (CI clones
+the repository with ``shared/`` beside it). Helpers here are plain functions
+(importable as ``from conftest import ...`` because pytest puts ``tests/`` on
+``sys.path``) plus thin fixtures around them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+SERVICE_DIR = REPO_ROOT / "service"
+
+# The package is normally installed (`pip install -e .`); fall back to the source
+# tree so a fresh checkout still runs its tests.
+try:  # pragma: no cover - depends on the environment
+    import mmadmit  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, str(SERVICE_DIR))
+
+# hf_oracle / prompt_gen are imported as top-level modules by the tests.
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+VECTORS = Path(os.environ.get("MMADMIT_VECTORS") or (REPO_ROOT.parent / "shared" / "vectors"))
+CONFIGS = VECTORS / "configs"
+
+FAMILY_CONFIG = {
+    "qwen3_5": "qwen3_5.json",
+    "qwen3_omni": "qwen3_omni_moe.json",
+    "llama": "llama.json",
+}
+
+
+def vector_names() -> list[str]:
+    """Names of every vector case (``<name>.frames``), sorted; empty if absent."""
+    if not VECTORS.is_dir():
+        return []
+    return sorted(p.stem for p in VECTORS.glob("*.frames"))
+
+
+def config_for_family(family: str) -> Path:
+    """The ``configs/`` file serving a vector's ``meta['family']``."""
+    try:
+        return CONFIGS / FAMILY_CONFIG[family]
+    except KeyError:
+        raise KeyError(f"no vector config known for family {family!r}") from None
+
+
+@dataclass
+class Vector:
+    name: str
+    frames: list[memoryview]  # [type, payload, *aux] as zero-copy views of the container
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any]
+    blob: bytes  # the raw .frames container
+
+    @property
+    def config(self) -> Path:
+        return config_for_family(self.meta["family"])
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return self.meta.get("error")
+
+    @property
+    def frames_path(self) -> Path:
+        return VECTORS / f"{self.name}.frames"
+
+
+def load_vector(name: str) -> Vector:
+    """Frames (via ``mmadmit.frames.parse_frames``), expected arrays and metadata."""
+    from mmadmit.frames import parse_frames
+
+    blob = (VECTORS / f"{name}.frames").read_bytes()
+    frames = parse_frames(blob)
+    with np.load(VECTORS / f"{name}.npz") as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    meta = json.loads((VECTORS / f"{name}.json").read_text())
+    return Vector(name=name, frames=frames, arrays=arrays, meta=meta, blob=blob)
+
+
+def require_vectors() -> None:
+    if not vector_names():
+        pytest.skip(f"no wire vectors at {VECTORS} (set MMADMIT_VECTORS)")
+
+
+@pytest.fixture(scope="session")
+def vectors_dir() -> Path:
+    require_vectors()
+    return VECTORS
+
+
+@pytest.fixture(scope="session")
+def vector_loader():
+    """``vector_loader(name)`` -> :class:`Vector` (skips when the vectors are absent)."""
+    require_vectors()
+    return load_vector
