@@ -1,0 +1,757 @@
+"""The ZMQ msgpack ingest (WIRE.md) against real sockets on ephemeral loopback ports.
+
+Contract pinned here:
+
+* every wire vector sent through a DEALER comes back exactly as the reference
+  materialized it (padded and unpadded ids, pad values, hashes, offsets,
+  positions, delta; the error vector as an ``INVALID_REQUEST`` abort), in reply
+  mode and in forward mode (a PULL plays the scheduler);
+* many concurrent peers: every ADD gets exactly one reply, matched by rid;
+* every kind of bad input gets one aborted reply (rid when recoverable, else
+  ``""``) and the service keeps serving;
+* ABORT cancels a queued and a running request with exactly one ``CANCELLED``
+  reply each; request ids are scoped per peer (duplicate in flight refused,
+  same id from two peers fine); forward mode sends the marked ADD before the
+  ABORT; ``OVERLOADED``, ``SHUTTING_DOWN`` while draining; undeliverable replies
+  are retried then counted; forward back-pressure stops intake and loses
+  nothing; features of >= 1 MiB leave from the very buffers they arrived in.
+
+Everything is real: ``MaterializerPool`` + ``Materializer`` behind
+``ZmqIngest`` on ``tcp://127.0.0.1:0``, the client library
+(``mmadmit_client.zmq``) or raw DEALER / PULL sockets in front; workers are
+held deterministically with the pool's ``before_run`` hook. Fixtures close
+every socket, context, ingest and pool.
+
+Run with: python -m pytest tests/test_zmq_ingest.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import CONFIGS, Vector, load_vector, vector_names
+from mmadmit import wire
+from mmadmit.materializer import Materializer
+from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+from mmadmit.pool import MaterializerPool
+from mmadmit.profile import load_profile
+from mmadmit.zmq_ingest import ZmqIngest
+from mmadmit_client import ClientStateError, RequestTimeout, ServerUnavailable
+from mmadmit_client.zmq import AsyncZmqClient, ClientState, ZmqClient, ZmqOutcome
+
+pytestmark = pytest.mark.timeout(30)
+
+VECTORS = vector_names()
+needs_vectors = pytest.mark.skipif(not VECTORS, reason="no wire vectors (set MMADMIT_VECTORS)")
+MODEL_CONFIG = {
+    "qwen3_5": CONFIGS / "qwen3_5.json",
+    "qwen3_omni": CONFIGS / "qwen3_omni_moe.json",
+    "llama": CONFIGS / "llama.json",
+}
+QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
+SMALL = "qwen3_5_smg_style"  # a small good request (1.8 KB)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Gate:
+    """``before_run`` hook: holds requests whose rid starts with ``hold`` until
+    :meth:`open` (at most 10 s), raises for ``boom``; records every request a
+    worker was handed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+        self.started: list[str] = []
+        self.seen: list[Request] = []
+
+    def __call__(self, req: Request) -> None:
+        with self._lock:
+            self.seen.append(req)
+            if req.rid.startswith("hold"):
+                self.started.append(req.rid)
+        if req.rid.startswith("hold"):
+            self._open.wait(10.0)
+        if req.rid.startswith("boom"):
+            raise RuntimeError("a worker bug")
+
+    def open(self) -> None:
+        self._open.set()
+
+
+@dataclass
+class Service:
+    pool: MaterializerPool
+    ingest: ZmqIngest
+    endpoint: str
+    gate: Gate
+
+
+Factory = Callable[..., Any]
+
+
+class Sockets:
+    """Raw test sockets on the test's own context. It keeps a reference to
+    every socket until teardown closes them (a socket dropped unclosed when the
+    test coroutine ends would raise a ResourceWarning)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self._made: list[zmq.asyncio.Socket] = []
+
+    def socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._made.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._made:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[Sockets]:
+    net = Sockets()
+    yield net
+    net.close()
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Factory]:
+    """``await service(family, **kw)`` -> a started :class:`Service`; all torn down."""
+    made: list[Service] = []
+
+    async def make(family: str = "qwen3_5", *, workers: int = 2, max_inflight: int = 64,
+                   **ingest_kw: Any) -> Service:
+        gate = Gate()
+        pool = MaterializerPool(Materializer(load_profile(str(MODEL_CONFIG[family]))),
+                                workers=workers, max_inflight=max_inflight, before_run=gate)
+        ingest_kw.setdefault("max_message_bytes", 64 << 20)
+        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
+        svc = Service(pool, ingest, "", gate)
+        made.append(svc)
+        svc.endpoint = await ingest.start()
+        return svc
+
+    yield make
+    for svc in made:
+        svc.gate.open()  # never leave a worker thread blocked behind
+        await svc.ingest.stop(0.5)
+        svc.pool.close()
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def dealer(net: Sockets, endpoint: str, identity: bytes | None = None) -> zmq.asyncio.Socket:
+    sock = net.socket(zmq.DEALER)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+async def pull_at(net: Sockets, endpoint: str = "tcp://127.0.0.1:0"
+                  ) -> tuple[zmq.asyncio.Socket, str]:
+    sock = net.socket(zmq.PULL)
+    sock.bind(endpoint)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+async def recv(sock: zmq.asyncio.Socket, timeout_s: float = 5.0) -> list[zmq.Frame]:
+    return await asyncio.wait_for(sock.recv_multipart(copy=False), timeout_s)
+
+
+async def silent(sock: zmq.asyncio.Socket, for_s: float = 0.3) -> bool:
+    """True when nothing arrives on ``sock`` for ``for_s`` seconds."""
+    return not await sock.poll(int(for_s * 1000))
+
+
+def as_outcome(frames: list[zmq.Frame]) -> ZmqOutcome:
+    from mmadmit_client.zmq import decode_reply
+
+    _, result = decode_reply(frames)
+    assert isinstance(result, ZmqOutcome), result
+    return result
+
+
+def forwarded(frames: list[zmq.Frame]) -> tuple[str, Any]:
+    """A message the PUSH sent: ("ADD", Request) or ("ABORT", [rids])."""
+    msg = wire.decode_message(frames)
+    if msg.kind == wire.MSG_ADD:
+        return "ADD", msg.request
+    return "ABORT", msg.abort_rids
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def request_of(v: Vector, rid: str | None = None) -> Request:
+    req = wire.decode_message(v.frames).request
+    assert req is not None
+    return req if rid is None else dataclasses.replace(req, rid=rid)
+
+
+def frames_of(v: Vector, rid: str) -> list[Any]:
+    return [b"\x00", *wire.encode_request(request_of(v, rid))]
+
+
+def image_request(rid: str, feature_bytes: int, *, with_hash: bool = False) -> Request:
+    """A Qwen3.5 request with one 8x8-patch image whose float32 feature is
+    ``feature_bytes`` long (an aux frame on the wire)."""
+    ids = np.full(40, 100, np.int64)
+    ids[10:26] = QWEN35_IMAGE  # 1*8*8 / merge^2 = 16 placeholders
+    feature = np.arange(feature_bytes // 4, dtype=np.float32).reshape(-1, 256)
+    item = Item(
+        modality=int(Modality.IMAGE),
+        hash=0xDEADBEEF if with_hash else None,
+        offsets=np.array([[10, 25]], np.int64),
+        feature=Tensor.from_numpy(feature),
+        side={"image_grid_thw": Tensor.from_numpy(np.array([[1, 8, 8]], np.int64))},
+    )
+    return Request(rid=rid, input_ids=ids, mm=MultimodalInputs(items=[item]))
+
+
+def assert_matches_vector(req: Request, v: Vector) -> None:
+    """The decoded reply equals the reference materialization of ``v``."""
+    a = v.arrays
+    np.testing.assert_array_equal(req.input_ids, a["input_ids_padded"])
+    if req.input_ids_unpadded is None:  # text: passed through unchanged (rule 1)
+        np.testing.assert_array_equal(req.input_ids, a["input_ids_unpadded"])
+    else:
+        np.testing.assert_array_equal(req.input_ids_unpadded, a["input_ids_unpadded"])
+    assert req.validation_error is None
+    if "item_pad_values" not in a:
+        assert req.mm is None or not req.mm.items
+        return
+    assert req.mm is not None
+    items = req.mm.items
+    assert [it.pad_value if it.pad_value is not None else -1 for it in items] == \
+        a["item_pad_values"].tolist()
+    for it, want, none in zip(items, a["item_hashes"].tolist(), a["item_hash_is_none"].tolist(),
+                              strict=True):
+        assert (it.hash is None) if none else (it.hash == want)
+    rows = [[i, int(s), int(e)] for i, it in enumerate(items) for s, e in it.offsets.tolist()]
+    assert sorted(rows) == sorted(a["item_offsets"].tolist())
+    assert req.mm.mrope_positions is not None and req.mm.mrope_position_delta is not None
+    np.testing.assert_array_equal(req.mm.mrope_positions.to_numpy(), a["mrope_positions"])
+    np.testing.assert_array_equal(req.mm.mrope_position_delta.to_numpy(),
+                                  a["mrope_position_delta"])
+    assert req.mm.mrope_position_delta_scalar == int(a["mrope_position_delta"].reshape(-1)[0])
+
+
+def assert_error_vector(code: str | None, req: Request, v: Vector) -> None:
+    assert v.error is not None
+    assert code == "INVALID_REQUEST"
+    assert req.validation_error is not None and req.validation_error.startswith("INVALID_REQUEST: ")
+    assert req.rid == request_of(v).rid
+    assert all(it.feature is None for it in (req.mm.items if req.mm else []))  # features removed
+
+
+# --------------------------------------------------------------------------- vectors
+
+
+@needs_vectors
+@pytest.mark.parametrize("name", VECTORS)
+async def test_vector_reply_mode(service: Factory, name: str) -> None:
+    v = load_vector(name)
+    svc = await service(v.meta["family"])
+    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
+        outcome = await client.admit(v.frames)  # the captured bytes, unchanged
+    assert outcome.rid == request_of(v).rid
+    if v.error:
+        assert outcome.aborted
+        assert_error_vector(outcome.abort_code, outcome.request, v)
+    else:
+        assert outcome.materialized, outcome.abort_message
+        assert_matches_vector(outcome.request, v)
+        # aux frames keep their indices; feature bytes come back untouched
+        for i, sent in enumerate(v.frames[2:], start=2):
+            assert outcome.frames[i].bytes == bytes(sent)
+    assert svc.ingest.stats.replied == 1
+
+
+@needs_vectors
+@pytest.mark.parametrize("family", sorted(MODEL_CONFIG))
+async def test_vectors_forward_mode(service: Factory, zctx: Sockets,
+                                    family: str) -> None:
+    pull, address = await pull_at(zctx)
+    svc = await service(family, forward=address)
+    vectors = [load_vector(n) for n in VECTORS if load_vector(n).meta["family"] == family]
+    sock = dealer(zctx, svc.endpoint)
+    for v in vectors:
+        await sock.send_multipart(v.frames, copy=False)
+    got = {}
+    for _ in vectors:
+        kind, req = forwarded(await recv(pull))
+        assert kind == "ADD"
+        got[req.rid] = req
+    for v in vectors:
+        req = got[request_of(v).rid]
+        if v.error:
+            code = req.validation_error.partition(":")[0] if req.validation_error else None
+            assert_error_vector(code, req, v)
+        else:
+            assert_matches_vector(req, v)
+    assert await silent(sock, 0.1)  # senders get no replies in forward mode
+    assert svc.ingest.stats.forwarded == len(vectors)
+    assert svc.ingest.stats.replied == 0
+
+
+@needs_vectors
+async def test_many_concurrent_peers_one_reply_each(service: Factory) -> None:
+    qwen = [load_vector(n) for n in VECTORS if n.startswith("qwen3_5")]
+    svc = await service("qwen3_5", workers=2, max_inflight=512)
+    peers, per_peer = 8, 25
+
+    async def run_peer(p: int) -> list[tuple[str, ZmqOutcome, Vector]]:
+        async with AsyncZmqClient(svc.endpoint, timeout_s=20) as client:
+            jobs = []
+            for i in range(per_peer):
+                v = qwen[(p + i) % len(qwen)]
+                # the same rids on every peer: ids are scoped per peer
+                rid = f"r{i}" if i % 2 else f"p{p}-r{i}"
+                jobs.append((rid, v, client.admit(frames_of(v, rid))))
+            outcomes = await asyncio.gather(*(job for _, _, job in jobs))
+            assert client.unmatched_replies == 0
+            return [(rid, o, v) for (rid, v, _), o in zip(jobs, outcomes, strict=True)]
+
+    results = await asyncio.gather(*(run_peer(p) for p in range(peers)))
+    total = 0
+    for per in results:
+        for rid, outcome, v in per:
+            assert outcome.rid == rid
+            assert outcome.materialized, outcome.abort_message
+            assert_matches_vector(outcome.request, v)
+            total += 1
+    assert total == peers * per_peer
+    stats = svc.ingest.stats
+    assert stats.received == stats.replied == stats.materialized == total
+    assert stats.undeliverable == 0 and not stats.aborted_by_code
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _payload_with(v: Vector, index: int, value: Any) -> bytes:
+    elems = msgspec.msgpack.decode(bytes(v.frames[1]), type=list[msgspec.Raw])
+    elems[index] = msgspec.Raw(msgspec.msgpack.encode(value))
+    return msgspec.msgpack.encode(elems)
+
+
+def _bad_cases() -> dict[str, tuple[Callable[[], list[Any]], str, bool]]:
+    """name -> (frames builder, expected code, rid recoverable)."""
+
+    def small() -> Vector:
+        return load_vector(SMALL)
+
+    return {
+        "bad_type_byte": (lambda: [b"\x07", *small().frames[1:]], "INVALID_REQUEST", True),
+        "one_frame": (lambda: [b"\x00"], "INVALID_REQUEST", False),
+        "undecodable_msgpack": (lambda: [b"\x00", b"\xc1\xc1\xc1"], "INVALID_REQUEST", False),
+        "wrong_tag": (lambda: [b"\x00", _payload_with(small(), 0, "SomethingElse"),
+                               *small().frames[2:]], "INVALID_REQUEST", True),
+        "missing_aux_frame": (lambda: small().frames[:-1], "INVALID_REQUEST", True),
+        "pickle_ext": (lambda: [b"\x00", _payload_with(small(), 13, msgspec.msgpack.Ext(1, b"x")),
+                                *small().frames[2:]], "INVALID_REQUEST", True),
+        "tensor_bytes_mismatch": (lambda: [*small().frames[:-1], bytes(small().frames[-1])[:-8]],
+                                  "INVALID_REQUEST", True),
+        "over_max_message_bytes": (lambda: load_vector("qwen3_5_image1").frames, "TOO_LARGE",
+                                   True),
+    }
+
+
+BAD = _bad_cases()
+
+
+@needs_vectors
+@pytest.mark.parametrize("case", sorted(BAD))
+async def test_bad_input_is_aborted_and_service_keeps_serving(service: Factory,
+                                                              case: str) -> None:
+    build, code, recoverable = BAD[case]
+    svc = await service("qwen3_5", max_message_bytes=200_000)  # image1 is 295 KB
+    frames = build()
+    rid = wire.recover_rid(frames[1]) if recoverable else ""
+    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
+        outcome = await client.admit(frames)
+        assert outcome.aborted
+        assert outcome.abort_code == code, outcome.abort_message
+        assert outcome.rid == rid
+        assert rid or not recoverable
+        assert outcome.request.validation_error == f"{code}: {outcome.abort_message}"
+        good = await client.admit(load_vector(SMALL).frames)
+        assert good.materialized
+        assert_matches_vector(good.request, load_vector(SMALL))
+    assert svc.ingest.stats.aborted_by_code == {code: 1}
+
+
+async def test_malformed_abort_is_dropped_without_reply(service: Factory,
+                                                        zctx: Sockets) -> None:
+    svc = await service("llama")
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart([b"\x01", b"\xc1"])  # undecodable
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode([1, 2])])  # not strings
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["a"]), b"extra"])
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["nobody"])])  # unknown: fine
+    assert await silent(sock)
+    assert svc.ingest.stats.malformed == 3
+    assert svc.ingest.stats.aborts_received == 1
+
+
+# --------------------------------------------------------------------------- ABORT, per-peer ids
+
+
+@needs_vectors
+async def test_abort_cancels_queued_and_running_with_one_reply_each(
+        service: Factory, zctx: Sockets) -> None:
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", workers=1)
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "hold-running"), copy=False)
+    await until(lambda: svc.gate.started == ["hold-running"])
+    await sock.send_multipart(frames_of(v, "hold-queued"), copy=False)
+    await until(lambda: svc.pool.inflight == 2)
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-queued", "unknown"])])
+    first = as_outcome(await recv(sock))
+    assert (first.rid, first.abort_code) == ("hold-queued", "CANCELLED")
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-running"])])
+    second = as_outcome(await recv(sock))
+    assert (second.rid, second.abort_code) == ("hold-running", "CANCELLED")
+    assert all(it.feature is None for it in second.request.mm.items)
+    svc.gate.open()
+    await until(lambda: svc.pool.inflight == 0)
+    assert await silent(sock)  # the running one's late result is discarded, not sent
+    assert svc.pool.stats.cancelled_queued == 1 and svc.pool.stats.discarded_running == 1
+    assert svc.ingest.stats.cancelled_by_peer == 2
+    assert svc.ingest.stats.replied == 2
+    await sock.send_multipart(frames_of(v, "after"), copy=False)
+    assert as_outcome(await recv(sock)).materialized
+
+
+@needs_vectors
+async def test_duplicate_rid_in_flight_is_refused_first_completes(
+        service: Factory, zctx: Sockets) -> None:
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5")
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
+    await until(lambda: svc.ingest.inflight == 1)
+    await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
+    dup = as_outcome(await recv(sock))
+    assert (dup.rid, dup.abort_code) == ("hold-dup", "INVALID_REQUEST")
+    assert "already in flight" in (dup.abort_message or "")
+    svc.gate.open()
+    first = as_outcome(await recv(sock))
+    assert first.rid == "hold-dup" and first.materialized
+    assert_matches_vector(first.request, v)
+    assert await silent(sock, 0.1)
+    assert svc.pool.stats.admitted == 1
+    # once answered, the id may be used again
+    await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
+    assert as_outcome(await recv(sock)).materialized
+
+
+@needs_vectors
+async def test_same_rid_from_two_peers_both_succeed(service: Factory) -> None:
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", workers=2)
+    async with AsyncZmqClient(svc.endpoint, identity=b"peer-a") as a, \
+            AsyncZmqClient(svc.endpoint, identity=b"peer-b") as b:
+        jobs = [asyncio.ensure_future(c.admit(frames_of(v, "hold-same"))) for c in (a, b)]
+        await until(lambda: len(svc.gate.started) == 2)  # both in flight at once
+        svc.gate.open()
+        outcomes = await asyncio.gather(*jobs)
+    assert [o.status for o in outcomes] == ["materialized", "materialized"]
+    assert all(o.rid == "hold-same" for o in outcomes)
+
+
+@needs_vectors
+async def test_forward_mode_abort_goes_after_marked_add(service: Factory,
+                                                        zctx: Sockets) -> None:
+    v = load_vector(SMALL)
+    pull, address = await pull_at(zctx)
+    svc = await service("qwen3_5", workers=1, forward=address)
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "hold-running"), copy=False)
+    await until(lambda: svc.gate.started == ["hold-running"])
+    await sock.send_multipart(frames_of(v, "hold-queued"), copy=False)
+    await until(lambda: svc.pool.inflight == 2)
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-queued", "ghost"])])
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-running"])])
+    seen = [forwarded(await recv(pull)) for _ in range(4)]
+    svc.gate.open()
+    order = [(kind, req.rid if kind == "ADD" else tuple(req)) for kind, req in seen]
+    for rid, abort_msg in (("hold-queued", ("hold-queued", "ghost")),
+                           ("hold-running", ("hold-running",))):
+        assert order.index(("ADD", rid)) < order.index(("ABORT", abort_msg)), order
+    for kind, req in seen:
+        if kind == "ADD":
+            assert req.validation_error.startswith("CANCELLED: ")
+            assert all(it.feature is None for it in req.mm.items)
+    await until(lambda: svc.pool.inflight == 0)
+    assert await silent(pull)  # nothing more: the running one's result was discarded
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["ghost-2"])])
+    assert forwarded(await recv(pull)) == ("ABORT", ["ghost-2"])  # unknown ids go on
+    assert svc.ingest.stats.forwarded_aborts == 3
+
+
+@needs_vectors
+async def test_forward_mode_duplicate_goes_after_the_original(service: Factory,
+                                                              zctx: Sockets) -> None:
+    v = load_vector(SMALL)
+    pull, address = await pull_at(zctx)
+    svc = await service("qwen3_5", forward=address)
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
+    await until(lambda: svc.ingest.inflight == 1)
+    await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
+    await until(lambda: svc.ingest.stats.received == 2)
+    assert await silent(pull, 0.1)  # the refusal waits for the original's ADD
+    svc.gate.open()
+    first = forwarded(await recv(pull))
+    second = forwarded(await recv(pull))
+    assert first[1].rid == second[1].rid == "hold-dup"
+    assert first[1].validation_error is None
+    assert second[1].validation_error.startswith("INVALID_REQUEST: ")
+
+
+@needs_vectors
+async def test_worker_failure_still_gets_exactly_one_reply(service: Factory,
+                                                           zctx: Sockets) -> None:
+    svc = await service("qwen3_5")
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(load_vector(SMALL), "boom-1"), copy=False)
+    reply = as_outcome(await recv(sock))
+    assert (reply.rid, reply.abort_code) == ("boom-1", "INTERNAL")
+    assert await silent(sock, 0.1)
+    await sock.send_multipart(frames_of(load_vector(SMALL), "fine"), copy=False)
+    assert as_outcome(await recv(sock)).materialized
+
+
+# --------------------------------------------------------------------------- admission refusals
+
+
+@needs_vectors
+async def test_overloaded_when_pool_full(service: Factory) -> None:
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", workers=1, max_inflight=2)
+    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
+        held = [asyncio.ensure_future(client.admit(frames_of(v, f"hold-{i}"))) for i in range(2)]
+        await until(lambda: svc.pool.inflight == 2)
+        refused = await client.admit(frames_of(v, "third"))
+        assert (refused.rid, refused.abort_code) == ("third", "OVERLOADED")
+        assert not any(job.done() for job in held)
+        svc.gate.open()
+        assert [o.status for o in await asyncio.gather(*held)] == ["materialized"] * 2
+
+
+@needs_vectors
+async def test_draining_answers_shutting_down_and_finishes_in_flight(service: Factory) -> None:
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5")
+    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
+        held = asyncio.ensure_future(client.admit(frames_of(v, "hold-before")))
+        await until(lambda: svc.pool.inflight == 1)
+        svc.pool.begin_drain()
+        late = await client.admit(frames_of(v, "late"))
+        assert (late.rid, late.abort_code) == ("late", "SHUTTING_DOWN")
+        svc.gate.open()
+        assert (await held).materialized
+        assert await svc.pool.drain(1.0) == 0
+    await svc.ingest.stop(1.0)
+    await svc.ingest.stop(1.0)  # idempotent
+    assert svc.ingest.stats.undeliverable == 0
+
+
+# --------------------------------------------------------------------------- delivery
+
+
+@needs_vectors
+async def test_reply_to_gone_peer_is_retried_then_undeliverable(
+        service: Factory, zctx: Sockets) -> None:
+    svc = await service("qwen3_5", send_timeout_s=0.3)
+    router = svc.ingest._res.router
+    monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        sock = dealer(zctx, svc.endpoint)
+        await sock.send_multipart(frames_of(load_vector(SMALL), "hold-gone"), copy=False)
+        await until(lambda: svc.ingest.inflight == 1)
+        sock.close(linger=0)
+        await recv(monitor)  # the ROUTER saw the peer go: its identity is now unroutable
+    finally:
+        router.disable_monitor()
+        monitor.close(linger=0)
+    svc.gate.open()
+    await until(lambda: svc.ingest.stats.undeliverable == 1)
+    assert svc.ingest.stats.send_retries > 0
+    assert svc.ingest.stats.replied == 0
+
+
+@needs_vectors
+async def test_forward_back_pressure_stops_intake_and_drops_nothing(
+        service: Factory, zctx: Sockets) -> None:
+    probe, address = await pull_at(zctx)  # reserve a port, then free it: nobody listens
+    probe.close(linger=0)
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", forward=address, max_pending_forwards=3)
+    sock = dealer(zctx, svc.endpoint)
+    n = 20
+    for i in range(n):
+        await sock.send_multipart(frames_of(v, f"bp-{i}"), copy=False)
+    await until(lambda: svc.ingest.stats.received == 3)
+    await asyncio.sleep(0.3)
+    assert svc.ingest.stats.received == 3  # intake waits for the downstream
+    pull, _ = await pull_at(zctx, address)  # the scheduler appears
+    rids = []
+    for _ in range(n):
+        kind, req = forwarded(await recv(pull))
+        assert kind == "ADD" and req.validation_error is None
+        rids.append(req.rid)
+    assert sorted(rids) == sorted(f"bp-{i}" for i in range(n))
+    assert svc.ingest.stats.forwarded == n and svc.ingest.stats.undeliverable == 0
+
+
+@needs_vectors
+async def test_forward_stop_counts_undelivered(service: Factory,
+                                               zctx: Sockets) -> None:
+    probe, address = await pull_at(zctx)
+    probe.close(linger=0)
+    svc = await service("qwen3_5", forward=address)
+    sock = dealer(zctx, svc.endpoint)
+    for i in range(2):
+        await sock.send_multipart(frames_of(load_vector(SMALL), f"lost-{i}"), copy=False)
+    await until(lambda: svc.ingest.stats.materialized == 2)
+    await svc.ingest.stop(0.2)
+    assert svc.ingest.stats.undeliverable == 2 and svc.ingest.stats.forwarded == 0
+
+
+# --------------------------------------------------------------------------- zero-copy
+
+
+@pytest.mark.parametrize("mode", ["reply", "forward"])
+async def test_large_features_leave_from_the_received_buffers(
+        service: Factory, zctx: Sockets, mode: str) -> None:
+    sent: list[list[Any]] = []
+    forward = None
+    if mode == "forward":
+        pull, forward = await pull_at(zctx)
+    svc = await service("qwen3_5", forward=forward, sent_hook=sent.append)
+    request = image_request("big", 3 << 19)  # 1.5 MiB feature
+    frames = [b"\x00", *wire.encode_request(request)]
+    feature_bytes = bytes(request.mm.items[0].feature.data)
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames, copy=False)
+    if mode == "reply":
+        got = await recv(sock)
+        assert got[0].bytes == b"\x00"
+    else:
+        got = await recv(pull)
+        assert got[0].bytes == b"\x00"
+    # what the worker was handed: the feature is a view on the received zmq.Frame
+    (decoded,) = svc.gate.seen
+    data = decoded.mm.items[0].feature.data
+    assert isinstance(data.obj, zmq.Frame)
+    frame_addr = np.frombuffer(data.obj.buffer, np.uint8).__array_interface__["data"][0]
+    assert np.frombuffer(data, np.uint8).__array_interface__["data"][0] == frame_addr
+    # what went to libzmq: that very buffer object, handed to send(copy=False)
+    (out,) = sent
+    assert sum(f is data for f in out) == 1
+    # and the peer got the bytes intact
+    reply = wire.decode_request(got[1], got[2:])
+    assert bytes(reply.mm.items[0].feature.data) == feature_bytes
+    assert reply.mm.items[0].pad_value is not None
+
+
+# --------------------------------------------------------------------------- lifecycle, client
+
+
+async def test_start_failure_releases_everything(zctx: Sockets) -> None:
+    pool = MaterializerPool(Materializer(load_profile(str(MODEL_CONFIG["llama"]))), workers=1)
+    try:
+        blocker, taken = await pull_at(zctx)
+        busy = ZmqIngest(pool, listen=taken, max_message_bytes=1 << 20)
+        with pytest.raises(zmq.ZMQError):
+            await busy.start()  # address in use
+        await busy.stop(0.1)
+        # half-way: the ROUTER binds, then the PUSH address is unusable
+        half = ZmqIngest(pool, listen="tcp://127.0.0.1:0", forward="nonsense://x",
+                         max_message_bytes=1 << 20)
+        with pytest.raises(zmq.ZMQError):
+            await half.start()
+        assert half._res.router is not None and half._res.router.closed
+        assert half._res.ctx is not None and half._res.ctx.closed
+        await half.stop(0.1)
+        await half.stop(0.1)
+        # a stop() without start() is a no-op too
+        await ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1).stop(0)
+    finally:
+        pool.close()
+
+
+async def test_endpoint_is_the_bound_port(service: Factory) -> None:
+    svc = await service("llama")
+    assert svc.endpoint.startswith("tcp://127.0.0.1:")
+    assert int(svc.endpoint.rsplit(":", 1)[1]) > 0
+    # ZMQ_MAXMSGSIZE would drop an oversized peer without a reply: never set
+    assert svc.ingest._res.router.getsockopt(zmq.MAXMSGSIZE) == -1
+
+
+@needs_vectors
+async def test_client_states_errors_and_sync_twin(service: Factory) -> None:
+    svc = await service("qwen3_5")
+    client = AsyncZmqClient(svc.endpoint, timeout_s=5)
+    assert client.state is ClientState.UNOPENED
+    with pytest.raises(ClientStateError):
+        await client.admit(load_vector(SMALL).frames)
+    async with client:
+        assert client.state is ClientState.OPENED
+        outcome = await client.admit(request_of(load_vector(SMALL), "typed"))
+        assert outcome.materialized and outcome.rid == "typed"
+    assert client.state is ClientState.CLOSED
+    with pytest.raises(ClientStateError):
+        await client.abort("x")
+    with pytest.raises(ClientStateError):
+        await client.open()
+
+    # held past its timeout: RequestTimeout, chained from asyncio's TimeoutError
+    async with AsyncZmqClient(svc.endpoint, timeout_s=0.2) as short:
+        with pytest.raises(RequestTimeout) as info:
+            await short.admit(frames_of(load_vector(SMALL), "hold-slow"))
+        assert isinstance(info.value.__cause__, TimeoutError)
+    svc.gate.open()
+
+    # nothing listening: the send never finds a connection
+    async with AsyncZmqClient("tcp://127.0.0.1:1", timeout_s=0.2) as nowhere:
+        with pytest.raises(ServerUnavailable):
+            await nowhere.admit(load_vector(SMALL).frames)
+
+    def blocking() -> tuple[str, str | None]:
+        with ZmqClient(svc.endpoint, timeout_s=5) as sync_client:
+            ok = sync_client.admit(frames_of(load_vector(SMALL), "sync"))
+            bad = sync_client.admit([b"\x00", b"\xc1"])
+            sync_client.abort("nothing")
+        with pytest.raises(ClientStateError):
+            sync_client.admit(load_vector(SMALL).frames)
+        return ok.status, bad.abort_code
+
+    assert await asyncio.to_thread(blocking) == ("materialized", "INVALID_REQUEST")
+
