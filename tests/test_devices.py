@@ -76,11 +76,17 @@ def test_substitute_identical_and_input_untouched() -> None:
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 1000, 4096)
     before = ids.copy()
-    index = np.arange(100, 2000)
-    values = rng.integers(10**6, 2 * 10**6, len(index))
-    got = TorchArrayOps("cpu").substitute(ids, index, values)
-    assert np.array_equal(got, CPU_OPS.substitute(ids, index, values))
-    assert np.array_equal(ids, before)
+    for n_spans in (3, 300):  # slice fills and the difference-array path
+        starts = np.sort(rng.choice(np.arange(0, 4000, 13), n_spans, replace=False))
+        stops = starts + rng.integers(1, 13, n_spans)
+        values = rng.integers(10**6, 2 * 10**6, n_spans)
+        got = TorchArrayOps("cpu").substitute(ids, starts, stops, values)
+        want = ids.copy()
+        for a, b, v in zip(starts, stops, values):
+            want[a:b] = v
+        assert np.array_equal(got, want)
+        assert np.array_equal(CPU_OPS.substitute(ids, starts, stops, values), want)
+        assert np.array_equal(ids, before)
 
 
 def test_resolve_device() -> None:

@@ -107,10 +107,22 @@ class TorchArrayOps:
 
     # -- ArrayOps -------------------------------------------------------------
 
-    def substitute(self, ids: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+    def substitute(
+        self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
+    ) -> np.ndarray:
+        torch = self.torch
+        lengths = stops - starts
         with self._issue():
             d_ids = self._to_device(ids).clone()
-            d_ids[self._to_device(index)] = self._to_device(values)
+            d_len = self._to_device(lengths)
+            total = int(lengths.sum())
+            span_of = torch.repeat_interleave(
+                torch.arange(len(starts), device=d_ids.device), d_len, output_size=total
+            )
+            first = torch.cumsum(d_len, 0) - d_len
+            local = torch.arange(total, dtype=torch.int64, device=d_ids.device) - first[span_of]
+            index = self._to_device(starts)[span_of] + local
+            d_ids[index] = self._to_device(values)[span_of]
             host = self._to_host(d_ids)
         return host.numpy()
 

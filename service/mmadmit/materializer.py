@@ -13,10 +13,9 @@ CPU implementation is numpy. Hashing always runs on the CPU.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +32,16 @@ from .errors import (
     abort_from_exception,
 )
 from .hashing import UINT64_MAX, feature_hash, pad_interval, pad_value
-from .model import Item, Materialized, Modality, MultimodalInputs, Request, Rule, Tensor
+from .model import (
+    MODALITY_OF,
+    Item,
+    Materialized,
+    Modality,
+    MultimodalInputs,
+    Request,
+    Rule,
+    Tensor,
+)
 from .profile import ModelProfile
 
 logger = logging.getLogger(__name__)
@@ -54,8 +62,10 @@ class Limits:
 class ArrayOps(Protocol):
     """The array work of a materialization; CPU (numpy) or a CUDA stream."""
 
-    def substitute(self, ids: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """A copy of ``ids`` with ``ids[index] = values``."""
+    def substitute(
+        self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
+    ) -> np.ndarray:
+        """A copy of ``ids`` with ``ids[starts[k]:stops[k]] = values[k]`` (disjoint spans)."""
         ...
 
     def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
@@ -63,10 +73,29 @@ class ArrayOps(Protocol):
         ...
 
 
+# Below this many spans, filling slices one by one beats building per-token arrays.
+_SLICE_FILL_MAX_SPANS = 128
+
+
 class CpuArrayOps:
-    def substitute(self, ids: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+    def substitute(
+        self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
+    ) -> np.ndarray:
         out = ids.copy()
-        out[index] = values
+        if len(starts) <= _SLICE_FILL_MAX_SPANS:
+            for a, b, v in zip(starts.tolist(), stops.tolist(), values.tolist(), strict=True):
+                out[a:b] = v
+            return out
+        # Many spans: mark entries/exits in difference arrays, one cumulative sum each.
+        n = len(ids)
+        val = np.zeros(n + 1, np.int64)
+        val[starts] = values
+        val[stops] -= values  # a stop may be the next span's start: add after set
+        cover = np.zeros(n + 1, np.int8)
+        cover[starts] = 1
+        cover[stops] -= 1
+        inside = np.cumsum(cover[:n], dtype=np.int8).view(np.bool_)
+        np.copyto(out, np.cumsum(val[:n]), where=inside)
         return out
 
     def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
@@ -77,29 +106,48 @@ CPU_OPS = CpuArrayOps()
 
 
 @dataclass(frozen=True)
-class _Spans:
-    """All spans of a request, flattened: token indices and their owners."""
+class _SpanTable:
+    """Every span of a request, in item order (row ``k`` is span ``k_in_item`` of ``owner``)."""
 
-    index: np.ndarray  # token index of every span token
-    item_of: np.ndarray  # owning item of every span token
-    count: int
+    start: np.ndarray  # [S] int64
+    stop: np.ndarray  # [S] int64, exclusive
+    owner: np.ndarray  # [S] item index
+    k_in_item: np.ndarray  # [S] index of the span inside its item
 
+    @classmethod
+    def of(cls, items: Sequence[Item]) -> _SpanTable:
+        counts = [0 if it.offsets is None else len(it.offsets) for it in items]
+        if not any(counts):
+            e = np.zeros(0, np.int64)
+            return cls(e, e, e, e)
+        sp = np.concatenate([it.offsets for it in items if it.offsets is not None and len(it.offsets)])
+        owner = np.repeat(np.arange(len(items)), counts)
+        k_in_item = np.arange(len(sp)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return cls(sp[:, 0], sp[:, 1] + 1, owner, k_in_item)
 
-def _span_tokens(items: Sequence[Item]) -> _Spans:
-    """Expand every span of every item into token indices (one vectorized pass)."""
-    offs = [it.offsets for it in items if it.offsets is not None and len(it.offsets)]
-    if not offs:
-        empty = np.zeros(0, np.int64)
-        return _Spans(empty, empty, 0)
-    counts = [len(it.offsets) if it.offsets is not None else 0 for it in items]
-    sp = np.concatenate(offs)
-    owner = np.repeat(np.arange(len(items)), counts)
-    length = sp[:, 1] - sp[:, 0] + 1
-    total = int(length.sum())
-    first = np.cumsum(length) - length
-    span_of = np.repeat(np.arange(len(sp)), length)
-    index = np.arange(total, dtype=np.int64) + (sp[:, 0] - first)[span_of]
-    return _Spans(index, owner[span_of], total)
+    def describe(self, k: int) -> str:
+        return (
+            f"item {int(self.owner[k])}: span {int(self.k_in_item[k])} "
+            f"[{int(self.start[k])}, {int(self.stop[k]) - 1}]"
+        )
+
+    def check_bounds(self, n: int) -> None:
+        bad = (self.start < 0) | (self.start >= self.stop) | (self.stop > n)
+        if bad.any():
+            raise InvalidRequest(
+                f"{self.describe(int(np.argmax(bad)))} is not a valid inclusive range inside "
+                f"input_ids (0 <= start <= end < {n})"
+            )
+
+    def owner_at(self, positions: np.ndarray) -> np.ndarray:
+        """The item owning each token position, -1 outside every span (spans disjoint)."""
+        if not len(self.start):
+            return np.full(len(positions), -1, np.int64)
+        order = np.argsort(self.start, kind="stable")
+        starts = self.start[order]
+        j = np.searchsorted(starts, positions, side="right") - 1
+        inside = (j >= 0) & (positions < self.stop[order][np.maximum(j, 0)])
+        return np.where(inside, self.owner[order][np.maximum(j, 0)], -1)
 
 
 def _parse_validation_error(text: str) -> Abort:
@@ -128,6 +176,7 @@ class Materializer:
     def __init__(self, profile: ModelProfile, limits: Limits | None = None) -> None:
         self.profile = profile
         self.limits = limits or Limits()
+        self._supported = frozenset(m for m in Modality if profile.supports(m))
 
     # ------------------------------------------------------------------ entry points
 
@@ -182,7 +231,7 @@ class Materializer:
             assert plan is not None
             self._set_positions(new_mm, mm, len(original), plan, ops)
         pads = np.asarray([it.pad_value for it in new_items], np.int64)
-        padded = ops.substitute(original, spans.index, pads[spans.item_of])
+        padded = ops.substitute(original, spans.start, spans.stop, pads[spans.owner])
         return Materialized(
             dataclasses.replace(req, input_ids=padded, input_ids_unpadded=original, mm=new_mm),
             Rule.NORMAL,
@@ -276,43 +325,51 @@ class Materializer:
             return
         if len(mm.items) > lim.max_items:
             raise TooLarge(f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)")
-        tensors: list[tuple[str, Tensor]] = []
-        if mm.mrope_positions is not None:
-            tensors.append(("mrope_positions", mm.mrope_positions))
-        if mm.mrope_position_delta is not None:
-            tensors.append(("mrope_position_delta", mm.mrope_position_delta))
-        for i, item in enumerate(mm.items):
-            if item.feature is not None:
-                tensors.append((f"item {i} feature", item.feature))
-            tensors.extend((f"item {i} {k}", v) for k, v in item.side.items() if isinstance(v, Tensor))
-            shm = item.feature_shm
-            if shm is not None and shm.shape is not None:
-                if len(shm.shape) > lim.max_tensor_rank:
-                    raise TooLarge(f"item {i} feature_shm: rank {len(shm.shape)} exceeds {lim.max_tensor_rank}")
-        for what, t in tensors:
-            if len(t.shape) > lim.max_tensor_rank:
-                raise TooLarge(f"{what}: rank {len(t.shape)} exceeds the limit of {lim.max_tensor_rank}")
-            if t.nbytes > lim.max_tensor_bytes:
+        rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
+        for what, t in self._tensors(mm):
+            if len(t.shape) > rank_max:
+                raise TooLarge(f"{what()}: rank {len(t.shape)} exceeds the limit of {rank_max}")
+            nbytes = t.data.nbytes
+            if nbytes > bytes_max:
                 raise TooLarge(
-                    f"{what}: {t.nbytes} bytes exceed the limit of {lim.max_tensor_bytes} "
-                    "(--max-tensor-bytes)"
+                    f"{what()}: {nbytes} bytes exceed the limit of {bytes_max} (--max-tensor-bytes)"
                 )
-            if t.nbytes != t.expected_nbytes:
+            if nbytes != t.expected_nbytes:
                 raise InvalidRequest(
-                    f"{what}: {t.nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
+                    f"{what()}: {nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
                     f"needs {t.expected_nbytes}"
                 )
+        for i, item in enumerate(mm.items):
+            shm = item.feature_shm
+            if shm is not None and shm.shape is not None and len(shm.shape) > rank_max:
+                raise TooLarge(f"item {i} feature_shm: rank {len(shm.shape)} exceeds {rank_max}")
+
+    @staticmethod
+    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[Callable[[], str], Tensor]]:
+        """Every tensor of a request with a lazily formatted name (names cost on the hot path)."""
+        if mm.mrope_positions is not None:
+            yield (lambda: "mrope_positions"), mm.mrope_positions
+        if mm.mrope_position_delta is not None:
+            yield (lambda: "mrope_position_delta"), mm.mrope_position_delta
+        for i, item in enumerate(mm.items):
+            if item.feature is not None:
+                yield (lambda i=i: f"item {i} feature"), item.feature
+            for key, value in item.side.items():
+                if isinstance(value, Tensor):
+                    yield (lambda i=i, key=key: f"item {i} {key}"), value
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
-        bad = (ids < 0) | (ids >= vocab)
-        if bad.any():
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # no temporaries
+            bad = (ids < 0) | (ids >= vocab)
             i = int(np.argmax(bad))
             raise InvalidRequest(
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )
 
-    def _check_unpadded(self, req: Request, items: Sequence[Item], spans: _Spans | None = None) -> None:
+    def _check_unpadded(
+        self, req: Request, items: Sequence[Item], spans: _SpanTable | None = None
+    ) -> None:
         unpadded = req.input_ids_unpadded
         if unpadded is None:
             return
@@ -325,28 +382,17 @@ class Materializer:
         if differs.size == 0:
             return
         if spans is None:  # not validated yet (decode exemption): they must be usable here
-            n = len(ids)
-            for i, it in enumerate(items):
-                offs = it.offsets
-                if offs is None or not len(offs):
-                    continue
-                ok = (offs[:, 0] >= 0) & (offs[:, 0] <= offs[:, 1]) & (offs[:, 1] < n)
-                if not ok.all():
-                    k = int(np.argmax(~ok))
-                    raise InvalidRequest(
-                        f"item {i}: span {k} [{int(offs[k, 0])}, {int(offs[k, 1])}] is not a valid "
-                        f"inclusive range inside input_ids (0 <= start <= end < {n})"
-                    )
-            spans = _span_tokens(items)
-        owner = np.full(len(ids), -1, np.int64)
-        owner[spans.index] = spans.item_of
-        pads = np.asarray([-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64)
-        # owner -1 indexes the trailing sentinel -2, which never equals an id
-        expected = pads[owner[differs]]
-        bad = ids[differs] != expected
+            spans = _SpanTable.of(items)
+            spans.check_bounds(len(ids))
+        owner = spans.owner_at(differs)
+        pads = np.asarray(
+            [-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64
+        )
+        # owner -1 picks the trailing sentinel -2, which never equals an id
+        bad = ids[differs] != pads[owner]
         if bad.any():
-            p = int(differs[np.argmax(bad)])
-            who = int(owner[p])
+            k = int(np.argmax(bad))
+            p, who = int(differs[k]), int(owner[k])
             where = "outside every item's span" if who < 0 else f"in item {who}'s span"
             raise InvalidRequest(
                 f"input_ids[{p}] = {int(ids[p])} differs from input_ids_unpadded[{p}] = "
@@ -382,7 +428,7 @@ class Materializer:
         *,
         need_pad: bool,
         hashable: bool = True,
-    ) -> tuple[mrope.RunPlan | None, _Spans]:
+    ) -> tuple[mrope.RunPlan | None, _SpanTable]:
         """Rule 5 for every item; returns the M-RoPE plan (M-RoPE families) and the spans."""
         profile = self.profile
         n = len(original)
@@ -395,12 +441,12 @@ class Materializer:
         }
         expected_ids = []
         for i, item in enumerate(items):
-            if item.modality not in (1, 2, 3):
+            modality = MODALITY_OF.get(item.modality)
+            if modality is None:
                 raise InvalidRequest(
                     f"item {i}: unknown modality {item.modality} (1 image, 2 video, 3 audio)"
                 )
-            modality = Modality(item.modality)
-            if not profile.supports(modality):
+            if modality not in self._supported:
                 raise InvalidRequest(
                     f"item {i}: the model ({profile.model_type or profile.family.value}) takes no "
                     f"{modality.name.lower()} input"
@@ -409,33 +455,19 @@ class Materializer:
                 raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
             self._check_hash_and_pad(i, item, modality, need_pad, hashable)
             expected_ids.append(placeholder[modality])
-        if not items:
-            return (mrope.plan_runs(profile, items) if profile.uses_mrope else None), _span_tokens(items)
-        counts = [len(it.offsets) for it in items]  # type: ignore[arg-type]
-        sp = np.concatenate([it.offsets for it in items])  # type: ignore[misc]
-        owner = np.repeat(np.arange(len(items)), counts)
-        k_in_item = np.arange(len(sp)) - np.repeat(np.cumsum(counts) - counts, counts)
-        bad = (sp[:, 0] < 0) | (sp[:, 0] > sp[:, 1]) | (sp[:, 1] >= n)
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise InvalidRequest(
-                f"item {int(owner[k])}: span {int(k_in_item[k])} [{int(sp[k, 0])}, {int(sp[k, 1])}] "
-                f"is not a valid inclusive range inside input_ids (0 <= start <= end < {n})"
-            )
-        if len(sp) > 1:
-            order = np.argsort(sp[:, 0], kind="stable")
-            ss = sp[order]
-            clash = ss[1:, 0] <= ss[:-1, 1]
+        spans = _SpanTable.of(items)
+        spans.check_bounds(n)
+        if len(spans.start) > 1:
+            order = np.argsort(spans.start, kind="stable")
+            clash = spans.start[order[1:]] < spans.stop[order[:-1]]
             if clash.any():
                 k = int(np.argmax(clash))
-                a, b = order[k], order[k + 1]
                 raise InvalidRequest(
-                    f"item {int(owner[b])} span {int(k_in_item[b])} [{int(sp[b, 0])}, {int(sp[b, 1])}] "
-                    f"overlaps item {int(owner[a])} span {int(k_in_item[a])} "
-                    f"[{int(sp[a, 0])}, {int(sp[a, 1])}]"
+                    f"{spans.describe(int(order[k + 1]))} overlaps {spans.describe(int(order[k]))}"
                 )
-        spans = _span_tokens(items)
-        self._check_placeholders(items, original, expected_ids, spans)
+        self._check_placeholders(
+            original, spans, expected_ids, [Modality(it.modality).name.lower() for it in items]
+        )
         if profile.uses_mrope:
             return mrope.plan_runs(profile, items), spans
         for i, item in enumerate(items):
@@ -476,24 +508,30 @@ class Materializer:
 
     @staticmethod
     def _check_placeholders(
-        items: Sequence[Item], original: np.ndarray, expected_ids: list[int | None], spans: _Spans
+        original: np.ndarray,
+        spans: _SpanTable,
+        expected_ids: list[int | None],
+        modalities: list[str],
     ) -> None:
-        if not items:
+        """Every token of a span is its modality's placeholder: per placeholder id, a
+        prefix count of its occurrences must grow by exactly the span length."""
+        if not len(spans.start):
             return
-        want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.item_of]
-        got = original[spans.index]
-        bad = got != want
+        want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.owner]
+        bad = np.zeros(len(want), np.bool_)
+        for ph in np.unique(want).tolist():
+            sel = want == ph
+            counts = np.zeros(len(original) + 1, np.int32)
+            np.cumsum(original == ph, dtype=np.int32, out=counts[1:])
+            got = counts[spans.stop[sel]] - counts[spans.start[sel]]
+            bad[sel] = got != spans.stop[sel] - spans.start[sel]
         if bad.any():
             k = int(np.argmax(bad))
-            i = int(spans.item_of[k])
-            p = int(spans.index[k])
-            item = items[i]
-            assert item.offsets is not None
-            span_k = int(np.flatnonzero((item.offsets[:, 0] <= p) & (p <= item.offsets[:, 1]))[0])
-            s, e = (int(v) for v in item.offsets[span_k])
+            a, b = int(spans.start[k]), int(spans.stop[k])
+            off = int(np.flatnonzero(original[a:b] != want[k])[0])
             raise InvalidRequest(
-                f"item {i}: span {span_k} [{s}, {e}] holds token {int(got[k])} at {p}; every token "
-                f"in a {Modality(item.modality).name.lower()} span must be the placeholder "
+                f"{spans.describe(k)} holds token {int(original[a + off])} at {a + off}; every "
+                f"token in a {modalities[int(spans.owner[k])]} span must be the placeholder "
                 f"{int(want[k])}"
             )
 
@@ -507,10 +545,7 @@ class Materializer:
         if content_hash is None:
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
-        out = copy.copy(item)  # cheaper than dataclasses.replace on the hot path
-        out.hash = content_hash
-        out.pad_value = pad_value(Modality(item.modality), content_hash)
-        return out
+        return item.with_pad(content_hash, pad_value(MODALITY_OF[item.modality], content_hash))
 
 
 class _Marked(AdmissionError):

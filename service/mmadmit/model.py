@@ -33,6 +33,10 @@ class Modality(enum.IntEnum):
         return int(self) - 1
 
 
+# Lookup without the cost of an Enum call on hot paths (None for unknown values).
+MODALITY_OF: dict[int, Modality] = {int(m): m for m in Modality}
+
+
 @dataclass(eq=False)
 class Tensor:
     """Raw tensor bytes with a dtype and a shape.
@@ -97,6 +101,11 @@ class Item:
     feature_shm: ShmHandle | None = None
     side: dict[str, Tensor] = field(default_factory=dict)  # model-specific tensors
     extra: Any = None
+
+    def with_pad(self, content_hash: int | None, pad_value: int) -> Item:
+        """A copy with ``hash`` and ``pad_value`` set (cheaper than dataclasses.replace)."""
+        return Item(self.modality, content_hash, pad_value, self.offsets, self.feature,
+                    self.feature_shm, self.side, self.extra)
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InvalidRequest, Unsupported
-from .model import Item, Modality, Tensor
+from .model import MODALITY_OF, Item, Modality, Tensor
 from .profile import Family, ModelProfile
 
 GRID_KEYS = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
@@ -161,7 +161,7 @@ def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
     owners: list[int] = []
     videos: list[bool] = []
     for idx, item in enumerate(items):
-        modality = Modality(item.modality)
+        modality = MODALITY_OF[item.modality]
         check_no_audio_in_video(idx, item)
         grid = _grid_of(profile, idx, item, modality)
         if grid is None:
