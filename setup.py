@@ -133,6 +133,12 @@ setup(
             sources=["service/mmadmit/_intcodec.c"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
-        )
+        ),
+        Extension(
+            "mmadmit._kernels",
+            sources=["service/mmadmit/_kernels.c"],
+            extra_compile_args=_COMPILE_ARGS,
+            optional=True,
+        ),
     ],
 )

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from . import mrope
+from . import kernels, mrope
 from .errors import (
     Abort,
     AbortCode,
@@ -73,33 +73,16 @@ class ArrayOps(Protocol):
         ...
 
 
-# Below this many spans, filling slices one by one beats building per-token arrays.
-_SLICE_FILL_MAX_SPANS = 128
-
-
 class CpuArrayOps:
+    """numpy, with the fused C loops of :mod:`mmadmit.kernels` when they are built."""
+
     def substitute(
         self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
     ) -> np.ndarray:
-        out = ids.copy()
-        if len(starts) <= _SLICE_FILL_MAX_SPANS:
-            for a, b, v in zip(starts.tolist(), stops.tolist(), values.tolist(), strict=True):
-                out[a:b] = v
-            return out
-        # Many spans: mark entries/exits in difference arrays, one cumulative sum each.
-        n = len(ids)
-        val = np.zeros(n + 1, np.int64)
-        val[starts] = values
-        val[stops] -= values  # a stop may be the next span's start: add after set
-        cover = np.zeros(n + 1, np.int8)
-        cover[starts] = 1
-        cover[stops] -= 1
-        inside = np.cumsum(cover[:n], dtype=np.int8).view(np.bool_)
-        np.copyto(out, np.cumsum(val[:n]), where=inside)
-        return out
+        return kernels.fill_spans(ids, starts, stops, values)
 
     def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
-        return mrope.positions(n, plan)
+        return kernels.positions(n, plan)
 
 
 CPU_OPS = CpuArrayOps()
@@ -513,20 +496,12 @@ class Materializer:
         expected_ids: list[int | None],
         modalities: list[str],
     ) -> None:
-        """Every token of a span is its modality's placeholder: per placeholder id, a
-        prefix count of its occurrences must grow by exactly the span length."""
+        """Every token of a span is its modality's placeholder (rule 5)."""
         if not len(spans.start):
             return
         want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.owner]
-        bad = np.zeros(len(want), np.bool_)
-        for ph in np.unique(want).tolist():
-            sel = want == ph
-            counts = np.zeros(len(original) + 1, np.int32)
-            np.cumsum(original == ph, dtype=np.int32, out=counts[1:])
-            got = counts[spans.stop[sel]] - counts[spans.start[sel]]
-            bad[sel] = got != spans.stop[sel] - spans.start[sel]
-        if bad.any():
-            k = int(np.argmax(bad))
+        k = kernels.first_mismatch(original, spans.start, spans.stop, want)
+        if k >= 0:
             a, b = int(spans.start[k]), int(spans.stop[k])
             off = int(np.flatnonzero(original[a:b] != want[k])[0])
             raise InvalidRequest(

@@ -150,6 +150,9 @@ def _as_buffer(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+_DTYPES: dict[str, Any] = {}  # wire dtype string -> DType (only valid names are stored)
+
+
 class _TensorReader:
     def __init__(self, aux: list[memoryview]) -> None:
         self.aux = aux
@@ -159,9 +162,12 @@ class _TensorReader:
         if not isinstance(value, (list, tuple)) or len(value) != 3:
             raise InvalidRequest(f"{what} must be a tensor [dtype, shape, data]")
         dtype_name, shape, data = value
-        dtype = parse_dtype(dtype_name)
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            dtype = parse_dtype(dtype_name)
+            _DTYPES[dtype_name] = dtype
         if not isinstance(shape, (list, tuple)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            type(d) is int and d >= 0 for d in shape
         ):
             raise InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
         if isinstance(data, _InlineData):
@@ -198,19 +204,14 @@ def _is_tensor_value(value: Any) -> bool:
 def _decode_offsets(value: Any, what: str) -> np.ndarray | None:
     if value is None:
         return None
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, list):
         raise InvalidRequest(f"{what}: offsets must be an array of [start, end] pairs")
-    pairs = []
-    for span in value:
-        if (
-            not isinstance(span, (list, tuple))
-            or len(span) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)
-        ):
+    for span in value:  # exact int checks: numpy would coerce bools and floats silently
+        if not (isinstance(span, list) and len(span) == 2
+                and type(span[0]) is int and type(span[1]) is int):
             raise InvalidRequest(f"{what}: offsets must be integer [start, end] pairs, got {span!r}")
-        pairs.append(span)
     try:
-        return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(value, dtype=np.int64).reshape(-1, 2)
     except OverflowError as exc:
         raise InvalidRequest(f"{what}: offset out of range") from exc
 
@@ -231,11 +232,10 @@ def _decode_shm(value: Any, what: str) -> ShmHandle | None:
 
 def _decode_item(raw: msgspec.Raw, idx: int, reader: _TensorReader) -> Item:
     what = f"item {idx}"
-    elems = _split(raw, what)
-    vals = [_value(r, what) for r in elems[:_ITEM_FIELDS]]
-    for extra_raw in elems[_ITEM_FIELDS:]:
-        _value(extra_raw, what)  # validated (no pickle), kept raw
-    vals += [None] * (_ITEM_FIELDS - len(vals))
+    elems = _split(raw, what)  # raw elements: re-emitted verbatim unless changed
+    vals = _value(raw, what)  # every value in one call (validates ext codes everywhere)
+    if len(vals) < _ITEM_FIELDS:
+        vals = vals + [None] * (_ITEM_FIELDS - len(vals))
     modality = vals[0]
     if isinstance(modality, bool) or not isinstance(modality, int):
         raise InvalidRequest(f"{what}: modality must be an integer, got {modality!r}")
@@ -391,18 +391,18 @@ class _FrameWriter:
 
     def __init__(self, aux: list[memoryview]) -> None:
         self.frames: list[Any] = list(aux)
+        # received frames keep their index: found by identity of the buffer object
+        self._index = {id(f): i + 1 for i, f in enumerate(self.frames)}
 
     def tensor(self, t: Tensor) -> list[Any]:
         if t.nbytes < INLINE_LIMIT_BYTES:
             data: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(t.data))
         else:
-            for i, frame in enumerate(self.frames):
-                if frame is t.data:  # a received frame: keep its index, no copy
-                    data = i + 1
-                    break
-            else:
+            data = self._index.get(id(t.data))
+            if data is None:  # a new tensor (e.g. computed positions): appended
                 self.frames.append(t.data)
                 data = len(self.frames)
+                self._index[id(t.data)] = data
         return [t.dtype.name, list(t.shape), data]
 
 
