@@ -28,12 +28,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import build_request, frames_of, media_share, profile_for  # noqa: E402
-
 from mmadmit import intcodec, wire  # noqa: E402
 from mmadmit.hashing import feature_hash  # noqa: E402
 from mmadmit.materializer import Materializer  # noqa: E402
 from mmadmit.model import Materialized  # noqa: E402
+from workloads import build_request, frames_of, media_share, profile_for  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -66,8 +65,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768,131072")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs; "
-          f"command: python bench/bench_materialize.py --repeat {args.repeat}\n")
+    print(
+        f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs; "
+        f"command: python bench/bench_materialize.py --repeat {args.repeat}\n"
+    )
 
     rows_a, rows_b = [], []
     for family in ("qwen3_5", "qwen3_omni_moe"):
@@ -83,11 +84,11 @@ def main() -> None:
                 out[:] = ids
 
             t_base = median_ms(baseline, args.repeat)
-            t_mat = median_ms(lambda req=req: mat.materialize(req), args.repeat)
+            t_mat = median_ms(lambda req=req, mat=mat: mat.materialize(req), args.repeat)
             rows_a.append((family, n, f"{media_share(req):.0%}", len(req.mm.items), t_base, t_mat))
             frames = frames_of(req)
             t_codec = median_ms(lambda f=frames: codec_only(f), args.repeat)
-            t_full = median_ms(lambda f=frames: codec_and_materialize(mat, f), args.repeat)
+            t_full = median_ms(lambda f=frames, mat=mat: codec_and_materialize(mat, f), args.repeat)
             rows_b.append((family, n, t_codec, t_full))
 
     print("### materialize alone vs numpy copy baseline (target <= 5x at 32K and 128K)\n")
@@ -107,15 +108,17 @@ def main() -> None:
     for nbytes in (1 << 20, 16 << 20, 100 << 20):
         buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         view = memoryview(buf).cast("B")
-        t_ref = median_ms(lambda: hashlib.blake2b(view, digest_size=8).digest(), 5)
-        t_ours = median_ms(lambda: feature_hash(view), 5)
+        t_ref = median_ms(lambda view=view: hashlib.blake2b(view, digest_size=8).digest(), 5)
+        t_ours = median_ms(lambda view=view: feature_hash(view), 5)
         tracemalloc.start()
         feature_hash(view)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         mb = nbytes / 1e6
-        print(f"| {nbytes} | {mb / t_ref * 1e3:.0f} | {mb / t_ours * 1e3:.0f} | "
-              f"{t_ours / t_ref:.2f}x | {peak} B |")
+        print(
+            f"| {nbytes} | {mb / t_ref * 1e3:.0f} | {mb / t_ours * 1e3:.0f} | "
+            f"{t_ours / t_ref:.2f}x | {peak} B |"
+        )
 
 
 if __name__ == "__main__":

@@ -61,13 +61,16 @@ def token_request(rid: str, n_tokens: int, grid_hw: int, seed: int = 0) -> Reque
         parts += [text, np.array([VSTART], np.int64)]
         pos += 33
         parts.append(np.full(run, IMAGE, np.int64))
-        items.append(Item(
-            modality=int(Modality.IMAGE),
-            hash=int(rng.integers(0, 2**63, dtype=np.int64)) * 2 + 1,
-            offsets=np.array([[pos, pos + run - 1]], np.int64),
-            side={"image_grid_thw": Tensor.from_numpy(np.array([[1, grid_hw, grid_hw]],
-                                                               np.int64))},
-        ))
+        items.append(
+            Item(
+                modality=int(Modality.IMAGE),
+                hash=int(rng.integers(0, 2**63, dtype=np.int64)) * 2 + 1,
+                offsets=np.array([[pos, pos + run - 1]], np.int64),
+                side={
+                    "image_grid_thw": Tensor.from_numpy(np.array([[1, grid_hw, grid_hw]], np.int64))
+                },
+            )
+        )
         pos += run
         parts.append(np.array([VEND], np.int64))
         pos += 1
@@ -88,14 +91,17 @@ def feature_request(rid: str, total_bytes: int, n_items: int = 4) -> Request:
         start = len(ids)
         ids += [IMAGE] * run + [VEND]
         feature = np.full((per_item // 4 // 256, 256), float(i), np.float32)
-        items.append(Item(
-            modality=int(Modality.IMAGE),
-            hash=0x1234_5678_9ABC_0000 + i,
-            offsets=np.array([[start, start + run - 1]], np.int64),
-            feature=Tensor.from_numpy(feature),
-            side={"image_grid_thw": Tensor.from_numpy(np.array([[1, grid_hw, grid_hw]],
-                                                               np.int64))},
-        ))
+        items.append(
+            Item(
+                modality=int(Modality.IMAGE),
+                hash=0x1234_5678_9ABC_0000 + i,
+                offsets=np.array([[start, start + run - 1]], np.int64),
+                feature=Tensor.from_numpy(feature),
+                side={
+                    "image_grid_thw": Tensor.from_numpy(np.array([[1, grid_hw, grid_hw]], np.int64))
+                },
+            )
+        )
     ids += [7] * 16
     return Request(rid=rid, input_ids=np.array(ids, np.int64), mm=MultimodalInputs(items=items))
 
@@ -139,8 +145,9 @@ async def _serve_mmadmit(workers: int) -> None:
     from mmadmit.profile import load_profile
     from mmadmit.zmq_ingest import ZmqIngest
 
-    pool = MaterializerPool(Materializer(load_profile("qwen3_5")), workers=workers,
-                            max_inflight=256)
+    pool = MaterializerPool(
+        Materializer(load_profile("qwen3_5")), workers=workers, max_inflight=256
+    )
     ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 30)
     endpoint = await ingest.start()
     print("READY", endpoint, flush=True)
@@ -169,7 +176,9 @@ class ServerProcess:
         self.kind = kind
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--serve", kind, "--workers", str(workers)],
-            stdout=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().split()
         if not line or line[0] != "READY":
@@ -213,8 +222,9 @@ class Cell:
         return statistics.median(self.throughputs_rps)
 
 
-async def _drive(sock: zmq.asyncio.Socket, frames_for: Any, n: int, concurrency: int
-                 ) -> tuple[list[float], float, int]:
+async def _drive(
+    sock: zmq.asyncio.Socket, frames_for: Any, n: int, concurrency: int
+) -> tuple[list[float], float, int]:
     """Keep ``concurrency`` requests outstanding until ``n`` replies; match by rid."""
     sent_at: dict[str, float] = {}
     latencies: list[float] = []
@@ -253,8 +263,9 @@ def _frames_factory(template: Request) -> Any:
     return make
 
 
-async def measure_interleaved(endpoints: dict[str, str], template: Request, rounds: int,
-                              n_lat: int, n_tp: int, conc: int) -> dict[str, Cell]:
+async def measure_interleaved(
+    endpoints: dict[str, str], template: Request, rounds: int, n_lat: int, n_tp: int, conc: int
+) -> dict[str, Cell]:
     """Rounds rotate over the servers, so load from elsewhere on the machine
     hits every server alike (the run shares 2 cores with whatever else runs)."""
     ctx = zmq.asyncio.Context()
@@ -271,7 +282,7 @@ async def measure_interleaved(endpoints: dict[str, str], template: Request, roun
         for kind in kinds:
             await _drive(socks[kind], make, 2, 1)  # warm up
         for r in range(rounds):
-            for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
                 cell = cells[kind]
                 lat, _, ok1 = await _drive(socks[kind], make, n_lat, 1)
                 _, elapsed, ok2 = await _drive(socks[kind], make, n_tp, conc)
@@ -309,9 +320,12 @@ def main() -> None:
     }
     for name, (req, *_rest) in workloads.items():
         n_items = len(req.mm.items) if req.mm else 0
-        print(f"# {name}: {len(req.input_ids)} tokens, {n_items} items, "
-              f"{sum(len(memoryview(f)) for f in wire.encode_request(req)) / 2**20:.1f} MiB "
-              "on the wire", flush=True)
+        print(
+            f"# {name}: {len(req.input_ids)} tokens, {n_items} items, "
+            f"{sum(len(memoryview(f)) for f in wire.encode_request(req)) / 2**20:.1f} MiB "
+            "on the wire",
+            flush=True,
+        )
     kinds = ("echo", "codec", "mmadmit")
     servers = []
     results: dict[tuple[str, str], Cell] = {}
@@ -328,36 +342,50 @@ def main() -> None:
                 if cell.ok != cell.sent:
                     raise SystemExit(f"{kind}/{name}: {cell.sent - cell.ok} replies not OK")
                 results[(kind, name)] = cell
-                print(f"# {kind:8s} {name:17s} median {cell.median_ms:8.2f} ms  "
-                      f"p99 {cell.p99_ms:8.2f} ms  {cell.throughput_rps:8.1f} req/s", flush=True)
+                print(
+                    f"# {kind:8s} {name:17s} median {cell.median_ms:8.2f} ms  "
+                    f"p99 {cell.p99_ms:8.2f} ms  {cell.throughput_rps:8.1f} req/s",
+                    flush=True,
+                )
     finally:
         for server in servers:
             server.close()
 
     print()
     print("command: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
-    print(f"cpus: {os.cpu_count()}, mmadmit workers: {args.workers}; latency at concurrency 1, "
-          "throughput (median of rounds) at the concurrency shown; servers interleaved per "
-          f"round; total {time.perf_counter() - started:.0f}s")
+    print(
+        f"cpus: {os.cpu_count()}, mmadmit workers: {args.workers}; latency at concurrency 1, "
+        "throughput (median of rounds) at the concurrency shown; servers interleaved per "
+        f"round; total {time.perf_counter() - started:.0f}s"
+    )
     print()
     print("| workload | server | median ms | p99 ms | req/s (conc) |")
     print("|---|---|---:|---:|---:|")
     for name, (_, _, _, _, conc) in workloads.items():
         for kind in ("echo", "codec", "mmadmit"):
             c = results[(kind, name)]
-            print(f"| {name} | {kind} | {c.median_ms:.2f} | {c.p99_ms:.2f} | "
-                  f"{c.throughput_rps:.1f} ({conc}) |")
+            print(
+                f"| {name} | {kind} | {c.median_ms:.2f} | {c.p99_ms:.2f} | "
+                f"{c.throughput_rps:.1f} ({conc}) |"
+            )
     print()
-    print("| workload | baseline | median ratio (mmadmit / baseline) | throughput ratio | "
-          f"target (median <= {TARGET}x) |")
+    print(
+        "| workload | baseline | median ratio (mmadmit / baseline) | throughput ratio | "
+        f"target (median <= {TARGET}x) |"
+    )
     print("|---|---|---:|---:|---|")
-    for name, baseline in (("8K tokens", "codec"), ("128K tokens", "codec"),
-                           ("100 MiB features", "echo")):
+    for name, baseline in (
+        ("8K tokens", "codec"),
+        ("128K tokens", "codec"),
+        ("100 MiB features", "echo"),
+    ):
         m, b = results[("mmadmit", name)], results[(baseline, name)]
         ratio = m.median_ms / b.median_ms
         verdict = "met" if ratio <= TARGET else "MISSED"
-        print(f"| {name} | {baseline} | {ratio:.2f} | {m.throughput_rps / b.throughput_rps:.2f} "
-              f"| {verdict} |")
+        print(
+            f"| {name} | {baseline} | {ratio:.2f} | {m.throughput_rps / b.throughput_rps:.2f} "
+            f"| {verdict} |"
+        )
 
 
 if __name__ == "__main__":

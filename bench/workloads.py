@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.profile import ModelProfile, load_profile
@@ -27,8 +26,15 @@ def _feature(rows: int, nbytes: int | None = None) -> Tensor:
     return Tensor.from_numpy(np.ones((rows, 2), np.float32))
 
 
-def build_request(profile: ModelProfile, n: int, *, seed: int = 0, media_fraction: float = 0.7,
-                  feature_bytes: int | None = None, with_hash: bool = True) -> Request:
+def build_request(
+    profile: ModelProfile,
+    n: int,
+    *,
+    seed: int = 0,
+    media_fraction: float = 0.7,
+    feature_bytes: int | None = None,
+    with_hash: bool = True,
+) -> Request:
     """An n-token request for a Qwen3.5 or Qwen3-Omni profile (see module docstring)."""
     rng = np.random.default_rng(seed)
     omni = profile.audio_token_id is not None
@@ -52,10 +58,15 @@ def build_request(profile: ModelProfile, n: int, *, seed: int = 0, media_fractio
                 break
             ids[pos - 1] = profile.vision_start_token_id or 0
             ids[pos : pos + length] = profile.image_token_id
-            items.append(Item(int(Modality.IMAGE), hash=int(rng.integers(0, 2**63)),
-                              offsets=np.array([[pos, pos + length - 1]], np.int64),
-                              feature=_feature(length * 4, feature_bytes),
-                              side=_grid("image_grid_thw", 1, side_img, side_img)))
+            items.append(
+                Item(
+                    int(Modality.IMAGE),
+                    hash=int(rng.integers(0, 2**63)),
+                    offsets=np.array([[pos, pos + length - 1]], np.int64),
+                    feature=_feature(length * 4, feature_bytes),
+                    side=_grid("image_grid_thw", 1, side_img, side_img),
+                )
+            )
         elif kind == 1:  # video of 4 frames
             frames, per = 4, per_frame
             length = frames * per + (frames * 8 if not omni else 0)
@@ -75,24 +86,36 @@ def build_request(profile: ModelProfile, n: int, *, seed: int = 0, media_fractio
             side = _grid("video_grid_thw", frames, side_vid, side_vid)
             if omni:
                 side["video_second_per_grid"] = Tensor.from_numpy(np.array([1.0], np.float32))
-            items.append(Item(int(Modality.VIDEO), hash=int(rng.integers(0, 2**63)),
-                              offsets=np.array(spans, np.int64),
-                              feature=_feature(frames * per * 4, feature_bytes), side=side))
+            items.append(
+                Item(
+                    int(Modality.VIDEO),
+                    hash=int(rng.integers(0, 2**63)),
+                    offsets=np.array(spans, np.int64),
+                    feature=_feature(frames * per * 4, feature_bytes),
+                    side=side,
+                )
+            )
         else:  # audio 100 tokens
             length = 100
             if pos + length + 16 >= n:
                 break
             ids[pos : pos + length] = profile.audio_token_id
-            items.append(Item(int(Modality.AUDIO), hash=int(rng.integers(0, 2**63)),
-                              offsets=np.array([[pos, pos + length - 1]], np.int64),
-                              feature=_feature(length * 4, feature_bytes)))
+            items.append(
+                Item(
+                    int(Modality.AUDIO),
+                    hash=int(rng.integers(0, 2**63)),
+                    offsets=np.array([[pos, pos + length - 1]], np.int64),
+                    feature=_feature(length * 4, feature_bytes),
+                )
+            )
         used += length
         pos += length + 8
     if not with_hash:
         for item in items:
             item.hash = None
-    mm = MultimodalInputs(items=items, im_token_id=profile.image_token_id,
-                          video_token_id=profile.video_token_id)
+    mm = MultimodalInputs(
+        items=items, im_token_id=profile.image_token_id, video_token_id=profile.video_token_id
+    )
     return Request(rid=f"bench-{n}-{seed}", input_ids=ids, mm=mm)
 
 
@@ -106,6 +129,9 @@ def frames_of(req: Request) -> list[Any]:
 
 def media_share(req: Request) -> float:
     assert req.mm is not None
-    total = sum(int((it.offsets[:, 1] - it.offsets[:, 0] + 1).sum()) for it in req.mm.items
-                if it.offsets is not None)
+    total = sum(
+        int((it.offsets[:, 1] - it.offsets[:, 0] + 1).sum())
+        for it in req.mm.items
+        if it.offsets is not None
+    )
     return total / len(req.input_ids)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from mmadmit.config import ServeConfig, build_config, env_name
 from mmadmit.errors import ConfigError
 from mmadmit.profile import Family
@@ -19,9 +18,18 @@ def test_defaults_match_cli_md() -> None:
     c = build_config({}, environ={})
     assert c == ServeConfig()
     assert (c.model, c.role, c.grpc_listen, c.zmq_listen, c.metrics_listen) == (
-        "qwen2_5_vl", "aggregated", "127.0.0.1:50051", "tcp://127.0.0.1:5557", "127.0.0.1:9464")
+        "qwen2_5_vl",
+        "aggregated",
+        "127.0.0.1:50051",
+        "tcp://127.0.0.1:5557",
+        "127.0.0.1:9464",
+    )
     assert (c.max_inflight, c.max_tokens, c.max_items) == (64, 262144, 256)
-    assert (c.max_tensor_bytes, c.max_message_bytes, c.drain_timeout) == (536870912, 1073741824, 10.0)
+    assert (c.max_tensor_bytes, c.max_message_bytes, c.drain_timeout) == (
+        536870912,
+        1073741824,
+        10.0,
+    )
     assert c.load_profile().family is Family.QWEN2_5_VL
 
 
@@ -60,7 +68,11 @@ def test_unknown_model_is_a_config_error() -> None:
 
 
 def test_cli_exits_2_with_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mmadmit", "serve", "--max-inflight", "-3"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmadmit", "serve", "--max-inflight", "-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--max-inflight" in proc.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import load_vector, vector_names
-
 from mmadmit import wire
 from mmadmit.devices import HostStream, TorchArrayOps, resolve_device
 from mmadmit.errors import ConfigError
@@ -56,9 +55,8 @@ def test_torch_ops_on_host_stream_match_numpy_on_every_vector(name: str) -> None
 
 
 def test_torch_ops_match_numpy_on_generated_prompts() -> None:
-    from prompt_gen import gen_prompt  # the oracle tests' seeded prompt generator
-
     from mmadmit import mrope
+    from prompt_gen import gen_prompt  # the oracle tests' seeded prompt generator
 
     ops = TorchArrayOps("cpu")
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_omni_moe"):
@@ -82,7 +80,7 @@ def test_substitute_identical_and_input_untouched() -> None:
         values = rng.integers(10**6, 2 * 10**6, n_spans)
         got = TorchArrayOps("cpu").substitute(ids, starts, stops, values)
         want = ids.copy()
-        for a, b, v in zip(starts, stops, values):
+        for a, b, v in zip(starts, stops, values, strict=True):
             want[a:b] = v
         assert np.array_equal(got, want)
         assert np.array_equal(CPU_OPS.substitute(ids, starts, stops, values), want)

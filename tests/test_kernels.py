@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mmadmit import kernels, mrope
 from mmadmit.mrope import RunPlan
 
@@ -35,15 +34,21 @@ def random_plan(rng: np.random.Generator) -> tuple[int, RunPlan]:
         rows.append(h)
         cols.append(w)
         mode = rng.integers(0, 3)
-        idx = (np.arange(t) if mode == 0 else np.zeros(t, int) if mode == 1
-               else np.trunc(np.arange(t) * 6.5).astype(int))
+        idx = (
+            np.arange(t)
+            if mode == 0
+            else np.zeros(t, int)
+            if mode == 1
+            else np.trunc(np.arange(t) * 6.5).astype(int)
+        )
         parts.append(idx.astype(np.int64))
         pos += t * h * w + int(rng.integers(0, 3))  # 0: adjacent runs
     n = max(1, pos + int(rng.integers(0, 3)))
     a = lambda x: np.asarray(x, np.int64)  # noqa: E731
     t_off = np.cumsum([0, *frames[:-1]]).astype(np.int64) if k else a([])
-    return n, RunPlan(a(starts), a(frames), a(rows), a(cols), t_off,
-                      np.concatenate(parts) if k else a([]))
+    return n, RunPlan(
+        a(starts), a(frames), a(rows), a(cols), t_off, np.concatenate(parts) if k else a([])
+    )
 
 
 @native
@@ -58,20 +63,27 @@ def test_positions_native_equals_numpy_on_random_plans() -> None:
 
 def test_spans_native_and_fallback_agree(fallback) -> None:
     rng = np.random.default_rng(11)
-    for trial in range(300):
+    for _ in range(300):
         n = int(rng.integers(1, 400))
-        cuts = np.sort(rng.choice(np.arange(n + 1), size=min(n + 1, 2 * int(rng.integers(0, 8))) // 2 * 2, replace=False))
+        cuts = np.sort(
+            rng.choice(
+                np.arange(n + 1),
+                size=min(n + 1, 2 * int(rng.integers(0, 8))) // 2 * 2,
+                replace=False,
+            )
+        )
         starts, stops = cuts[0::2].astype(np.int64), cuts[1::2].astype(np.int64)
         ids = rng.integers(0, 5, n).astype(np.int64)
         expected = rng.integers(0, 3, len(starts)).astype(np.int64)
         for k in range(len(starts)):  # mostly valid spans
             if rng.random() < 0.8:
-                ids[starts[k]:stops[k]] = expected[k]
+                ids[starts[k] : stops[k]] = expected[k]
         values = rng.integers(10**6, 10**7, len(starts)).astype(np.int64)
-        want_bad = next((k for k in range(len(starts))
-                         if (ids[starts[k]:stops[k]] != expected[k]).any()), -1)
+        want_bad = next(
+            (k for k in range(len(starts)) if (ids[starts[k] : stops[k]] != expected[k]).any()), -1
+        )
         want_fill = ids.copy()
-        for a, b, v in zip(starts, stops, values):
+        for a, b, v in zip(starts, stops, values, strict=True):
             want_fill[a:b] = v
         assert fallback.first_mismatch(ids, starts, stops, expected) == want_bad
         assert np.array_equal(fallback.fill_spans(ids, starts, stops, values), want_fill)
@@ -92,7 +104,7 @@ def test_fill_many_spans_uses_difference_arrays(fallback) -> None:
     values = np.arange(len(starts), dtype=np.int64) + 10**6
     ids = np.arange(n, dtype=np.int64)
     want = ids.copy()
-    for a, b, v in zip(starts, stops, values):
+    for a, b, v in zip(starts, stops, values, strict=True):
         want[a:b] = v
     assert np.array_equal(fallback.fill_spans(ids, starts, stops, values), want)
 

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized, Request
@@ -50,8 +49,12 @@ def _req(rid: str, n: int = 16) -> Request:
 
 
 def _pool(hold: Hold, workers: int = 1, max_inflight: int = 2) -> MaterializerPool:
-    return MaterializerPool(Materializer(load_profile("llama")), workers=workers,
-                            max_inflight=max_inflight, before_run=hold)
+    return MaterializerPool(
+        Materializer(load_profile("llama")),
+        workers=workers,
+        max_inflight=max_inflight,
+        before_run=hold,
+    )
 
 
 async def test_burst_gets_exactly_one_outcome_each_some_overloaded(hold: Hold) -> None:

@@ -134,11 +134,16 @@ async def service() -> AsyncIterator[Factory]:
     """``await service(family, **kw)`` -> a started :class:`Service`; all torn down."""
     made: list[Service] = []
 
-    async def make(family: str = "qwen3_5", *, workers: int = 2, max_inflight: int = 64,
-                   **ingest_kw: Any) -> Service:
+    async def make(
+        family: str = "qwen3_5", *, workers: int = 2, max_inflight: int = 64, **ingest_kw: Any
+    ) -> Service:
         gate = Gate()
-        pool = MaterializerPool(Materializer(load_profile(str(MODEL_CONFIG[family]))),
-                                workers=workers, max_inflight=max_inflight, before_run=gate)
+        pool = MaterializerPool(
+            Materializer(load_profile(str(MODEL_CONFIG[family]))),
+            workers=workers,
+            max_inflight=max_inflight,
+            before_run=gate,
+        )
         ingest_kw.setdefault("max_message_bytes", 64 << 20)
         ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
         svc = Service(pool, ingest, "", gate)
@@ -170,8 +175,9 @@ def dealer(net: Sockets, endpoint: str, identity: bytes | None = None) -> zmq.as
     return sock
 
 
-async def pull_at(net: Sockets, endpoint: str = "tcp://127.0.0.1:0"
-                  ) -> tuple[zmq.asyncio.Socket, str]:
+async def pull_at(
+    net: Sockets, endpoint: str = "tcp://127.0.0.1:0"
+) -> tuple[zmq.asyncio.Socket, str]:
     sock = net.socket(zmq.PULL)
     sock.bind(endpoint)
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -245,17 +251,18 @@ def assert_matches_vector(req: Request, v: Vector) -> None:
         return
     assert req.mm is not None
     items = req.mm.items
-    assert [it.pad_value if it.pad_value is not None else -1 for it in items] == \
-        a["item_pad_values"].tolist()
-    for it, want, none in zip(items, a["item_hashes"].tolist(), a["item_hash_is_none"].tolist(),
-                              strict=True):
+    assert [it.pad_value if it.pad_value is not None else -1 for it in items] == a[
+        "item_pad_values"
+    ].tolist()
+    for it, want, none in zip(
+        items, a["item_hashes"].tolist(), a["item_hash_is_none"].tolist(), strict=True
+    ):
         assert (it.hash is None) if none else (it.hash == want)
     rows = [[i, int(s), int(e)] for i, it in enumerate(items) for s, e in it.offsets.tolist()]
     assert sorted(rows) == sorted(a["item_offsets"].tolist())
     assert req.mm.mrope_positions is not None and req.mm.mrope_position_delta is not None
     np.testing.assert_array_equal(req.mm.mrope_positions.to_numpy(), a["mrope_positions"])
-    np.testing.assert_array_equal(req.mm.mrope_position_delta.to_numpy(),
-                                  a["mrope_position_delta"])
+    np.testing.assert_array_equal(req.mm.mrope_position_delta.to_numpy(), a["mrope_position_delta"])
     assert req.mm.mrope_position_delta_scalar == int(a["mrope_position_delta"].reshape(-1)[0])
 
 
@@ -292,8 +299,7 @@ async def test_vector_reply_mode(service: Factory, name: str) -> None:
 
 @needs_vectors
 @pytest.mark.parametrize("family", sorted(MODEL_CONFIG))
-async def test_vectors_forward_mode(service: Factory, zctx: Sockets,
-                                    family: str) -> None:
+async def test_vectors_forward_mode(service: Factory, zctx: Sockets, family: str) -> None:
     pull, address = await pull_at(zctx)
     svc = await service(family, forward=address)
     vectors = [load_vector(n) for n in VECTORS if load_vector(n).meta["family"] == family]
@@ -368,15 +374,27 @@ def _bad_cases() -> dict[str, tuple[Callable[[], list[Any]], str, bool]]:
         "bad_type_byte": (lambda: [b"\x07", *small().frames[1:]], "INVALID_REQUEST", True),
         "one_frame": (lambda: [b"\x00"], "INVALID_REQUEST", False),
         "undecodable_msgpack": (lambda: [b"\x00", b"\xc1\xc1\xc1"], "INVALID_REQUEST", False),
-        "wrong_tag": (lambda: [b"\x00", _payload_with(small(), 0, "SomethingElse"),
-                               *small().frames[2:]], "INVALID_REQUEST", True),
+        "wrong_tag": (
+            lambda: [b"\x00", _payload_with(small(), 0, "SomethingElse"), *small().frames[2:]],
+            "INVALID_REQUEST",
+            True,
+        ),
         "missing_aux_frame": (lambda: small().frames[:-1], "INVALID_REQUEST", True),
-        "pickle_ext": (lambda: [b"\x00", _payload_with(small(), 13, msgspec.msgpack.Ext(1, b"x")),
-                                *small().frames[2:]], "INVALID_REQUEST", True),
-        "tensor_bytes_mismatch": (lambda: [*small().frames[:-1], bytes(small().frames[-1])[:-8]],
-                                  "INVALID_REQUEST", True),
-        "over_max_message_bytes": (lambda: load_vector("qwen3_5_image1").frames, "TOO_LARGE",
-                                   True),
+        "pickle_ext": (
+            lambda: [
+                b"\x00",
+                _payload_with(small(), 13, msgspec.msgpack.Ext(1, b"x")),
+                *small().frames[2:],
+            ],
+            "INVALID_REQUEST",
+            True,
+        ),
+        "tensor_bytes_mismatch": (
+            lambda: [*small().frames[:-1], bytes(small().frames[-1])[:-8]],
+            "INVALID_REQUEST",
+            True,
+        ),
+        "over_max_message_bytes": (lambda: load_vector("qwen3_5_image1").frames, "TOO_LARGE", True),
     }
 
 
@@ -385,8 +403,7 @@ BAD = _bad_cases()
 
 @needs_vectors
 @pytest.mark.parametrize("case", sorted(BAD))
-async def test_bad_input_is_aborted_and_service_keeps_serving(service: Factory,
-                                                              case: str) -> None:
+async def test_bad_input_is_aborted_and_service_keeps_serving(service: Factory, case: str) -> None:
     build, code, recoverable = BAD[case]
     svc = await service("qwen3_5", max_message_bytes=200_000)  # image1 is 295 KB
     frames = build()
@@ -404,8 +421,7 @@ async def test_bad_input_is_aborted_and_service_keeps_serving(service: Factory,
     assert svc.ingest.stats.aborted_by_code == {code: 1}
 
 
-async def test_malformed_abort_is_dropped_without_reply(service: Factory,
-                                                        zctx: Sockets) -> None:
+async def test_malformed_abort_is_dropped_without_reply(service: Factory, zctx: Sockets) -> None:
     svc = await service("llama")
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart([b"\x01", b"\xc1"])  # undecodable
@@ -422,7 +438,8 @@ async def test_malformed_abort_is_dropped_without_reply(service: Factory,
 
 @needs_vectors
 async def test_abort_cancels_queued_and_running_with_one_reply_each(
-        service: Factory, zctx: Sockets) -> None:
+    service: Factory, zctx: Sockets
+) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5", workers=1)
     sock = dealer(zctx, svc.endpoint)
@@ -449,7 +466,8 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
 
 @needs_vectors
 async def test_duplicate_rid_in_flight_is_refused_first_completes(
-        service: Factory, zctx: Sockets) -> None:
+    service: Factory, zctx: Sockets
+) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5")
     sock = dealer(zctx, svc.endpoint)
@@ -474,8 +492,10 @@ async def test_duplicate_rid_in_flight_is_refused_first_completes(
 async def test_same_rid_from_two_peers_both_succeed(service: Factory) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5", workers=2)
-    async with AsyncZmqClient(svc.endpoint, identity=b"peer-a") as a, \
-            AsyncZmqClient(svc.endpoint, identity=b"peer-b") as b:
+    async with (
+        AsyncZmqClient(svc.endpoint, identity=b"peer-a") as a,
+        AsyncZmqClient(svc.endpoint, identity=b"peer-b") as b,
+    ):
         jobs = [asyncio.ensure_future(c.admit(frames_of(v, "hold-same"))) for c in (a, b)]
         await until(lambda: len(svc.gate.started) == 2)  # both in flight at once
         svc.gate.open()
@@ -485,8 +505,7 @@ async def test_same_rid_from_two_peers_both_succeed(service: Factory) -> None:
 
 
 @needs_vectors
-async def test_forward_mode_abort_goes_after_marked_add(service: Factory,
-                                                        zctx: Sockets) -> None:
+async def test_forward_mode_abort_goes_after_marked_add(service: Factory, zctx: Sockets) -> None:
     v = load_vector(SMALL)
     pull, address = await pull_at(zctx)
     svc = await service("qwen3_5", workers=1, forward=address)
@@ -500,8 +519,10 @@ async def test_forward_mode_abort_goes_after_marked_add(service: Factory,
     seen = [forwarded(await recv(pull)) for _ in range(4)]
     svc.gate.open()
     order = [(kind, req.rid if kind == "ADD" else tuple(req)) for kind, req in seen]
-    for rid, abort_msg in (("hold-queued", ("hold-queued", "ghost")),
-                           ("hold-running", ("hold-running",))):
+    for rid, abort_msg in (
+        ("hold-queued", ("hold-queued", "ghost")),
+        ("hold-running", ("hold-running",)),
+    ):
         assert order.index(("ADD", rid)) < order.index(("ABORT", abort_msg)), order
     for kind, req in seen:
         if kind == "ADD":
@@ -515,8 +536,9 @@ async def test_forward_mode_abort_goes_after_marked_add(service: Factory,
 
 
 @needs_vectors
-async def test_forward_mode_duplicate_goes_after_the_original(service: Factory,
-                                                              zctx: Sockets) -> None:
+async def test_forward_mode_duplicate_goes_after_the_original(
+    service: Factory, zctx: Sockets
+) -> None:
     v = load_vector(SMALL)
     pull, address = await pull_at(zctx)
     svc = await service("qwen3_5", forward=address)
@@ -535,8 +557,7 @@ async def test_forward_mode_duplicate_goes_after_the_original(service: Factory,
 
 
 @needs_vectors
-async def test_worker_failure_still_gets_exactly_one_reply(service: Factory,
-                                                           zctx: Sockets) -> None:
+async def test_worker_failure_still_gets_exactly_one_reply(service: Factory, zctx: Sockets) -> None:
     svc = await service("qwen3_5")
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(frames_of(load_vector(SMALL), "boom-1"), copy=False)
@@ -587,7 +608,8 @@ async def test_draining_answers_shutting_down_and_finishes_in_flight(service: Fa
 
 @needs_vectors
 async def test_reply_to_gone_peer_is_retried_then_undeliverable(
-        service: Factory, zctx: Sockets) -> None:
+    service: Factory, zctx: Sockets
+) -> None:
     svc = await service("qwen3_5", send_timeout_s=0.3)
     router = svc.ingest._res.router
     monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -608,7 +630,8 @@ async def test_reply_to_gone_peer_is_retried_then_undeliverable(
 
 @needs_vectors
 async def test_forward_back_pressure_stops_intake_and_drops_nothing(
-        service: Factory, zctx: Sockets) -> None:
+    service: Factory, zctx: Sockets
+) -> None:
     probe, address = await pull_at(zctx)  # reserve a port, then free it: nobody listens
     probe.close(linger=0)
     v = load_vector(SMALL)
@@ -631,8 +654,7 @@ async def test_forward_back_pressure_stops_intake_and_drops_nothing(
 
 
 @needs_vectors
-async def test_forward_stop_counts_undelivered(service: Factory,
-                                               zctx: Sockets) -> None:
+async def test_forward_stop_counts_undelivered(service: Factory, zctx: Sockets) -> None:
     probe, address = await pull_at(zctx)
     probe.close(linger=0)
     svc = await service("qwen3_5", forward=address)
@@ -649,7 +671,8 @@ async def test_forward_stop_counts_undelivered(service: Factory,
 
 @pytest.mark.parametrize("mode", ["reply", "forward"])
 async def test_large_features_leave_from_the_received_buffers(
-        service: Factory, zctx: Sockets, mode: str) -> None:
+    service: Factory, zctx: Sockets, mode: str
+) -> None:
     sent: list[list[Any]] = []
     forward = None
     if mode == "forward":
@@ -693,8 +716,9 @@ async def test_start_failure_releases_everything(zctx: Sockets) -> None:
             await busy.start()  # address in use
         await busy.stop(0.1)
         # half-way: the ROUTER binds, then the PUSH address is unusable
-        half = ZmqIngest(pool, listen="tcp://127.0.0.1:0", forward="nonsense://x",
-                         max_message_bytes=1 << 20)
+        half = ZmqIngest(
+            pool, listen="tcp://127.0.0.1:0", forward="nonsense://x", max_message_bytes=1 << 20
+        )
         with pytest.raises(zmq.ZMQError):
             await half.start()
         assert half._res.router is not None and half._res.router.closed
@@ -754,4 +778,3 @@ async def test_client_states_errors_and_sync_twin(service: Factory) -> None:
         return ok.status, bad.abort_code
 
     assert await asyncio.to_thread(blocking) == ("materialized", "INVALID_REQUEST")
-

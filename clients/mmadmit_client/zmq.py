@@ -102,19 +102,21 @@ def decode_reply(frames: Sequence[Any]) -> tuple[str, ZmqOutcome | ProtocolError
         err.__cause__ = exc
         return exc.rid, err
     if status == bytes([wire.STATUS_MATERIALIZED]):
-        return request.rid, ZmqOutcome("materialized", request.rid, request, None, None,
-                                       list(frames))
+        return request.rid, ZmqOutcome(
+            "materialized", request.rid, request, None, None, list(frames)
+        )
     if status == bytes([wire.STATUS_ABORTED]):
         code, message = parse_validation_error(request.validation_error or "")
-        return request.rid, ZmqOutcome("aborted", request.rid, request, code, message,
-                                       list(frames))
+        return request.rid, ZmqOutcome("aborted", request.rid, request, code, message, list(frames))
     return request.rid, ProtocolError(f"unknown reply status byte {status.hex() or '(empty)'}")
 
 
 def _frames_of(request_or_frames: Request | Sequence[Any]) -> tuple[list[Any], str]:
     if isinstance(request_or_frames, Request):
-        return [bytes([wire.MSG_ADD]), *wire.encode_request(request_or_frames)], \
-            request_or_frames.rid
+        return [
+            bytes([wire.MSG_ADD]),
+            *wire.encode_request(request_or_frames),
+        ], request_or_frames.rid
     frames = list(request_or_frames)
     if not frames:
         raise ValueError("a message needs at least one frame")
@@ -153,8 +155,12 @@ class AsyncZmqClient:
         await self.open()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()
 
     async def open(self) -> None:
@@ -203,14 +209,16 @@ class AsyncZmqClient:
 
     def _check_open(self) -> zmq.asyncio.Socket:
         if self.state is not ClientState.OPENED or self._sock is None:
-            raise ClientStateError(f"the client is {self.state.name}; use it inside "
-                                   "'async with' (or call open())")
+            raise ClientStateError(
+                f"the client is {self.state.name}; use it inside 'async with' (or call open())"
+            )
         return self._sock
 
     # ------------------------------------------------------------------ requests
 
-    async def admit(self, request_or_frames: Request | Sequence[Any], *,
-                    timeout_s: float | None = None) -> ZmqOutcome:
+    async def admit(
+        self, request_or_frames: Request | Sequence[Any], *, timeout_s: float | None = None
+    ) -> ZmqOutcome:
         """Send one ADD (a Request, or raw frames ``[type, payload, *aux]``) and
         return its reply. Raw frames may be anything the service should see,
         malformed ones included (their reply is an abort)."""
@@ -247,8 +255,7 @@ class AsyncZmqClient:
         sock = self._check_open()
         try:
             async with asyncio.timeout(self.timeout_s):
-                await sock.send_multipart([bytes([wire.MSG_ABORT]),
-                                           _ABORT_ENC.encode(list(rids))])
+                await sock.send_multipart([bytes([wire.MSG_ABORT]), _ABORT_ENC.encode(list(rids))])
         except TimeoutError as exc:
             raise ServerUnavailable(f"no connection to {self.address} took the ABORT") from exc
         except zmq.ZMQError as exc:
@@ -296,8 +303,9 @@ class ZmqClient:
     has the answer.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0,
-                 identity: bytes | None = None) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 30.0, identity: bytes | None = None
+    ) -> None:
         self._client = AsyncZmqClient(address, timeout_s=timeout_s, identity=identity)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -310,16 +318,19 @@ class ZmqClient:
         self.open()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None,
-                 exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def open(self) -> None:
         if self.state is not ClientState.UNOPENED:
             raise ClientStateError(f"cannot open a client that is {self.state.name}")
         loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="mmadmit-zmq-client",
-                                  daemon=True)
+        thread = threading.Thread(target=loop.run_forever, name="mmadmit-zmq-client", daemon=True)
         thread.start()
         self._loop, self._thread = loop, thread
         try:
@@ -337,8 +348,9 @@ class ZmqClient:
         finally:
             self._stop_loop()
 
-    def admit(self, request_or_frames: Request | Sequence[Any], *,
-              timeout_s: float | None = None) -> ZmqOutcome:
+    def admit(
+        self, request_or_frames: Request | Sequence[Any], *, timeout_s: float | None = None
+    ) -> ZmqOutcome:
         return self._call(self._client.admit(request_or_frames, timeout_s=timeout_s))
 
     def abort(self, *rids: str) -> None:

@@ -79,24 +79,90 @@ def _choice(options: Sequence[str]) -> Callable[[str], str]:
 class ServeConfig:
     """Settings of ``mmadmit serve`` (and, for the model part, ``materialize``)."""
 
-    model: str = field(default="qwen2_5_vl", metadata={"help": "built-in profile (" + ", ".join(PRESETS) + ") or a config.json path/dir"})
-    role: Role = field(default="aggregated", metadata={"parse": _choice(ROLES), "help": "aggregated, prefill or decode"})
-    language_model_only: bool = field(default=False, metadata={"parse": _bool, "flag": True, "help": "the engine serves only the language half of a multimodal checkpoint"})
-    max_model_len: int | None = field(default=None, metadata={"parse": _positive_int, "help": "reject longer prompts (TOO_LARGE)"})
-    grpc_listen: str = field(default="127.0.0.1:50051", metadata={"parse": _host_port, "help": "gRPC HOST:PORT, or off"})
-    zmq_listen: str = field(default="tcp://127.0.0.1:5557", metadata={"parse": _zmq_addr, "help": "ZMQ ROUTER endpoint (reply mode), or off"})
-    zmq_forward: str | None = field(default=None, metadata={"parse": _zmq_addr, "help": "PUSH endpoint for forward mode"})
-    metrics_listen: str = field(default="127.0.0.1:9464", metadata={"parse": _host_port, "help": "Prometheus /metrics HOST:PORT, or off"})
-    device: DeviceChoice = field(default="auto", metadata={"parse": _choice(("auto", "cpu", "cuda")), "help": "auto (CUDA when present), cpu or cuda"})
-    workers: int | None = field(default=None, metadata={"parse": _positive_int, "help": "materializer workers (default 2 on CPU, 4 with CUDA)"})
-    max_inflight: int = field(default=64, metadata={"parse": _positive_int, "help": "admitted requests in flight before OVERLOADED"})
-    max_tokens: int = field(default=262_144, metadata={"parse": _positive_int, "help": "tokens per request"})
-    max_items: int = field(default=256, metadata={"parse": _positive_int, "help": "multimodal items per request"})
-    max_tensor_bytes: int = field(default=536_870_912, metadata={"parse": _positive_int, "help": "bytes of one tensor"})
-    max_message_bytes: int = field(default=1_073_741_824, metadata={"parse": _positive_int, "help": "bytes of one received message (gRPC receive limit too)"})
-    cuda_min_tokens: int = field(default=32_768, metadata={"parse": _positive_int, "help": "requests shorter than this stay on the CPU path even with CUDA"})
-    drain_timeout: float = field(default=10.0, metadata={"parse": _nonneg_float, "help": "seconds to finish in-flight work on SIGTERM"})
-    log_level: LogLevel = field(default="info", metadata={"parse": _choice(("debug", "info", "warning", "error")), "help": "log level"})
+    model: str = field(
+        default="qwen2_5_vl",
+        metadata={
+            "help": "built-in profile (" + ", ".join(PRESETS) + ") or a config.json path/dir"
+        },
+    )
+    role: Role = field(
+        default="aggregated",
+        metadata={"parse": _choice(ROLES), "help": "aggregated, prefill or decode"},
+    )
+    language_model_only: bool = field(
+        default=False,
+        metadata={
+            "parse": _bool,
+            "flag": True,
+            "help": "the engine serves only the language half of a multimodal checkpoint",
+        },
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"parse": _positive_int, "help": "reject longer prompts (TOO_LARGE)"}
+    )
+    grpc_listen: str = field(
+        default="127.0.0.1:50051", metadata={"parse": _host_port, "help": "gRPC HOST:PORT, or off"}
+    )
+    zmq_listen: str = field(
+        default="tcp://127.0.0.1:5557",
+        metadata={"parse": _zmq_addr, "help": "ZMQ ROUTER endpoint (reply mode), or off"},
+    )
+    zmq_forward: str | None = field(
+        default=None, metadata={"parse": _zmq_addr, "help": "PUSH endpoint for forward mode"}
+    )
+    metrics_listen: str = field(
+        default="127.0.0.1:9464",
+        metadata={"parse": _host_port, "help": "Prometheus /metrics HOST:PORT, or off"},
+    )
+    device: DeviceChoice = field(
+        default="auto",
+        metadata={
+            "parse": _choice(("auto", "cpu", "cuda")),
+            "help": "auto (CUDA when present), cpu or cuda",
+        },
+    )
+    workers: int | None = field(
+        default=None,
+        metadata={
+            "parse": _positive_int,
+            "help": "materializer workers (default 2 on CPU, 4 with CUDA)",
+        },
+    )
+    max_inflight: int = field(
+        default=64,
+        metadata={"parse": _positive_int, "help": "admitted requests in flight before OVERLOADED"},
+    )
+    max_tokens: int = field(
+        default=262_144, metadata={"parse": _positive_int, "help": "tokens per request"}
+    )
+    max_items: int = field(
+        default=256, metadata={"parse": _positive_int, "help": "multimodal items per request"}
+    )
+    max_tensor_bytes: int = field(
+        default=536_870_912, metadata={"parse": _positive_int, "help": "bytes of one tensor"}
+    )
+    max_message_bytes: int = field(
+        default=1_073_741_824,
+        metadata={
+            "parse": _positive_int,
+            "help": "bytes of one received message (gRPC receive limit too)",
+        },
+    )
+    cuda_min_tokens: int = field(
+        default=32_768,
+        metadata={
+            "parse": _positive_int,
+            "help": "requests shorter than this stay on the CPU path even with CUDA",
+        },
+    )
+    drain_timeout: float = field(
+        default=10.0,
+        metadata={"parse": _nonneg_float, "help": "seconds to finish in-flight work on SIGTERM"},
+    )
+    log_level: LogLevel = field(
+        default="info",
+        metadata={"parse": _choice(("debug", "info", "warning", "error")), "help": "log level"},
+    )
 
     @property
     def limits(self) -> Limits:
@@ -123,18 +189,27 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
+def add_config_arguments(
+    parser: argparse.ArgumentParser, fields: Sequence[str] | None = None
+) -> None:
     """Add one flag per config field; values stay raw strings until :func:`build_config`."""
     for f in dataclasses.fields(ServeConfig):
         if fields is not None and f.name not in fields:
             continue
         help_text = f"{f.metadata.get('help', '')} (env {env_name(f.name)}; default {f.default})"
         if f.metadata.get("flag"):
-            parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const="1",
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                action="store_const",
+                const="1",
+                default=None,
+                help=help_text,
+            )
         else:
-            parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar="VALUE",
-                                help=help_text)
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, default=None, metavar="VALUE", help=help_text
+            )
 
 
 def build_config(

@@ -183,7 +183,9 @@ def resolve_device(choice: str) -> str:
         return "cpu"
     has_cuda = cuda_available()
     if choice == "cuda" and not has_cuda:
-        raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        raise ConfigError(
+            "--device cuda: no CUDA device is available (torch.cuda.is_available() is False)"
+        )
     return "cuda" if has_cuda else "cpu"
 
 

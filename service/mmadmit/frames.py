@@ -41,5 +41,9 @@ def parse_frames(blob: bytes | memoryview) -> list[memoryview]:
 
 def pack_frames(frames: Sequence[Any]) -> bytes:
     views = [memoryview(f).cast("B") if not isinstance(f, bytes) else f for f in frames]
-    head = MAGIC + struct.pack("<I", len(views)) + struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
+    head = (
+        MAGIC
+        + struct.pack("<I", len(views))
+        + struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
+    )
     return head + b"".join(views)

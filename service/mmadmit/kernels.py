@@ -30,14 +30,20 @@ def positions(n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
         return mrope.positions(n, plan)
     out = np.empty((3, n), np.int64)
     delta = _kernels.mrope_fill(
-        out, _i64(plan.start), _i64(plan.frames), _i64(plan.rows), _i64(plan.cols),
-        _i64(plan.t_off), _i64(plan.t_index),
+        out,
+        _i64(plan.start),
+        _i64(plan.frames),
+        _i64(plan.rows),
+        _i64(plan.cols),
+        _i64(plan.t_off),
+        _i64(plan.t_index),
     )
     return out, int(delta)
 
 
-def first_mismatch(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray,
-                   expected: np.ndarray) -> int:
+def first_mismatch(
+    ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, expected: np.ndarray
+) -> int:
     """First span ``k`` holding a token other than ``expected[k]``; -1 when none."""
     if _kernels is not None:
         return int(_kernels.spans_check(_i64(ids), _i64(starts), _i64(stops), _i64(expected)))
@@ -55,8 +61,9 @@ def first_mismatch(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray,
 _SLICE_FILL_MAX_SPANS = 128
 
 
-def fill_spans(ids: np.ndarray, starts: np.ndarray, stops: np.ndarray,
-               values: np.ndarray) -> np.ndarray:
+def fill_spans(
+    ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
+) -> np.ndarray:
     """A copy of ``ids`` with ``ids[starts[k]:stops[k]] = values[k]`` (disjoint spans)."""
     out = np.array(ids, dtype=np.int64, copy=True)
     if _kernels is not None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -88,6 +88,14 @@ class CpuArrayOps:
 CPU_OPS = CpuArrayOps()
 
 
+class _TensorName(NamedTuple):
+    item: int | None
+    key: str
+
+    def __call__(self) -> str:
+        return self.key if self.item is None else f"item {self.item} {self.key}"
+
+
 @dataclass(frozen=True)
 class _SpanTable:
     """Every span of a request, in item order (row ``k`` is span ``k_in_item`` of ``owner``)."""
@@ -103,7 +111,9 @@ class _SpanTable:
         if not any(counts):
             e = np.zeros(0, np.int64)
             return cls(e, e, e, e)
-        sp = np.concatenate([it.offsets for it in items if it.offsets is not None and len(it.offsets)])
+        sp = np.concatenate(
+            [it.offsets for it in items if it.offsets is not None and len(it.offsets)]
+        )
         owner = np.repeat(np.arange(len(items)), counts)
         k_in_item = np.arange(len(sp)) - np.repeat(np.cumsum(counts) - counts, counts)
         return cls(sp[:, 0], sp[:, 1] + 1, owner, k_in_item)
@@ -179,7 +189,9 @@ class Materializer:
             raise _Marked(abort)
         self._check_sizes(req)
         original = req.input_ids_unpadded if req.input_ids_unpadded is not None else req.input_ids
-        self._check_vocab(original, "input_ids_unpadded" if req.input_ids_unpadded is not None else "input_ids")
+        self._check_vocab(
+            original, "input_ids_unpadded" if req.input_ids_unpadded is not None else "input_ids"
+        )
         mm = req.mm
         profile = self.profile
         has_mrope_field = mm is not None and (
@@ -222,7 +234,9 @@ class Materializer:
 
     # ------------------------------------------------------------------ rules
 
-    def _decode_exempt(self, req: Request, mm: MultimodalInputs, original: np.ndarray) -> Materialized:
+    def _decode_exempt(
+        self, req: Request, mm: MultimodalInputs, original: np.ndarray
+    ) -> Materialized:
         self._check_unpadded(req, mm.items)
         if not self.profile.uses_mrope:
             return Materialized(dataclasses.replace(req, mm=None), Rule.DECODE_EXEMPT)
@@ -307,7 +321,9 @@ class Materializer:
         if mm is None:
             return
         if len(mm.items) > lim.max_items:
-            raise TooLarge(f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)")
+            raise TooLarge(
+                f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)"
+            )
         rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
         for what, t in self._tensors(mm):
             if len(t.shape) > rank_max:
@@ -328,18 +344,18 @@ class Materializer:
                 raise TooLarge(f"item {i} feature_shm: rank {len(shm.shape)} exceeds {rank_max}")
 
     @staticmethod
-    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[Callable[[], str], Tensor]]:
-        """Every tensor of a request with a lazily formatted name (names cost on the hot path)."""
+    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[_TensorName, Tensor]]:
+        """Every tensor of a request, named lazily (formatting names costs on the hot path)."""
         if mm.mrope_positions is not None:
-            yield (lambda: "mrope_positions"), mm.mrope_positions
+            yield _TensorName(None, "mrope_positions"), mm.mrope_positions
         if mm.mrope_position_delta is not None:
-            yield (lambda: "mrope_position_delta"), mm.mrope_position_delta
+            yield _TensorName(None, "mrope_position_delta"), mm.mrope_position_delta
         for i, item in enumerate(mm.items):
             if item.feature is not None:
-                yield (lambda i=i: f"item {i} feature"), item.feature
+                yield _TensorName(i, "feature"), item.feature
             for key, value in item.side.items():
                 if isinstance(value, Tensor):
-                    yield (lambda i=i, key=key: f"item {i} {key}"), value
+                    yield _TensorName(i, key), value
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
@@ -416,7 +432,9 @@ class Materializer:
         profile = self.profile
         n = len(original)
         placeholder = {
-            Modality.IMAGE: mm.im_token_id if mm.im_token_id is not None else profile.image_token_id,
+            Modality.IMAGE: mm.im_token_id
+            if mm.im_token_id is not None
+            else profile.image_token_id,
             Modality.VIDEO: mm.video_token_id
             if mm.video_token_id is not None
             else profile.video_token_id,

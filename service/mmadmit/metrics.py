@@ -106,14 +106,19 @@ class MetricsServer:
             data = body.encode()
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+                + data
             )
             await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError,
-                ConnectionError):
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ValueError,
+            ConnectionError,
+        ):
             pass  # a broken scrape is the scraper's problem; never the service's
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
-

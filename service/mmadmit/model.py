@@ -65,7 +65,7 @@ class Tensor:
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         dtype = parse_dtype(arr.dtype.str if arr.dtype.kind != "b" else "bool")
-        return cls(dtype, tuple(int(d) for d in arr.shape), memoryview(arr).cast("B"))
+        return cls(dtype, tuple(int(d) for d in arr.shape), arr.data.cast("B"))
 
     def to_numpy(self) -> np.ndarray:
         """A read-only numpy view of the bytes (raises for dtypes numpy lacks)."""
@@ -104,8 +104,16 @@ class Item:
 
     def with_pad(self, content_hash: int | None, pad_value: int) -> Item:
         """A copy with ``hash`` and ``pad_value`` set (cheaper than dataclasses.replace)."""
-        return Item(self.modality, content_hash, pad_value, self.offsets, self.feature,
-                    self.feature_shm, self.side, self.extra)
+        return Item(
+            self.modality,
+            content_hash,
+            pad_value,
+            self.offsets,
+            self.feature,
+            self.feature_shm,
+            self.side,
+            self.extra,
+        )
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -94,7 +95,9 @@ def _grid_of(profile: ModelProfile, idx: int, item: Item, modality: Modality) ->
     if grid.ndim == 1 and grid.shape[0] == 3:
         grid = grid.reshape(1, 3)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
-        raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(tensor.shape)}")
+        raise InvalidRequest(
+            f"item {idx}: {key} must have shape [rows, 3], got {list(tensor.shape)}"
+        )
     return grid
 
 
@@ -119,7 +122,8 @@ def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> 
             values = np.repeat(values, rows)
         if values.size != rows:
             raise InvalidRequest(
-                f"item {idx}: {key} holds {values.size} values; expected 1 or one per grid row ({rows})"
+                f"item {idx}: {key} holds {values.size} values; "
+                f"expected 1 or one per grid row ({rows})"
             )
         if not np.isfinite(values).all() or (values < 0).any():
             raise InvalidRequest(f"item {idx}: {key} must hold finite non-negative seconds")
@@ -187,7 +191,7 @@ def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
     row_video = np.repeat(np.array(videos), n_rows)
     t, h, w = g[:, 0], g[:, 1], g[:, 2]
 
-    def fail(mask: np.ndarray, what: str) -> None:
+    def fail(mask: Any, what: str) -> None:
         r = _first(mask)
         o = int(row_owner[r])
         key = GRID_KEYS[Modality.VIDEO if videos[o] else Modality.IMAGE]
@@ -307,7 +311,9 @@ def positions(n: int, plan: RunPlan) -> tuple[np.ndarray, int]:
     rows_per_run = frames * rows
     n_rows = int(rows_per_run.sum())
     run_of_row = np.repeat(np.arange(k), rows_per_run)
-    row_in_run = np.arange(n_rows, dtype=np.int64) - np.repeat(np.cumsum(rows_per_run) - rows_per_run, rows_per_run)
+    row_in_run = np.arange(n_rows, dtype=np.int64) - np.repeat(
+        np.cumsum(rows_per_run) - rows_per_run, rows_per_run
+    )
     r_rows = rows[run_of_row]
     frame = row_in_run // r_rows
     row = row_in_run - frame * r_rows
@@ -320,11 +326,16 @@ def positions(n: int, plan: RunPlan) -> tuple[np.ndarray, int]:
     prev = np.empty_like(cur)
     inner = row_in_run > 0  # previous token is the last of the previous row, same run
     w_last = cols[run_of_row] - 1
-    prev[:, inner] = np.stack([
-        o[inner] + plan.t_index[plan.t_off[run_of_row[inner]] + (row_in_run[inner] - 1) // r_rows[inner]],
-        o[inner] + (row_in_run[inner] - 1) % r_rows[inner],
-        o[inner] + w_last[inner],
-    ])
+    prev[:, inner] = np.stack(
+        [
+            o[inner]
+            + plan.t_index[
+                plan.t_off[run_of_row[inner]] + (row_in_run[inner] - 1) // r_rows[inner]
+            ],
+            o[inner] + (row_in_run[inner] - 1) % r_rows[inner],
+            o[inner] + w_last[inner],
+        ]
+    )
     starts = ~inner
     run_idx = run_of_row[starts]
     # A run's first token follows either text or the last token of the run before it.
@@ -335,9 +346,13 @@ def positions(n: int, plan: RunPlan) -> tuple[np.ndarray, int]:
     if after_run.any():
         p_run = run_idx[after_run] - 1
         last_frame_t = plan.t_index[plan.t_off[p_run] + frames[p_run] - 1]
-        prev_s[:, after_run] = np.stack([
-            origin[p_run] + last_frame_t, origin[p_run] + rows[p_run] - 1, origin[p_run] + cols[p_run] - 1,
-        ])
+        prev_s[:, after_run] = np.stack(
+            [
+                origin[p_run] + last_frame_t,
+                origin[p_run] + rows[p_run] - 1,
+                origin[p_run] + cols[p_run] - 1,
+            ]
+        )
     prev[:, starts] = prev_s
     valid = prev_tok >= 0
     d[:, first_tok[valid]] = cur[:, valid] - prev[:, valid]

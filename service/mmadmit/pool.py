@@ -61,7 +61,16 @@ class PoolStats:
 class Ticket:
     """One admitted request. Methods must be called on the pool's event loop."""
 
-    __slots__ = ("id", "rid", "_pool", "_cf", "_done", "_deadline_handle", "_released", "started_at")
+    __slots__ = (
+        "id",
+        "rid",
+        "_pool",
+        "_cf",
+        "_done",
+        "_deadline_handle",
+        "_released",
+        "started_at",
+    )
 
     def __init__(self, pool: MaterializerPool, rid: str, loop: asyncio.AbstractEventLoop) -> None:
         self.id = next(pool._ids)
@@ -86,7 +95,9 @@ class Ticket:
             self.cancel(AbortCode.CANCELLED, "the caller went away")
             raise
 
-    def cancel(self, code: AbortCode = AbortCode.CANCELLED, message: str = "cancelled by the client") -> bool:
+    def cancel(
+        self, code: AbortCode = AbortCode.CANCELLED, message: str = "cancelled by the client"
+    ) -> bool:
         """End the ticket early with ``code``; False if it already had an outcome."""
         if self._done.done():
             return False
@@ -274,10 +285,16 @@ class MaterializerPool:
             pass
         ended = 0
         for ticket in list(self._tickets.values()):
-            if ticket.cancel(AbortCode.SHUTTING_DOWN, "the service shut down before this request finished"):
+            if ticket.cancel(
+                AbortCode.SHUTTING_DOWN, "the service shut down before this request finished"
+            ):
                 ended += 1
         self.stats.shutdown_aborted += ended
-        logger.warning("[shutdown] %d request(s) still in flight after %.1fs ended SHUTTING_DOWN", ended, timeout_s)
+        logger.warning(
+            "[shutdown] %d request(s) still in flight after %.1fs ended SHUTTING_DOWN",
+            ended,
+            timeout_s,
+        )
         return ended
 
     def close(self) -> None:

@@ -78,10 +78,18 @@ _ARCHITECTURES: dict[str, Family] = {
     "Qwen3OmniMoeThinkerForConditionalGeneration": Family.QWEN3_OMNI,
 }
 
-_IMAGE_KEYS = ("image_token_id", "image_token_index", "image_placeholder_token_id",
-               "media_placeholder_token_id")
-_VIDEO_KEYS = ("video_token_id", "video_token_index", "video_placeholder_token_id",
-               "media_placeholder_token_id")
+_IMAGE_KEYS = (
+    "image_token_id",
+    "image_token_index",
+    "image_placeholder_token_id",
+    "media_placeholder_token_id",
+)
+_VIDEO_KEYS = (
+    "video_token_id",
+    "video_token_index",
+    "video_placeholder_token_id",
+    "media_placeholder_token_id",
+)
 _AUDIO_KEYS = ("audio_token_id", "audio_token_index", "audio_placeholder_token_id")
 _NESTED = ("thinker_config", "text_config")
 _VISION_KEYS = ("vision_config", "visual", "vision_tower_config")
@@ -221,7 +229,11 @@ def profile_from_config(
     if vocab is None and isinstance(config.get("text_config"), Mapping):
         vocab = config["text_config"].get("vocab_size")
     thinker = config.get("thinker_config")
-    if vocab is None and isinstance(thinker, Mapping) and isinstance(thinker.get("text_config"), Mapping):
+    if (
+        vocab is None
+        and isinstance(thinker, Mapping)
+        and isinstance(thinker.get("text_config"), Mapping)
+    ):
         vocab = thinker["text_config"].get("vocab_size")
     if vocab is None:
         raise ConfigError(
@@ -236,7 +248,9 @@ def profile_from_config(
     image_id = _int_or_none(_lookup(config, _IMAGE_KEYS), "image token id") if has_vision else None
     video_id = _int_or_none(_lookup(config, _VIDEO_KEYS), "video token id") if has_vision else None
     audio_id = _int_or_none(_lookup(config, _AUDIO_KEYS), "audio token id") if has_audio else None
-    vision_start = _int_or_none(_lookup(config, ("vision_start_token_id",)), "vision_start_token_id")
+    vision_start = _int_or_none(
+        _lookup(config, ("vision_start_token_id",)), "vision_start_token_id"
+    )
 
     merge = 1
     tokens_per_second = None

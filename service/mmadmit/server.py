@@ -97,8 +97,13 @@ def build_pool(
             return ops if len(req.input_ids) >= threshold else CPU_OPS
 
     workers = default_workers(config, device == "cuda")
-    logger.info("materializer: %s on %s, %d worker(s), max %d in flight",
-                profile.family.value, device, workers, config.max_inflight)
+    logger.info(
+        "materializer: %s on %s, %d worker(s), max %d in flight",
+        profile.family.value,
+        device,
+        workers,
+        config.max_inflight,
+    )
     return MaterializerPool(
         materializer,
         workers=workers,
@@ -161,8 +166,11 @@ async def start_server(
 async def shutdown(handle: ServerHandle) -> None:
     """Drain in the fixed order of the module docstring (idempotent enough to call once)."""
     config = handle.config
-    logger.info("[shutdown] draining: up to %.1fs for %d request(s) in flight",
-                config.drain_timeout, handle.pool.inflight)
+    logger.info(
+        "[shutdown] draining: up to %.1fs for %d request(s) in flight",
+        config.drain_timeout,
+        handle.pool.inflight,
+    )
     if handle.grpc is not None:
         handle.grpc.enter_drain()
     handle.pool.begin_drain()

@@ -169,7 +169,9 @@ class _TensorReader:
         if not isinstance(shape, (list, tuple)) or not all(
             type(d) is int and d >= 0 for d in shape
         ):
-            raise InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
+            raise InvalidRequest(
+                f"{what}: shape must be a list of non-negative ints, got {shape!r}"
+            )
         if isinstance(data, _InlineData):
             buf = memoryview(data.data)
         elif isinstance(data, int) and not isinstance(data, bool):
@@ -207,9 +209,15 @@ def _decode_offsets(value: Any, what: str) -> np.ndarray | None:
     if not isinstance(value, list):
         raise InvalidRequest(f"{what}: offsets must be an array of [start, end] pairs")
     for span in value:  # exact int checks: numpy would coerce bools and floats silently
-        if not (isinstance(span, list) and len(span) == 2
-                and type(span[0]) is int and type(span[1]) is int):
-            raise InvalidRequest(f"{what}: offsets must be integer [start, end] pairs, got {span!r}")
+        if not (
+            isinstance(span, list)
+            and len(span) == 2
+            and type(span[0]) is int
+            and type(span[1]) is int
+        ):
+            raise InvalidRequest(
+                f"{what}: offsets must be integer [start, end] pairs, got {span!r}"
+            )
     try:
         return np.asarray(value, dtype=np.int64).reshape(-1, 2)
     except OverflowError as exc:
@@ -424,14 +432,16 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> msgspe
         out[4] = writer.tensor(item.feature)
     if not elems:  # built without a wire original (gRPC, tests): encode every field
         out[3] = None if item.offsets is None else item.offsets.tolist()
-        out[5] = None if item.feature_shm is None else {
-            "shm_name": item.feature_shm.name,
-            "shape": list(item.feature_shm.shape or ()),
-            "dtype": item.feature_shm.dtype,
-        }
-        out[6] = {
-            k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()
-        }
+        out[5] = (
+            None
+            if item.feature_shm is None
+            else {
+                "shm_name": item.feature_shm.name,
+                "shape": list(item.feature_shm.shape or ()),
+                "dtype": item.feature_shm.dtype,
+            }
+        )
+        out[6] = {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()}
     else:
         # side tensors may live in aux frames: re-emit them through the writer so
         # indices stay valid (received frames keep theirs).
@@ -483,7 +493,9 @@ def encode_request(
         else msgspec.Raw(encode_int_array(req.input_ids_unpadded))
     )
     out[F_MM] = None if req.mm is None else _encode_mm(req.mm, writer, drop_features)
-    out[F_VALIDATION_ERROR] = validation_error if validation_error is not None else req.validation_error
+    out[F_VALIDATION_ERROR] = (
+        validation_error if validation_error is not None else req.validation_error
+    )
     return [_ENC.encode(out), *writer.frames]
 
 

@@ -147,8 +147,9 @@ class _Slot:
 
     __slots__ = ("keys", "prevs", "done")
 
-    def __init__(self, keys: list[PeerKey], prevs: list[asyncio.Future[None]],
-                 done: asyncio.Future[None]) -> None:
+    def __init__(
+        self, keys: list[PeerKey], prevs: list[asyncio.Future[None]], done: asyncio.Future[None]
+    ) -> None:
         self.keys = keys
         self.prevs = prevs
         self.done = done
@@ -161,8 +162,13 @@ class _Forwarder:
     ingest alive (STYLE 9).
     """
 
-    def __init__(self, push: zmq.asyncio.Socket, stats: ZmqIngestStats, max_pending: int,
-                 sent_hook: SentHook | None) -> None:
+    def __init__(
+        self,
+        push: zmq.asyncio.Socket,
+        stats: ZmqIngestStats,
+        max_pending: int,
+        sent_hook: SentHook | None,
+    ) -> None:
         self.push = push
         self.stats = stats
         self.max_pending = max_pending
@@ -229,8 +235,11 @@ class _Forwarder:
                 raise
             except zmq.ZMQError as exc:
                 self.stats.undeliverable += 1
-                logger.warning("rid=%s: forward: could not hand the message to the PUSH (%s)",
-                               wire.recover_rid(msg[1]) if msg[0] == ADD else "(ABORT)", exc)
+                logger.warning(
+                    "rid=%s: forward: could not hand the message to the PUSH (%s)",
+                    wire.recover_rid(msg[1]) if msg[0] == ADD else "(ABORT)",
+                    exc,
+                )
             else:
                 self.stats.forwarded += 1
                 if msg[0] == ABORT:
@@ -290,8 +299,9 @@ class _Resources:
 # --------------------------------------------------------------------------- ingest
 
 
-async def _receive_loop(ref: weakref.ref[ZmqIngest], router: zmq.asyncio.Socket,
-                        room: asyncio.Event | None) -> None:
+async def _receive_loop(
+    ref: weakref.ref[ZmqIngest], router: zmq.asyncio.Socket, room: asyncio.Event | None
+) -> None:
     """Poll, then read without blocking; holds the ingest only while handling.
 
     Cancellation lands on an ``await`` of ``room.wait()`` or ``poll()``, never
@@ -411,18 +421,22 @@ class ZmqIngest:
                 push.setsockopt(zmq.IMMEDIATE, 1)
                 push.setsockopt(zmq.LINGER, 0)
                 push.connect(self.forward)
-                self._fwd = _Forwarder(push, self.stats, self.max_pending_forwards,
-                                       self._sent_hook)
+                self._fwd = _Forwarder(push, self.stats, self.max_pending_forwards, self._sent_hook)
                 room = self._fwd.room
                 res.sender_task = asyncio.create_task(self._fwd.run(), name="mmadmit-zmq-forward")
             res.recv_task = asyncio.create_task(
-                _receive_loop(weakref.ref(self), router, room), name="mmadmit-zmq-recv")
+                _receive_loop(weakref.ref(self), router, room), name="mmadmit-zmq-recv"
+            )
         except BaseException:
             self._closing = True
             self._finalizer()  # close whatever was created; stop() is then a no-op
             raise
-        logger.info("ZMQ ingest (%s mode) listening on %s%s", self.mode, self.endpoint,
-                    f", forwarding to {self.forward}" if self.forward else "")
+        logger.info(
+            "ZMQ ingest (%s mode) listening on %s%s",
+            self.mode,
+            self.endpoint,
+            f", forwarding to {self.forward}" if self.forward else "",
+        )
         return self.endpoint
 
     async def stop(self, linger_s: float) -> None:
@@ -465,8 +479,9 @@ class ZmqIngest:
             task.cancel()
         if late:
             await asyncio.gather(*late, return_exceptions=True)
-            logger.warning("[shutdown] %d ZMQ output(s) unfinished after %.1fs",
-                           len(late), linger_s)
+            logger.warning(
+                "[shutdown] %d ZMQ output(s) unfinished after %.1fs", len(late), linger_s
+            )
         fwd = self._fwd
         if fwd is not None:
             while fwd.pending and loop.time() < deadline:
@@ -478,8 +493,11 @@ class ZmqIngest:
                     await sender
             left = fwd.abandon_queued()
             if left:
-                logger.warning("[shutdown] %d message(s) never reached the forward PUSH (%s)",
-                               left, self.forward)
+                logger.warning(
+                    "[shutdown] %d message(s) never reached the forward PUSH (%s)",
+                    left,
+                    self.forward,
+                )
         linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
         res.close_sockets(linger_ms)
         if res.own_ctx and res.ctx is not None and not res.ctx.closed:
@@ -499,8 +517,10 @@ class ZmqIngest:
                 return
             # NOBLOCK: the returned future is already resolved (pyzmq short-circuits
             # non-blocking calls), so no message can be lost to a cancellation.
-            fut = cast("asyncio.Future[list[zmq.Frame]]",
-                       router.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            fut = cast(
+                "asyncio.Future[list[zmq.Frame]]",
+                router.recv_multipart(flags=zmq.NOBLOCK, copy=False),
+            )
             try:
                 frames = fut.result()
             except zmq.Again:
@@ -512,8 +532,9 @@ class ZmqIngest:
             try:
                 self._handle(frames)
             except Exception as exc:  # noqa: BLE001 - one bad message must not kill intake
-                logger.exception("unexpected error handling a ZMQ message (frames %s)",
-                                 _sizes(frames[1:]))
+                logger.exception(
+                    "unexpected error handling a ZMQ message (frames %s)", _sizes(frames[1:])
+                )
                 if not self._answered and len(frames) > 1 and frames[1].bytes != ABORT:
                     rid = wire.recover_rid(frames[2]) if len(frames) > 2 else ""
                     try:
@@ -531,34 +552,66 @@ class ZmqIngest:
             return
         if total > self.max_message_bytes:
             rid = wire.recover_rid(body[1]) if len(body) >= 2 else ""
-            logger.warning("rid=%s: message of %d bytes (frames %s) exceeds the limit of %d",
-                           rid, total, _sizes(body), self.max_message_bytes)
-            self._abort_now(identity, None, rid, Abort(
-                AbortCode.TOO_LARGE,
-                f"message of {total} bytes exceeds the limit of {self.max_message_bytes} "
-                "bytes (--max-message-bytes)"))
+            logger.warning(
+                "rid=%s: message of %d bytes (frames %s) exceeds the limit of %d",
+                rid,
+                total,
+                _sizes(body),
+                self.max_message_bytes,
+            )
+            self._abort_now(
+                identity,
+                None,
+                rid,
+                Abort(
+                    AbortCode.TOO_LARGE,
+                    f"message of {total} bytes exceeds the limit of {self.max_message_bytes} "
+                    "bytes (--max-message-bytes)",
+                ),
+            )
             return
         try:
             msg = wire.decode_message(body)
         except wire.WireError as exc:
             self.stats.malformed += 1
-            logger.warning("rid=%s: malformed message from peer %s (frames %s): %s",
-                           exc.rid, identity.bytes.hex(), _sizes(body), exc.message)
+            logger.warning(
+                "rid=%s: malformed message from peer %s (frames %s): %s",
+                exc.rid,
+                identity.bytes.hex(),
+                _sizes(body),
+                exc.message,
+            )
             self._abort_now(identity, None, exc.rid, exc.to_abort())
             return
         request = msg.request
         assert request is not None  # an ABORT type byte was dispatched above
         key = (identity.bytes, request.rid)
         if key in self._inflight:
-            logger.warning("rid=%s: duplicate request id from peer %s while the first is in "
-                           "flight", request.rid, identity.bytes.hex())
-            self._abort_now(identity, request, request.rid, Abort(
-                AbortCode.INVALID_REQUEST,
-                f"request id {request.rid!r} is already in flight from this peer"))
+            logger.warning(
+                "rid=%s: duplicate request id from peer %s while the first is in flight",
+                request.rid,
+                identity.bytes.hex(),
+            )
+            self._abort_now(
+                identity,
+                request,
+                request.rid,
+                Abort(
+                    AbortCode.INVALID_REQUEST,
+                    f"request id {request.rid!r} is already in flight from this peer",
+                ),
+            )
             return
         if self._closing:
-            self._abort_now(identity, request, request.rid, Abort(
-                AbortCode.SHUTTING_DOWN, "the service is shutting down; retry on another replica"))
+            self._abort_now(
+                identity,
+                request,
+                request.rid,
+                Abort(
+                    AbortCode.SHUTTING_DOWN,
+                    "the service is shutting down; retry on another replica",
+                ),
+            )
             return
         try:
             ticket = self.pool.submit(request)
@@ -577,21 +630,27 @@ class ZmqIngest:
         peer = identity.bytes
         if total > self.max_message_bytes:
             self.stats.malformed += 1
-            logger.warning("ABORT from peer %s of %d bytes exceeds the limit; dropped",
-                           peer.hex(), total)
+            logger.warning(
+                "ABORT from peer %s of %d bytes exceeds the limit; dropped", peer.hex(), total
+            )
             return
         try:
             rids = wire.decode_message(body).abort_rids
         except wire.WireError as exc:
             self.stats.malformed += 1
-            logger.warning("malformed ABORT from peer %s (frames %s) dropped: %s",
-                           peer.hex(), _sizes(body), exc.message)
+            logger.warning(
+                "malformed ABORT from peer %s (frames %s) dropped: %s",
+                peer.hex(),
+                _sizes(body),
+                exc.message,
+            )
             return
         self.stats.aborts_received += 1
         for rid in rids:
             ticket = self._inflight.get((peer, rid))
-            if ticket is not None and ticket.cancel(AbortCode.CANCELLED,
-                                                    "cancelled by the client (ABORT)"):
+            if ticket is not None and ticket.cancel(
+                AbortCode.CANCELLED, "cancelled by the client (ABORT)"
+            ):
                 self.stats.cancelled_by_peer += 1
                 logger.info("rid=%s: cancelled by an ABORT from peer %s", rid, peer.hex())
         if self._fwd is not None:
@@ -604,14 +663,16 @@ class ZmqIngest:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _abort_now(self, identity: zmq.Frame, request: Request | None, rid: str,
-                   abort: Abort) -> None:
+    def _abort_now(
+        self, identity: zmq.Frame, request: Request | None, rid: str, abort: Abort
+    ) -> None:
         """An ADD answered without reaching the pool (malformed, dup, refused)."""
         self._answered = True
         self.stats.count_abort(abort)
         if self._fwd is not None:
-            self._forward_now([ADD, *self._forward_abort_frames(request, rid, abort)],
-                              [(identity.bytes, rid)])
+            self._forward_now(
+                [ADD, *self._forward_abort_frames(request, rid, abort)], [(identity.bytes, rid)]
+            )
         else:
             self._reply_now([identity, *wire.encode_aborted(request, abort, rid)], rid)
 
@@ -619,8 +680,9 @@ class ZmqIngest:
     def _forward_abort_frames(request: Request | None, rid: str, abort: Abort) -> list[Any]:
         if request is None:
             return [wire.minimal_abort_payload(rid, abort)]
-        return wire.encode_request(request, validation_error=abort.as_validation_error(),
-                                   drop_features=True)
+        return wire.encode_request(
+            request, validation_error=abort.as_validation_error(), drop_features=True
+        )
 
     def _outcome_frames(self, request: Request, outcome: Materialized | Abort) -> list[Any]:
         """``[type/status, payload, *aux]`` for the outcome in this mode; counts it."""
@@ -634,8 +696,14 @@ class ZmqIngest:
             return [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
         return wire.encode_aborted(request, outcome)
 
-    async def _complete(self, identity: zmq.Frame, key: PeerKey, request: Request,
-                        ticket: Ticket, slot: _Slot | None) -> None:
+    async def _complete(
+        self,
+        identity: zmq.Frame,
+        key: PeerKey,
+        request: Request,
+        ticket: Ticket,
+        slot: _Slot | None,
+    ) -> None:
         """Await one ticket's outcome and emit it: exactly one output per ADD."""
         rid = request.rid
         handed_off = False  # the output reached the forward queue / the reply sender
@@ -656,8 +724,11 @@ class ZmqIngest:
                 logger.exception("rid=%s: encoding the outcome failed", rid)
                 abort = abort_from_exception(exc)
                 self.stats.count_abort(abort)
-                frames = ([ADD, wire.minimal_abort_payload(rid, abort)] if self._fwd is not None
-                          else wire.encode_aborted(None, abort, rid))
+                frames = (
+                    [ADD, wire.minimal_abort_payload(rid, abort)]
+                    if self._fwd is not None
+                    else wire.encode_aborted(None, abort, rid)
+                )
             if self._fwd is not None:
                 assert slot is not None
                 await self._fwd.enqueue(frames, slot)
@@ -726,8 +797,13 @@ class ZmqIngest:
     def _give_up(self, msg: list[Any], rid: str, why: object) -> None:
         self.stats.undeliverable += 1
         peer = msg[0].bytes if isinstance(msg[0], zmq.Frame) else bytes(msg[0])
-        logger.warning("rid=%s: reply to peer %s undeliverable (send timeout %.1fs): %s",
-                       rid, peer.hex(), self.send_timeout_s, why)
+        logger.warning(
+            "rid=%s: reply to peer %s undeliverable (send timeout %.1fs): %s",
+            rid,
+            peer.hex(),
+            self.send_timeout_s,
+            why,
+        )
 
     # ------------------------------------------------------------------ forward mode
 
