@@ -1,0 +1,189 @@
+"""The gRPC server: binds the port and wires the services; no request logic.
+
+On one ``grpc.aio`` server and port: ``mmadmit.v1.Admission``
+(:class:`~mmadmit.servicer.AdmissionServicer`), the standard
+``grpc.health.v1.Health`` service, server reflection, and any ``extra_handlers``
+(a benchmark adds an echo method this way).
+
+Health starts NOT_SERVING for both the empty service name and
+``mmadmit.v1.Admission`` (the aio ``HealthServicer`` itself starts ""
+SERVING, so this is set before the port accepts calls); :meth:`set_serving`
+after the warm-up, :meth:`enter_drain` at shutdown (permanent NOT_SERVING).
+Service names come from the descriptors, never from literals.
+
+Message-size limits: receive and send are both ``max_message_bytes``
+(``--max-message-bytes``), clamped to gRPC's ceiling of ``2**31 - 1``. They
+sit far above the per-request limits on purpose: a message gRPC refuses fails
+the whole call, which on ``AdmitStream`` ends the stream (GRPC.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from ._proto import admission_pb2, admission_pb2_grpc
+from .pool import MaterializerPool
+from .profile import ModelProfile
+from .servicer import AdmissionServicer, ServicerStats
+
+logger = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's limits are C ints
+ADMISSION_SERVICE = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_HEALTH_NAMES = ("", ADMISSION_SERVICE)
+
+
+def clamp_message_bytes(max_message_bytes: int) -> int:
+    """The gRPC message-size option for ``max_message_bytes`` (clamped, logged once here)."""
+    if max_message_bytes > GRPC_MAX_MESSAGE_BYTES:
+        logger.warning(
+            "--max-message-bytes %d exceeds gRPC's maximum; using %d for the gRPC limits",
+            max_message_bytes,
+            GRPC_MAX_MESSAGE_BYTES,
+        )
+        return GRPC_MAX_MESSAGE_BYTES
+    return max_message_bytes
+
+
+def _preflight_bind(host: str, listen: str) -> None:
+    """Bind-test a fixed port with a plain socket first.
+
+    gRPC reports a busy port only as a ``RuntimeError`` after its core has
+    already written an error line to stderr; this check gives one clear
+    ``OSError`` (with its errno) instead. gRPC's own failure still maps to
+    ``OSError`` should the port be taken in between.
+    """
+    _, _, port_text = listen.rpartition(":")
+    if not port_text.isdigit() or int(port_text) == 0:
+        return
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(
+            bare or None, int(port_text), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise OSError(f"cannot bind gRPC to {listen}: {exc}") from exc
+    family, _, _, _, address = infos[0]
+    try:
+        # create_server sets SO_REUSEADDR as gRPC does: only a real listener conflicts.
+        socket.create_server(address, family=family).close()
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot bind gRPC to {listen}: {exc.strerror}") from exc
+
+
+class GrpcServer:
+    """One ``grpc.aio`` server; create and use it on the service's event loop."""
+
+    def __init__(
+        self,
+        pool: MaterializerPool,
+        profile: ModelProfile,
+        *,
+        listen: str,
+        max_message_bytes: int,
+        extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+    ) -> None:
+        self.servicer = AdmissionServicer(pool, profile)
+        self.health = health_aio.HealthServicer()
+        self.listen = listen
+        self.max_message_bytes = clamp_message_bytes(max_message_bytes)
+        self.address: str | None = None
+        self._extra_handlers = tuple(extra_handlers)
+        self._server: grpc.aio.Server | None = None
+        self._stopped = False
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def stats(self) -> ServicerStats:
+        """The gRPC transport's counters (``metrics.py`` exports them)."""
+        return self.servicer.stats
+
+    async def start(self) -> str:
+        """Bind ``listen`` and start serving; return the bound ``HOST:PORT``.
+
+        Port 0 binds an ephemeral port. Health is NOT_SERVING until
+        :meth:`set_serving`. Raises ``OSError`` (a bind problem is the
+        operator's, like any other listener's) when the address cannot be bound.
+        """
+        if self._server is not None:
+            raise RuntimeError("the gRPC server was already started")
+        host, sep, _ = self.listen.rpartition(":")
+        if not sep:
+            raise ValueError(f"listen address must be HOST:PORT, got {self.listen!r}")
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                # Refuse a port another process already serves instead of sharing it.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        admission_pb2_grpc.add_AdmissionServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (ADMISSION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        if self._extra_handlers:
+            server.add_generic_rpc_handlers(self._extra_handlers)
+        _preflight_bind(host, self.listen)
+        try:
+            port = server.add_insecure_port(self.listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind gRPC to {self.listen}: {exc}") from exc
+        if port == 0:  # older grpcio reports a failed bind this way
+            raise OSError(f"cannot bind gRPC to {self.listen}")
+        for name in _HEALTH_NAMES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = server
+        await server.start()
+        self.address = f"{host}:{port}"
+        logger.info(
+            "gRPC listening on %s (message limit %d bytes)", self.address, self.max_message_bytes
+        )
+        return self.address
+
+    def _schedule(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+        return task
+
+    def set_serving(self) -> asyncio.Task[None]:
+        """Health SERVING for "" and ``mmadmit.v1.Admission`` (after the warm-up).
+
+        Callable without ``await`` from the lifecycle code; the returned task
+        can be awaited to know the status is visible.
+        """
+
+        async def run() -> None:
+            for name in _HEALTH_NAMES:
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        return self._schedule(run())
+
+    def enter_drain(self) -> asyncio.Task[None]:
+        """Health NOT_SERVING for every service, for good (the server is draining)."""
+        return self._schedule(self.health.enter_graceful_shutdown())
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stop accepting calls; let running calls finish for ``grace_s`` seconds (idempotent)."""
+        if self._server is None or self._stopped:
+            return
+        self._stopped = True
+        if self._health_tasks:
+            await asyncio.gather(*list(self._health_tasks), return_exceptions=True)
+        await self._server.stop(grace_s)
+        logger.info("[shutdown] gRPC server on %s stopped", self.address)
+
+
+__all__ = ["ADMISSION_SERVICE", "GRPC_MAX_MESSAGE_BYTES", "GrpcServer", "clamp_message_bytes"]

@@ -1,0 +1,551 @@
+"""gRPC ``mmadmit.v1.Admission`` servicer: proto <-> internal model translation only.
+
+Scope: decode an ``AdmitRequest`` into a :class:`mmadmit.model.Request`, hand it
+to the :class:`~mmadmit.pool.MaterializerPool`, encode the one outcome as an
+``AdmitResponse``. No materialization rule lives here (MATERIALIZE.md: a
+transport only decodes, submits and encodes); what this module checks is only
+what the internal model cannot represent or what is specific to the gRPC
+encoding:
+
+* the gRPC ``Modality`` numbering (IMAGE=1, AUDIO=2, VIDEO=3) differs from the
+  internal one (IMAGE=1, VIDEO=2, AUDIO=3); ``MODALITY_UNSPECIFIED`` or an
+  unknown value is refused here, naming the item, because the materializer's
+  message would quote the other numbering;
+* ``PlaceholderRange{offset, length}`` becomes the inclusive ``[offset,
+  offset + length - 1]``; a zero length cannot be expressed inclusively;
+* a ``TensorData`` needs a payload, a known dtype and, inline, exactly
+  ``prod(shape) * itemsize`` bytes; a shared-memory name must be a plain name
+  (no ``/``, ``\\``, ``..`` or NUL: it is handed on, never opened here);
+* ``content_hash``: its first 8 bytes little-endian (shorter: zero-extended);
+* ``placeholder_token_id`` is the request's placeholder override for the
+  item's modality, the gRPC form of the msgpack wire's ``im_token_id`` /
+  ``video_token_id`` (items of one modality must agree). The internal model has
+  no audio override, so an audio item's value must equal the profile's audio
+  placeholder.
+
+Outcomes are in band (GRPC.md): an abort is an ``AdmitResponse`` with an
+``AbortStatus`` and gRPC status OK on ``Admit`` and ``AdmitStream`` alike. The
+per-RPC error ladder (STYLE 5): :class:`~mmadmit.errors.AdmissionError` ->
+in-band abort of its code; ``grpc.aio.AbortError`` -> re-raised untouched;
+``CancelledError`` (the client cancelled, or its deadline passed) -> the pool
+ticket is cancelled (``Ticket.outcome`` does it), the call is counted in
+``stats.calls_cancelled`` and nothing is sent; anything else -> logged with its
+traceback and answered in band ``INTERNAL``.
+
+Non-goals: sampling parameters and the other ``GenerateRequest`` fields
+(protobuf keeps them as unknown fields and they are ignored), reading shared
+memory, transport options (``grpc_server.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from ._proto import admission_pb2 as pb
+from ._proto import admission_pb2_grpc as pb_grpc
+from .dtypes import parse_dtype
+from .errors import (
+    Abort,
+    AbortCode,
+    AdmissionError,
+    InvalidRequest,
+    abort_from_exception,
+)
+from .materializer import Outcome
+from .model import Item, Materialized, Modality, MultimodalInputs, Request, ShmHandle, Tensor
+from .pool import MaterializerPool, Ticket
+from .profile import ModelProfile
+
+logger = logging.getLogger(__name__)
+
+# gRPC Modality enum value -> internal Modality (GRPC.md: the numberings differ).
+MODALITY_FROM_PROTO: dict[Any, Modality] = {
+    pb.IMAGE: Modality.IMAGE,
+    pb.AUDIO: Modality.AUDIO,
+    pb.VIDEO: Modality.VIDEO,
+}
+MODALITY_TO_PROTO: dict[int, Any] = {int(m): p for p, m in MODALITY_FROM_PROTO.items()}
+
+# AbortCode by name: the internal enum's values are the proto enum's names.
+_ABORT_CODE_TO_PROTO: dict[AbortCode, Any] = {
+    code: pb.AbortCode.Value(code.value) for code in AbortCode
+}
+
+_SHM_NAME_MAX = 255  # NAME_MAX of the shm filesystems
+
+
+@dataclass
+class ServicerStats:
+    """Counters of the gRPC transport (exported by ``metrics.py`` as ``mmadmit_grpc_*``).
+
+    Written on the event loop thread only.
+    """
+
+    requests: int = 0  # AdmitRequests received (Admit calls + stream messages)
+    streams: int = 0  # AdmitStream calls opened
+    calls_cancelled: int = 0  # requests whose call was cancelled or expired: nothing sent
+    aborts_requested: int = 0  # Abort RPCs that cancelled a request
+    internal_errors: int = 0  # unexpected exceptions answered INTERNAL
+
+
+# --------------------------------------------------------------------------- proto -> model
+
+
+def _shape(td: pb.TensorData) -> tuple[int, ...]:
+    return tuple(td.shape)
+
+
+def _dtype(td: pb.TensorData, what: str) -> Any:
+    try:
+        return parse_dtype(td.dtype)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{what}: {exc.message}") from None
+
+
+def _check_shm_name(name: str, what: str) -> None:
+    if not name:
+        raise InvalidRequest(f"{what}: shared-memory name is empty")
+    if len(name) > _SHM_NAME_MAX:
+        raise InvalidRequest(
+            f"{what}: shared-memory name is longer than {_SHM_NAME_MAX} characters"
+        )
+    if "/" in name or "\\" in name or ".." in name or "\x00" in name:
+        raise InvalidRequest(
+            f"{what}: shared-memory name {name!r} must be a plain name (no '/', '\\', '..' or NUL)"
+        )
+
+
+def tensor_from_proto(td: pb.TensorData, what: str) -> Tensor | ShmHandle:
+    """A ``TensorData`` as an inline :class:`Tensor` (a view on protobuf's bytes) or a handle."""
+    kind = td.WhichOneof("payload")
+    if kind is None:
+        raise InvalidRequest(
+            f"{what}: TensorData carries no payload (neither inline bytes nor shm)"
+        )
+    dtype = _dtype(td, what)
+    shape = _shape(td)
+    expected = math.prod(shape) * dtype.itemsize
+    if kind == "inline":
+        # Reading a bytes field makes protobuf's one copy; keep a view on it, copy nothing more.
+        data = td.inline
+        if len(data) != expected:
+            raise InvalidRequest(
+                f"{what}: {len(data)} data bytes but shape {list(shape)} of {dtype.name} needs "
+                f"{expected}"
+            )
+        return Tensor(dtype, shape, memoryview(data))
+    shm = td.shm
+    _check_shm_name(shm.name, what)
+    if shm.nbytes and shm.nbytes != expected:
+        raise InvalidRequest(
+            f"{what}: shm nbytes {shm.nbytes} but shape {list(shape)} of {dtype.name} needs "
+            f"{expected}"
+        )
+    return ShmHandle(
+        name=shm.name,
+        shape=shape,
+        dtype=dtype.name,
+        offset=shm.offset,
+        nbytes=shm.nbytes or expected,
+        owner_id=shm.owner_id or None,
+    )
+
+
+def _inline_tensor(td: pb.TensorData, what: str) -> Tensor:
+    t = tensor_from_proto(td, what)
+    if isinstance(t, ShmHandle):
+        raise InvalidRequest(
+            f"{what}: must be inline bytes (shared memory is accepted only for encoder_input)"
+        )
+    return t
+
+
+def _offsets(msg: pb.MultimodalItem, idx: int) -> np.ndarray:
+    n = len(msg.placeholders)
+    if n == 0:
+        # Representable (no spans): the materializer reports it in rule order.
+        return np.zeros((0, 2), np.int64)
+    arr = np.empty((n, 2), np.int64)
+    for k, ph in enumerate(msg.placeholders):
+        if ph.length == 0:
+            raise InvalidRequest(
+                f"item {idx}: placeholders[{k}] (offset {ph.offset}) has length 0; a placeholder "
+                "range covers at least one token"
+            )
+        arr[k, 0] = ph.offset
+        arr[k, 1] = ph.offset + ph.length - 1
+    return arr
+
+
+def _item_from_proto(msg: pb.MultimodalItem, idx: int) -> Item:
+    what = f"item {idx}"
+    modality = MODALITY_FROM_PROTO.get(msg.modality)
+    if modality is None:
+        name = pb.Modality.Name(msg.modality) if msg.modality in pb.Modality.values() else "unknown"
+        raise InvalidRequest(
+            f"{what}: modality {msg.modality} ({name}) is not one of IMAGE (1), AUDIO (2), "
+            "VIDEO (3)"
+        )
+    content_hash = None
+    if msg.content_hash:
+        # SMG's convention: the first 8 bytes, little-endian; shorter values zero-extended.
+        content_hash = int.from_bytes(msg.content_hash[:8], "little")
+    feature: Tensor | None = None
+    feature_shm: ShmHandle | None = None
+    if msg.HasField("encoder_input"):
+        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input")
+        if isinstance(got, ShmHandle):
+            feature_shm = got
+        else:
+            feature = got
+    side = {
+        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]")
+        for key, td in msg.model_specific_tensors.items()
+    }
+    return Item(
+        modality=int(modality),
+        hash=content_hash,
+        pad_value=msg.pad_value if msg.HasField("pad_value") else None,
+        offsets=_offsets(msg, idx),
+        feature=feature,
+        feature_shm=feature_shm,
+        side=side,
+    )
+
+
+def _placeholder_overrides(
+    items: Any, models: list[Item], profile: ModelProfile
+) -> dict[Modality, int]:
+    overrides: dict[Modality, int] = {}
+    for idx, (msg, item) in enumerate(zip(items, models, strict=True)):
+        if not msg.HasField("placeholder_token_id"):
+            continue
+        modality = Modality(item.modality)
+        token = msg.placeholder_token_id
+        prev = overrides.setdefault(modality, token)
+        if prev != token:
+            raise InvalidRequest(
+                f"item {idx}: placeholder_token_id {token} differs from {prev} given by an "
+                f"earlier {modality.name.lower()} item"
+            )
+        audio_id = profile.audio_token_id
+        if modality is Modality.AUDIO and audio_id is not None and token != audio_id:
+            raise InvalidRequest(
+                f"item {idx}: placeholder_token_id {token} differs from the model's audio "
+                f"placeholder {audio_id} (audio placeholders cannot be overridden)"
+            )
+    return overrides
+
+
+def request_from_proto(msg: pb.AdmitRequest, profile: ModelProfile) -> Request:
+    """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated."""
+    rid = msg.request_id
+    if not rid:
+        raise InvalidRequest("request_id is empty; responses are matched by request_id")
+    # One C-level conversion of the repeated field, no per-token Python loop.
+    input_ids = np.array(msg.tokenized.input_ids, dtype=np.int64)
+    unpadded = (
+        np.array(msg.input_ids_unpadded, dtype=np.int64) if len(msg.input_ids_unpadded) else None
+    )
+    mm = None
+    has_mm = msg.HasField("mm_inputs")
+    has_mrope = msg.HasField("mrope")
+    if has_mm or has_mrope:
+        proto_items = msg.mm_inputs.items
+        items = [_item_from_proto(it, i) for i, it in enumerate(proto_items)]
+        overrides = _placeholder_overrides(proto_items, items, profile)
+        mm = MultimodalInputs(
+            items=items,
+            im_token_id=overrides.get(Modality.IMAGE),
+            video_token_id=overrides.get(Modality.VIDEO),
+        )
+        if has_mrope:
+            mrope = msg.mrope
+            if mrope.HasField("positions"):
+                mm.mrope_positions = _inline_tensor(mrope.positions, "mrope.positions")
+            if mrope.HasField("delta"):
+                mm.mrope_position_delta_scalar = mrope.delta
+    return Request(rid=rid, input_ids=input_ids, input_ids_unpadded=unpadded, mm=mm)
+
+
+# --------------------------------------------------------------------------- model -> proto
+
+
+def _tensor_to_proto(t: Tensor | ShmHandle, out: pb.TensorData) -> None:
+    if isinstance(t, ShmHandle):
+        out.shape.extend(t.shape or ())
+        out.dtype = t.dtype or ""
+        out.shm.name = t.name
+        out.shm.offset = t.offset
+        out.shm.nbytes = t.nbytes or 0
+        out.shm.owner_id = t.owner_id or ""
+        return
+    out.shape.extend(t.shape)
+    out.dtype = t.dtype.name
+    obj = t.data.obj
+    # A view on a whole bytes object (what the decoder built) is handed over as is.
+    out.inline = obj if isinstance(obj, bytes) and len(obj) == t.nbytes else t.data.tobytes()
+
+
+def _positions_to_proto(t: Tensor, out: pb.TensorData) -> None:
+    arr = t.to_numpy()
+    if arr.dtype != np.dtype("<i8"):
+        arr = arr.astype("<i8")
+    out.shape.extend(arr.shape)
+    out.dtype = "int64"
+    out.inline = np.ascontiguousarray(arr).tobytes()
+
+
+def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
+    out.modality = MODALITY_TO_PROTO.get(item.modality, pb.MODALITY_UNSPECIFIED)
+    if item.hash is not None:
+        out.hash = item.hash
+    if item.pad_value is not None:
+        out.pad_value = item.pad_value
+    if item.offsets is not None:
+        for start, end in item.offsets.tolist():
+            out.placeholders.add(offset=start, length=end - start + 1)
+    if echo:
+        feature = item.feature if item.feature is not None else item.feature_shm
+        if feature is not None:
+            _tensor_to_proto(feature, out.encoder_input)
+        for key, value in item.side.items():
+            if isinstance(value, Tensor):
+                _tensor_to_proto(value, out.model_specific_tensors[key])
+
+
+def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) -> pb.AdmitResponse:
+    """Encode one outcome (materialized or abort) as an ``AdmitResponse``."""
+    if not isinstance(outcome, Materialized):
+        return abort_response(rid, outcome)
+    req = outcome.request
+    resp = pb.AdmitResponse(request_id=rid)
+    out = resp.materialized
+    # tolist() + extend is the fastest bulk path into a repeated scalar field.
+    out.input_ids.extend(req.input_ids.tolist())
+    if req.input_ids_unpadded is not None:
+        out.input_ids_unpadded.extend(req.input_ids_unpadded.tolist())
+    out.passthrough = outcome.passthrough
+    mm = req.mm
+    if mm is not None:
+        for item in mm.items:
+            _item_to_proto(item, out.items.add(), echo_features)
+        if mm.mrope_positions is not None:
+            _positions_to_proto(mm.mrope_positions, out.mrope_positions)
+        if mm.mrope_position_delta_scalar is not None:
+            out.mrope_position_delta = mm.mrope_position_delta_scalar
+    return resp
+
+
+def abort_response(rid: str, abort: Abort) -> pb.AdmitResponse:
+    return pb.AdmitResponse(
+        request_id=rid,
+        abort=pb.AbortStatus(code=_ABORT_CODE_TO_PROTO[abort.code], message=abort.message),
+    )
+
+
+def model_info_from_profile(profile: ModelProfile) -> pb.GetModelInfoResponse:
+    info = pb.GetModelInfoResponse(
+        family=profile.family.value,
+        model_type=profile.model_type,
+        architectures=list(profile.architectures),
+        vocab_size=profile.vocab_size,
+        max_model_len=profile.max_model_len or 0,
+        role=profile.role,
+        language_model_only=profile.language_model_only,
+        multimodal_active=profile.multimodal_active,
+        uses_mrope=profile.uses_mrope,
+    )
+    # optional: unset when the profile has none (0 is a valid token id).
+    if profile.image_token_id is not None:
+        info.image_token_id = profile.image_token_id
+    if profile.video_token_id is not None:
+        info.video_token_id = profile.video_token_id
+    if profile.audio_token_id is not None:
+        info.audio_token_id = profile.audio_token_id
+    return info
+
+
+# --------------------------------------------------------------------------- servicer
+
+
+class AdmissionServicer(pb_grpc.AdmissionServicer):
+    """The four RPCs of ``mmadmit.v1.Admission`` over one shared pool.
+
+    Keeps a ``request_id -> Ticket`` registry of the requests in flight on this
+    replica (all RPCs run on the one event loop, so it needs no lock): the
+    ``Abort`` RPC cancels through it, and a second request with an id already in
+    flight is refused ``INVALID_REQUEST``.
+    """
+
+    def __init__(self, pool: MaterializerPool, profile: ModelProfile) -> None:
+        self._pool = pool
+        self._profile = profile
+        self._inflight: dict[str, Ticket] = {}
+        self.stats = ServicerStats()
+
+    @property
+    def inflight_ids(self) -> frozenset[str]:
+        """Request ids admitted through this servicer and still without an outcome."""
+        return frozenset(self._inflight)
+
+    # ------------------------------------------------------------------ one request
+
+    async def _admit_one(self, msg: pb.AdmitRequest) -> pb.AdmitResponse:
+        """One request to one response; raises only ``CancelledError`` and ``AbortError``."""
+        rid = msg.request_id
+        self.stats.requests += 1
+        try:
+            req = request_from_proto(msg, self._profile)
+            if rid in self._inflight:
+                raise InvalidRequest(
+                    f"request_id {rid!r} is already in flight on this replica; ids must be unique"
+                )
+            timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
+            ticket = self._pool.submit(req, timeout_s=timeout_s)  # Overloaded / ShuttingDown
+            self._inflight[rid] = ticket
+            try:
+                outcome = await ticket.outcome()  # cancels the ticket if this task is cancelled
+            finally:
+                if self._inflight.get(rid) is ticket:
+                    del self._inflight[rid]
+            if isinstance(outcome, Abort):
+                logger.debug("rid=%s: aborted %s: %s", rid, outcome.code.value, outcome.message)
+            else:
+                logger.debug("rid=%s: materialized (%s)", rid, outcome.rule.value)
+            return response_from_outcome(rid, outcome, echo_features=msg.echo_features)
+        except AdmissionError as exc:
+            logger.debug("rid=%s: aborted %s: %s", rid, exc.code.value, exc.message)
+            return abort_response(rid, exc.to_abort())
+        except grpc.aio.AbortError:
+            raise  # the call was already ended with a status; never wrap it again
+        except asyncio.CancelledError:
+            # The client cancelled or its deadline passed: it can receive nothing more.
+            self.stats.calls_cancelled += 1
+            logger.info("rid=%s: call cancelled or past its deadline; its work is cancelled", rid)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
+            self.stats.internal_errors += 1
+            logger.exception("rid=%s: unexpected error while admitting", rid)
+            return abort_response(rid, abort_from_exception(exc))
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def Admit(  # noqa: N802 - the wire's method name
+        self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdmitResponse:
+        return await self._admit_one(request)
+
+    async def AdmitStream(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[pb.AdmitRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Read requests while earlier ones run; write each outcome as soon as it is known.
+
+        At most ``pool.max_inflight`` requests of one stream are outstanding
+        (admitted, or answered but not yet written): past that the stream stops
+        reading and gRPC flow control pushes back on the client. Only this
+        coroutine writes (gRPC allows one write at a time).
+
+        A message that does not parse has no request_id to answer: the requests
+        read before it are answered, then the call ends ``INVALID_ARGUMENT``. A
+        message over the size limit is refused by gRPC itself
+        (``RESOURCE_EXHAUSTED``), which ends the stream at once (answers not yet
+        delivered are lost); that is why the
+        transport's limit sits far above the per-request limits (GRPC.md).
+        """
+        self.stats.streams += 1
+        window = asyncio.Semaphore(self._pool.max_inflight)
+        responses: asyncio.Queue[pb.AdmitResponse | None] = asyncio.Queue()
+        workers: set[asyncio.Task[None]] = set()
+
+        async def one(msg: pb.AdmitRequest) -> None:
+            responses.put_nowait(await self._admit_one(msg))
+
+        async def read_all() -> None:
+            read_error: Exception | None = None
+            try:
+                try:
+                    async for msg in request_iterator:
+                        await window.acquire()
+                        task = asyncio.create_task(one(msg))
+                        workers.add(task)
+                        task.add_done_callback(workers.discard)
+                except Exception as exc:  # noqa: BLE001 - re-raised once the admitted are answered
+                    read_error = exc
+                if workers:
+                    await asyncio.gather(*list(workers))
+            finally:
+                responses.put_nowait(None)  # the writer's end marker, whatever happened
+            if read_error is not None:
+                raise read_error
+
+        reader = asyncio.create_task(read_all())
+        try:
+            while (resp := await responses.get()) is not None:
+                await context.write(resp)
+                window.release()
+            try:
+                await reader  # re-raises a read failure, once the admitted are answered
+            except DecodeError as exc:
+                # Not a request outcome: the message has no request_id to answer to.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a message on this AdmitStream does not parse as an AdmitRequest ({exc}); "
+                    "the stream ends here, earlier requests were answered",
+                )
+        finally:
+            # Cancelled call (or a failed write): cancel what is still running; each
+            # cancelled request cancels its pool ticket and counts itself.
+            reader.cancel()
+            for task in list(workers):
+                task.cancel()
+            pending = [reader, *workers]
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        rid = request.request_id
+        ticket = self._inflight.get(rid)
+        if ticket is None or ticket.done:
+            return pb.AbortResponse(
+                success=False, message=f"no request {rid!r} is in flight on this replica"
+            )
+        reason = request.reason or "no reason given"
+        if not ticket.cancel(AbortCode.CANCELLED, f"aborted by an Abort call: {reason}"):
+            return pb.AbortResponse(
+                success=False, message=f"request {rid!r} already has an outcome"
+            )
+        self.stats.aborts_requested += 1
+        logger.info("rid=%s: aborted by an Abort call (%s)", rid, reason)
+        return pb.AbortResponse(success=True, message=f"request {rid!r} cancelled")
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        return model_info_from_profile(self._profile)
+
+
+__all__ = [
+    "MODALITY_FROM_PROTO",
+    "MODALITY_TO_PROTO",
+    "AdmissionServicer",
+    "ServicerStats",
+    "abort_response",
+    "model_info_from_profile",
+    "request_from_proto",
+    "response_from_outcome",
+    "tensor_from_proto",
+]
