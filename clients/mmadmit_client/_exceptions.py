@@ -1,7 +1,8 @@
 """Exceptions of the mmadmit client library.
 
 An *abort* is not an exception: it is a normal, in-band outcome
-(:class:`mmadmit_client.outcome.Aborted`). Exceptions are for what is not a
+(``mmadmit_client.grpc.Aborted``,
+or a ZMQ outcome whose ``aborted`` is true). Exceptions are for what is not a
 request outcome::
 
     ClientError

@@ -33,7 +33,6 @@ the server's default). A message over a limit fails its whole call; on
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -52,6 +51,7 @@ from ._exceptions import (
     ServerUnavailable,
     TransportError,
 )
+from ._state import ClientState
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
@@ -74,10 +74,6 @@ _ITEMSIZE = {
 }
 
 
-class ClientState(enum.Enum):
-    UNOPENED = 1  # constructed; enter the context (or call open) first
-    OPENED = 2  # a channel is open
-    CLOSED = 3  # closed for good
 
 
 # --------------------------------------------------------------------------- values

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
@@ -49,6 +48,7 @@ from ._exceptions import (
     ServerUnavailable,
     TransportError,
 )
+from ._state import ClientState
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ T = TypeVar("T")
 _ABORT_ENC = msgspec.msgpack.Encoder()
 
 
-class ClientState(enum.Enum):
-    UNOPENED = 1  # created; ``open()`` / ``async with`` not yet run
-    OPENED = 2  # connected; requests may be sent
-    CLOSED = 3  # closed for good; a client is not reopened
 
 
 @dataclass(frozen=True, eq=False)
