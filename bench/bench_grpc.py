@@ -350,6 +350,9 @@ def main() -> None:
         run = asyncio.run
 
     if args.serve is not None:
+        from mmadmit.runtime import tune_allocator
+
+        tune_allocator()  # as `mmadmit serve` does at start-up
         run(serve(args.model, args.serve, args.workers))
         return
 

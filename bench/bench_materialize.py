@@ -32,6 +32,7 @@ from mmadmit import intcodec, wire  # noqa: E402
 from mmadmit.hashing import feature_hash  # noqa: E402
 from mmadmit.materializer import Materializer  # noqa: E402
 from mmadmit.model import Materialized  # noqa: E402
+from mmadmit.runtime import tune_allocator  # noqa: E402
 from workloads import build_request, frames_of, media_share, profile_for  # noqa: E402
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768,131072")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    tune_allocator()  # as `mmadmit serve` does at start-up
     print(
         f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs; "
         f"command: python bench/bench_materialize.py --repeat {args.repeat}\n"

@@ -163,6 +163,9 @@ async def _serve_mmadmit(workers: int) -> None:
 
 
 def serve(kind: str, workers: int) -> None:
+    from mmadmit.runtime import tune_allocator
+
+    tune_allocator()  # every server of the comparison runs as `mmadmit serve` would
     _use_uvloop()
     if kind == "mmadmit":
         asyncio.run(_serve_mmadmit(workers))

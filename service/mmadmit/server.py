@@ -37,6 +37,7 @@ from .materializer import CPU_OPS, ArrayOps, Materializer
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
+from .runtime import tune_allocator
 
 logger = logging.getLogger("mmadmit.server")
 
@@ -228,6 +229,7 @@ def configure_logging(level: str) -> None:
 def run(config: ServeConfig) -> int:
     """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
     configure_logging(config.log_level)
+    tune_allocator()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX

@@ -153,12 +153,26 @@ def _as_buffer(frame: Any) -> memoryview:
 _DTYPES: dict[str, Any] = {}  # wire dtype string -> DType (only valid names are stored)
 
 
+class _Name:
+    """A tensor's name for error messages, formatted only when one is raised."""
+
+    __slots__ = ("item", "key")
+
+    def __init__(self, item: int | None, key: str) -> None:
+        self.item, self.key = item, key
+
+    def __str__(self) -> str:
+        return self.key if self.item is None else f"item {self.item} {self.key}"
+
+
 class _TensorReader:
     def __init__(self, aux: list[memoryview]) -> None:
         self.aux = aux
         self.used: dict[int, str] = {}
 
-    def tensor(self, value: Any, what: str, role: str) -> Tensor:
+    def tensor(self, value: Any, item: int | None, key: str, role: str) -> Tensor:
+        """Build a Tensor view; errors name ``item <item> <key>`` (or just ``key``)."""
+        what = _Name(item, key)
         if not isinstance(value, (list, tuple)) or len(value) != 3:
             raise InvalidRequest(f"{what} must be a tensor [dtype, shape, data]")
         dtype_name, shape, data = value
@@ -203,27 +217,6 @@ def _is_tensor_value(value: Any) -> bool:
     )
 
 
-def _decode_offsets(value: Any, what: str) -> np.ndarray | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise InvalidRequest(f"{what}: offsets must be an array of [start, end] pairs")
-    for span in value:  # exact int checks: numpy would coerce bools and floats silently
-        if not (
-            isinstance(span, list)
-            and len(span) == 2
-            and type(span[0]) is int
-            and type(span[1]) is int
-        ):
-            raise InvalidRequest(
-                f"{what}: offsets must be integer [start, end] pairs, got {span!r}"
-            )
-    try:
-        return np.asarray(value, dtype=np.int64).reshape(-1, 2)
-    except OverflowError as exc:
-        raise InvalidRequest(f"{what}: offset out of range") from exc
-
-
 def _decode_shm(value: Any, what: str) -> ShmHandle | None:
     if value is None:
         return None
@@ -238,39 +231,72 @@ def _decode_shm(value: Any, what: str) -> ShmHandle | None:
     )
 
 
+class _WireItem(msgspec.Struct, array_like=True):
+    """Typed view of a MultimodalDataItem: msgspec validates the types in C.
+
+    A longer array (fields of a newer peer) decodes too; its trailing raw
+    elements are kept through the split in :func:`_decode_item`.
+    """
+
+    modality: int
+    hash: int | None = None
+    pad_value: int | None = None
+    offsets: list[tuple[int, int]] | None = None
+    feature: Any = None
+    feature_shm: Any = None
+    model_specific_data: dict[str, Any] | None = None
+    # Passed through untouched, but decoded so the ext hook sees every element.
+    encoded: Any = None
+    encoded_deepstack: Any = None
+    encode_handshake: Any = None
+
+
+_ITEM = msgspec.msgpack.Decoder(_WireItem, ext_hook=_ext_hook)
+_ITEM_FIELD_NAMES = [f.name for f in msgspec.structs.fields(_WireItem)]
+
+
 def _decode_item(raw: msgspec.Raw, idx: int, reader: _TensorReader) -> Item:
-    what = f"item {idx}"
-    elems = _split(raw, what)  # raw elements: re-emitted verbatim unless changed
-    vals = _value(raw, what)  # every value in one call (validates ext codes everywhere)
-    if len(vals) < _ITEM_FIELDS:
-        vals = vals + [None] * (_ITEM_FIELDS - len(vals))
-    modality = vals[0]
-    if isinstance(modality, bool) or not isinstance(modality, int):
-        raise InvalidRequest(f"{what}: modality must be an integer, got {modality!r}")
-    feature = None
-    if vals[4] is not None:
-        feature = reader.tensor(vals[4], f"{what} feature", "feature")
+    elems = _split(raw, f"item {idx}")  # raw elements: re-emitted verbatim unless changed
+    try:
+        w = _ITEM.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"item {idx}: {_field_error(exc)}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"item {idx}: undecodable msgpack ({exc})") from exc
+    for extra_raw in elems[_ITEM_FIELDS:]:
+        _value(extra_raw, f"item {idx}")  # newer peer's fields: validated (no pickle), kept raw
+    feature = None if w.feature is None else reader.tensor(w.feature, idx, "feature", "feature")
     side: dict[str, Any] = {}
-    msd = vals[6]
-    if msd is not None:
-        if not isinstance(msd, dict):
-            raise InvalidRequest(f"{what}: model_specific_data must be a map")
-        for key, value in msd.items():
-            if not isinstance(key, str):
-                raise InvalidRequest(f"{what}: model_specific_data keys must be strings")
-            side[key] = (
-                reader.tensor(value, f"{what} {key}", "side") if _is_tensor_value(value) else value
-            )
+    if w.model_specific_data:
+        for key, value in w.model_specific_data.items():
+            side[key] = reader.tensor(value, idx, key, "side") if _is_tensor_value(value) else value
+    offsets = None
+    if w.offsets is not None:
+        try:
+            offsets = np.array(w.offsets, dtype=np.int64).reshape(-1, 2)
+        except OverflowError as exc:
+            raise InvalidRequest(f"item {idx}: offset out of range") from exc
     return Item(
-        modality=modality,
-        hash=_opt_int(vals[1], f"{what}: hash"),
-        pad_value=_opt_int(vals[2], f"{what}: pad_value"),
-        offsets=_decode_offsets(vals[3], what),
-        feature=feature,
-        feature_shm=_decode_shm(vals[5], what),
-        side=side,
-        extra=elems,
+        w.modality,
+        w.hash,
+        w.pad_value,
+        offsets,
+        feature,
+        None if w.feature_shm is None else _decode_shm(w.feature_shm, f"item {idx}"),
+        side,
+        elems,
     )
+
+
+def _field_error(exc: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$[1]`" with the field's wire name."""
+    text = str(exc)
+    head, sep, path = text.partition(" - at `$[")
+    if sep:
+        index = path.split("]", 1)[0]
+        if index.isdigit() and int(index) < len(_ITEM_FIELD_NAMES):
+            return f"{_ITEM_FIELD_NAMES[int(index)]}: {head}"
+    return text
 
 
 def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
@@ -289,10 +315,10 @@ def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
         video_token_id=_opt_int(vals[1], "video_token_id"),
         mrope_positions=None
         if positions is None
-        else reader.tensor(positions, "mrope_positions", "positions"),
+        else reader.tensor(positions, None, "mrope_positions", "positions"),
         mrope_position_delta=None
         if delta is None
-        else reader.tensor(delta, "mrope_position_delta", "delta"),
+        else reader.tensor(delta, None, "mrope_position_delta", "delta"),
         mrope_position_delta_scalar=_opt_int(vals[4], "mrope_position_delta_scalar"),
         extra=elems,
     )
