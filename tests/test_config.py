@@ -76,3 +76,13 @@ def test_cli_exits_2_with_one_line() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--max-inflight" in proc.stderr
+
+
+def test_allocator_tuning_applies_on_glibc() -> None:
+    import platform
+
+    from mmadmit.runtime import tune_allocator
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert tune_allocator() is True
