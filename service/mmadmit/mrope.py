@@ -22,9 +22,9 @@ displacement, so ``delta = shift``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -67,16 +67,13 @@ class RunPlan:
         return np.maximum(np.maximum(last_t, self.rows - 1), self.cols - 1)
 
 
-def _int_tensor(item_idx: int, key: str, tensor: Tensor) -> np.ndarray:
-    if not tensor.dtype.is_integer:
-        raise InvalidRequest(
-            f"item {item_idx}: {key} must be an integer tensor, got dtype {tensor.dtype.name}"
-        )
-    return tensor.to_numpy().astype(np.int64, copy=False)
+def _grid_rows(
+    profile: ModelProfile, idx: int, item: Item, modality: Modality
+) -> list[list[int]] | None:
+    """The item's raw grid rows ``[[t, h, w], ...]`` after the key checks (None for audio).
 
-
-def _grid_of(profile: ModelProfile, idx: int, item: Item, modality: Modality) -> np.ndarray | None:
-    """The item's raw grid as ``[rows, 3]`` int64 after the per-item key checks (None for audio)."""
+    Grids are a few ints per item: plain Python lists beat numpy round trips here.
+    """
     if modality is Modality.AUDIO:
         for key in GRID_KEYS.values():
             if key in item.side:
@@ -91,17 +88,34 @@ def _grid_of(profile: ModelProfile, idx: int, item: Item, modality: Modality) ->
         raise InvalidRequest(f"item {idx}: {modality.name.lower()} item has no {key}")
     if not isinstance(tensor, Tensor):
         raise InvalidRequest(f"item {idx}: {key} must be a tensor")
-    grid = _int_tensor(idx, key, tensor)
-    if grid.ndim == 1 and grid.shape[0] == 3:
-        grid = grid.reshape(1, 3)
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
+    if not tensor.dtype.is_integer:
         raise InvalidRequest(
-            f"item {idx}: {key} must have shape [rows, 3], got {list(tensor.shape)}"
+            f"item {idx}: {key} must be an integer tensor, got dtype {tensor.dtype.name}"
         )
-    return grid
+    shape = tensor.shape
+    if not (shape == (3,) or (len(shape) == 2 and shape[1] == 3 and shape[0] > 0)):
+        raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(shape)}")
+    if tensor.dtype.name == "int64" and tensor.data.nbytes % 8 == 0:
+        flat = tensor.data.cast("q").tolist()
+    else:
+        flat = tensor.to_numpy().reshape(-1).tolist()
+    return [flat[k : k + 3] for k in range(0, len(flat), 3)]
 
 
-def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> np.ndarray:
+_F32 = struct.Struct("<f")
+MAX_SECONDS_PER_ROW = 1e6  # far beyond any video; keeps float32 products finite
+
+
+def _f32(x: float) -> float:
+    """Round a double to float32, as numpy's float32 arithmetic does (nearest-even).
+
+    Products of two float32 values are exact in a double, so rounding the double
+    product reproduces a float32 multiplication bit for bit.
+    """
+    return float(_F32.unpack(_F32.pack(x))[0])
+
+
+def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> list[float]:
     """float32 seconds per grid row for a video item (one value broadcast or one per row)."""
     if profile.family is Family.QWEN3_OMNI:
         keys, default = _OMNI_TIME_KEYS, profile.seconds_per_chunk or 2.0
@@ -117,18 +131,25 @@ def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> 
             or tensor.dtype.numpy is None
         ):
             raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
-        values = tensor.to_numpy().astype(np.float32).reshape(-1)
-        if values.size == 1:
-            values = np.repeat(values, rows)
-        if values.size != rows:
+        values: list[float]
+        if tensor.dtype.name == "float32" and tensor.data.nbytes % 4 == 0:
+            values = [float(v) for v in tensor.data.cast("f").tolist()]
+        else:
+            values = tensor.to_numpy().astype(np.float32).reshape(-1).tolist()
+        if len(values) == 1:
+            values = values * rows
+        if len(values) != rows:
             raise InvalidRequest(
-                f"item {idx}: {key} holds {values.size} values; "
+                f"item {idx}: {key} holds {len(values)} values; "
                 f"expected 1 or one per grid row ({rows})"
             )
-        if not np.isfinite(values).all() or (values < 0).any():
-            raise InvalidRequest(f"item {idx}: {key} must hold finite non-negative seconds")
+        if not all(0 <= v < MAX_SECONDS_PER_ROW for v in values):  # also rejects NaN
+            raise InvalidRequest(
+                f"item {idx}: {key} must hold finite non-negative seconds "
+                f"(below {MAX_SECONDS_PER_ROW:g})"
+            )
         return values
-    return np.full(rows, default, dtype=np.float32)
+    return [_f32(default)] * rows
 
 
 def check_no_audio_in_video(idx: int, item: Item) -> None:
@@ -145,130 +166,100 @@ def check_no_audio_in_video(idx: int, item: Item) -> None:
         )
 
 
-def _first(mask: np.ndarray) -> int:
-    return int(np.argmax(mask))
-
-
 def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
     """Match every item's spans to its grid rows and return the runs (rule 5 checks).
 
     Spans must already be validated (bounds, disjointness, placeholder ids); this
     checks the grids and that each span's length equals its row's merged patch
-    count, and builds the runs in prompt order. One light pass per item gathers
-    arrays; every check and the run construction are vectorized over all rows.
+    count, and builds the runs in prompt order. Work is per grid row and per
+    frame (a few per item), never per token.
     """
     merge = profile.spatial_merge_size
+    merge2 = merge * merge
     split_video = profile.family.video_run_per_frame
-    grids: list[np.ndarray] = []
-    spans: list[np.ndarray] = []
-    secs: list[np.ndarray] = []
-    owners: list[int] = []
-    videos: list[bool] = []
+    starts: list[int] = []
+    frames: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    t_index: list[int] = []
+    t_off: list[int] = []
     for idx, item in enumerate(items):
         modality = MODALITY_OF[item.modality]
         check_no_audio_in_video(idx, item)
-        grid = _grid_of(profile, idx, item, modality)
+        grid = _grid_rows(profile, idx, item, modality)
         if grid is None:
             continue
         assert item.offsets is not None
+        key = GRID_KEYS[modality]
         is_video = modality is Modality.VIDEO
-        grids.append(grid)
-        spans.append(item.offsets)
-        owners.append(idx)
-        videos.append(is_video)
-        secs.append(
-            _seconds_per_row(profile, idx, item, len(grid))
-            if is_video
-            else np.zeros(len(grid), np.float32)
-        )
-    if not grids:
+        for t, h, w in grid:
+            if t <= 0 or h <= 0 or w <= 0:
+                raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {grid}")
+            if h % merge or w % merge:
+                raise InvalidRequest(
+                    f"item {idx}: {key} h and w must be divisible by spatial_merge_size "
+                    f"{merge}, got {grid}"
+                )
+            if not is_video and t != 1:
+                raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {grid}")
+        split = is_video and split_video  # one span per temporal frame of each row
+        expected = sum(row[0] for row in grid) if split else len(grid)
+        spans = item.offsets.tolist()
+        if len(spans) != expected:
+            unit = "temporal frame" if split else "grid row"
+            raise InvalidRequest(
+                f"item {idx}: {len(spans)} placeholder spans but {expected} expected "
+                f"(one per {unit}; {key}={grid})"
+            )
+        seconds = _seconds_per_row(profile, idx, item, len(grid)) if is_video else None
+        k = 0
+        for row_i, (t, h, w) in enumerate(grid):
+            hh, ww = h // merge, w // merge
+            for unit_t in [1] * t if split else [t]:
+                start, end = spans[k]
+                want = unit_t * hh * ww
+                if end - start + 1 != want:
+                    raise InvalidRequest(
+                        f"item {idx}: span {k} [{start}, {end}] holds {end - start + 1} tokens; "
+                        f"grid row {row_i} {[t, h, w]} requires {want} (t*h*w/{merge2}"
+                        + (" per frame)" if split else ")")
+                    )
+                starts.append(start)
+                frames.append(unit_t)
+                rows.append(hh)
+                cols.append(ww)
+                t_off.append(len(t_index))
+                if is_video and not split:
+                    assert seconds is not None
+                    t_index.extend(_temporal_index(profile, unit_t, seconds[row_i]))
+                else:
+                    t_index.extend([0] * unit_t)
+                k += 1
+    if not starts:
         empty = np.zeros(0, np.int64)
         return RunPlan(empty, empty, empty, empty, empty, empty)
-
-    g = np.concatenate(grids)  # [R, 3] raw rows
-    n_rows = np.array([len(x) for x in grids])
-    row_owner = np.repeat(np.arange(len(grids)), n_rows)
-    row_video = np.repeat(np.array(videos), n_rows)
-    t, h, w = g[:, 0], g[:, 1], g[:, 2]
-
-    def fail(mask: Any, what: str) -> None:
-        r = _first(mask)
-        o = int(row_owner[r])
-        key = GRID_KEYS[Modality.VIDEO if videos[o] else Modality.IMAGE]
-        raise InvalidRequest(f"item {owners[o]}: {key} {what}, got {grids[o].tolist()}")
-
-    bad = (g <= 0).any(axis=1)
-    if bad.any():
-        fail(bad, "rows must be positive")
-    bad = (h % merge != 0) | (w % merge != 0)
-    if bad.any():
-        fail(bad, f"h and w must be divisible by spatial_merge_size {merge}")
-    bad = ~row_video & (t != 1)
-    if bad.any():
-        fail(bad, "rows must have t == 1")
-
-    split = row_video & split_video  # one span per temporal frame of this row
-    units_per_row = np.where(split, t, 1)
-    expected = np.bincount(row_owner, weights=units_per_row, minlength=len(grids)).astype(np.int64)
-    actual = np.array([len(x) for x in spans])
-    bad = expected != actual
-    if bad.any():
-        o = _first(bad)
-        unit = "temporal frame" if videos[o] and split_video else "grid row"
-        key = GRID_KEYS[Modality.VIDEO if videos[o] else Modality.IMAGE]
-        raise InvalidRequest(
-            f"item {owners[o]}: {actual[o]} placeholder spans but {expected[o]} expected "
-            f"(one per {unit}; {key}={grids[o].tolist()})"
-        )
-
-    unit_row = np.repeat(np.arange(len(g)), units_per_row)
-    frames = np.where(split, 1, t)[unit_row]
-    hh = (h // merge)[unit_row]
-    ww = (w // merge)[unit_row]
-    sp = np.concatenate(spans)
-    span_len = sp[:, 1] - sp[:, 0] + 1
-    want = frames * hh * ww
-    bad = span_len != want
-    if bad.any():
-        u = _first(bad)
-        r = int(unit_row[u])
-        o = int(row_owner[r])
-        first_unit_of_owner = int(np.searchsorted(row_owner[unit_row], o))
-        row_in_item = r - int(np.searchsorted(row_owner, o))
-        raise InvalidRequest(
-            f"item {owners[o]}: span {u - first_unit_of_owner} [{int(sp[u, 0])}, {int(sp[u, 1])}] "
-            f"holds {int(span_len[u])} tokens; grid row {row_in_item} {g[r].tolist()} requires "
-            f"{int(want[u])} (t*h*w/{merge * merge}" + (" per frame)" if split[r] else ")")
-        )
-
-    # Temporal index of every frame of every unit.
-    t_off = np.cumsum(frames) - frames
-    unit_of_frame = np.repeat(np.arange(len(frames)), frames)
-    k = np.arange(int(frames.sum()), dtype=np.int64) - t_off[unit_of_frame]
-    video_frame = (row_video & ~split)[unit_row][unit_of_frame]
-    family = profile.family
-    if family is Family.QWEN2_5_VL:
-        s = np.concatenate(secs)[unit_row][unit_of_frame]
-        scaled = np.trunc((k.astype(np.float32) * s) * np.float32(profile.tokens_per_second))
-        t_index = np.where(video_frame, scaled.astype(np.int64), 0)
-    elif family is Family.QWEN3_OMNI:
-        s = np.concatenate(secs)[unit_row][unit_of_frame]
-        step = (s * np.float32(profile.position_id_per_seconds)).astype(np.float32)
-        t_index = np.where(video_frame, np.trunc(k.astype(np.float32) * step).astype(np.int64), 0)
-    elif family.video_run_per_frame:
-        t_index = np.zeros(len(k), np.int64)
-    else:  # Qwen2-VL
-        t_index = np.where(video_frame, k, 0)
-
-    order = np.argsort(sp[:, 0], kind="stable")
+    start_a = np.array(starts, np.int64)
+    order = np.argsort(start_a, kind="stable")
     return RunPlan(
-        start=sp[order, 0].astype(np.int64),
-        frames=frames[order].astype(np.int64),
-        rows=hh[order].astype(np.int64),
-        cols=ww[order].astype(np.int64),
-        t_off=t_off[order].astype(np.int64),
-        t_index=t_index.astype(np.int64),
+        start=start_a[order],
+        frames=np.array(frames, np.int64)[order],
+        rows=np.array(rows, np.int64)[order],
+        cols=np.array(cols, np.int64)[order],
+        t_off=np.array(t_off, np.int64)[order],
+        t_index=np.array(t_index, np.int64),
     )
+
+
+def _temporal_index(profile: ModelProfile, frames: int, seconds: float) -> list[int]:
+    """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
+    family = profile.family
+    if family is Family.QWEN2_5_VL:  # trunc((k * s) * tokens_per_second)
+        tps = _f32(float(profile.tokens_per_second or 0.0))
+        return [int(_f32(_f32(k * seconds) * tps)) for k in range(frames)]
+    if family is Family.QWEN3_OMNI:  # trunc(k * (s * position_id_per_seconds))
+        step = _f32(seconds * _f32(float(profile.position_id_per_seconds or 0.0)))
+        return [int(_f32(k * step)) for k in range(frames)]
+    return list(range(frames))  # Qwen2-VL (per-frame families never get here)
 
 
 def delta_only(n: int, plan: RunPlan) -> int:
