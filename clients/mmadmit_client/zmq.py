@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 from mmadmit import wire
 from mmadmit.model import Request
+from zmq.utils.monitor import parse_monitor_message
 
 from ._exceptions import (
     ClientStateError,
@@ -54,8 +55,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _ABORT_ENC = msgspec.msgpack.Encoder()
-
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +143,9 @@ class AsyncZmqClient:
         self._own_ctx = context is None
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
+        self.connected = False  # a connection to the server exists right now
         self._pending: dict[str, collections.deque[asyncio.Future[ZmqOutcome]]] = {}
         self.unmatched_replies = 0  # replies no pending request was waiting for
 
@@ -168,10 +170,11 @@ class AsyncZmqClient:
             sock = self._ctx.socket(zmq.DEALER)
             self._sock = sock
             sock.setsockopt(zmq.LINGER, 0)
-            # IMMEDIATE: nothing queues before a connection exists, so a send to an
-            # address where nothing listens waits (and times out) instead of
-            # sitting in a pipe forever.
-            sock.setsockopt(zmq.IMMEDIATE, 1)
+            # Not ZMQ_IMMEDIATE: with it, libzmq drops replies already received but
+            # not yet read when the server disconnects (exactly what a draining
+            # server does). Whether a connection exists is tracked by a monitor
+            # instead, so a timeout with nothing connected is ServerUnavailable.
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             if self.identity is not None:
                 sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.connect(self.address)
@@ -180,16 +183,28 @@ class AsyncZmqClient:
             self.state = ClientState.CLOSED
             raise TransportError(f"cannot connect to {self.address}: {exc}") from exc
         self._recv_task = asyncio.create_task(self._receive(), name="mmadmit-client-recv")
+        self._monitor_task = asyncio.create_task(self._watch(), name="mmadmit-client-monitor")
         self.state = ClientState.OPENED
+
+    async def _watch(self) -> None:
+        """Follow connection events (sets ``connected``)."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
 
     async def aclose(self) -> None:
         """Close (idempotent); requests still waiting fail with ClientStateError."""
         if self.state is ClientState.CLOSED:
             return
         self.state = ClientState.CLOSED
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
+        tasks = [t for t in (self._recv_task, self._monitor_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for futs in self._pending.values():
             for fut in futs:
                 if not fut.done():
@@ -198,6 +213,8 @@ class AsyncZmqClient:
         self._close_socket()
 
     def _close_socket(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor.close(linger=0)
         if self._sock is not None and not self._sock.closed:
             self._sock.close(linger=0)
         if self._own_ctx and self._ctx is not None and not self._ctx.closed:
@@ -231,7 +248,7 @@ class AsyncZmqClient:
                 sent = True
                 return await fut
         except TimeoutError as exc:
-            if not sent:
+            if not sent or not self.connected:
                 raise ServerUnavailable(
                     f"no connection to {self.address} accepted the request within {timeout}s"
                 ) from exc
@@ -256,6 +273,9 @@ class AsyncZmqClient:
             raise ServerUnavailable(f"no connection to {self.address} took the ABORT") from exc
         except zmq.ZMQError as exc:
             raise TransportError(f"ABORT send failed: {exc}") from exc
+        if not self.connected:
+            # queued in the socket; it goes out if the server comes up while we are open
+            logger.debug("ABORT queued: no connection to %s yet", self.address)
 
     # ------------------------------------------------------------------ replies
 

@@ -224,7 +224,7 @@ class MaterializerPool:
             )
         cf = self._executor.submit(self._run_tracked, req)
         ticket._cf = cf
-        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, ticket, f))
+        cf.add_done_callback(lambda f: self._post_done(loop, ticket, f))
         return ticket
 
     def _run_tracked(self, req: Request) -> Outcome:
@@ -236,6 +236,19 @@ class MaterializerPool:
         finally:
             with self._running_lock:
                 self._running -= 1
+
+    def _post_done(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        ticket: Ticket,
+        cf: concurrent.futures.Future[Outcome],
+    ) -> None:
+        """Worker thread: hand the result to the loop. After a drain that timed out the
+        loop may be gone; the ticket already ended SHUTTING_DOWN, so drop it quietly."""
+        try:
+            loop.call_soon_threadsafe(self._on_done, ticket, cf)
+        except RuntimeError:  # event loop is closed
+            logger.debug("rid=%s: finished after the event loop closed; dropped", ticket.rid)
 
     def _on_done(self, ticket: Ticket, cf: concurrent.futures.Future[Outcome]) -> None:
         if cf.cancelled():

@@ -409,7 +409,10 @@ class ZmqIngest:
             # Mandatory routing: an unroutable reply raises instead of vanishing.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.LINGER, 0)  # the real linger is given at stop()
-            router.bind(self.listen)
+            try:
+                router.bind(self.listen)
+            except zmq.ZMQError as exc:  # e.g. address in use: an operator error, not a crash
+                raise OSError(exc.errno, f"cannot bind ZMQ {self.listen}: {exc.strerror}") from exc
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             room = None
             if self.forward is not None:
@@ -420,7 +423,12 @@ class ZmqIngest:
                 # delivered at stop is still ours to count.
                 push.setsockopt(zmq.IMMEDIATE, 1)
                 push.setsockopt(zmq.LINGER, 0)
-                push.connect(self.forward)
+                try:
+                    push.connect(self.forward)
+                except zmq.ZMQError as exc:  # unusable --zmq-forward address
+                    raise OSError(
+                        exc.errno, f"cannot connect ZMQ forward {self.forward}: {exc.strerror}"
+                    ) from exc
                 self._fwd = _Forwarder(push, self.stats, self.max_pending_forwards, self._sent_hook)
                 room = self._fwd.room
                 res.sender_task = asyncio.create_task(self._fwd.run(), name="mmadmit-zmq-forward")
