@@ -1,0 +1,494 @@
+"""One shared materializer pool behind both transports: back-pressure, cancellation,
+drain and metrics, in process (MATERIALIZE.md "Execution", GRPC.md, WIRE.md reply
+mode, CLI.md drain semantics).
+
+Contract pinned here:
+
+* the pool is bounded across transports: a burst from gRPC and ZMQ at once, past
+  ``--max-inflight``, gets ``OVERLOADED`` for the excess and exactly one outcome
+  for every request, none lost, none duplicated; once the work is let go the
+  pool is empty;
+* cancellation from either side leaves nothing running and nothing held: a ZMQ
+  ABORT removes a queued request (``CANCELLED`` reply) and discards a running
+  one's result (``CANCELLED`` reply at once, the late result never sent); a gRPC
+  call cancelled by its client or past its deadline removes its queued work; the
+  ``Abort`` RPC ends a running request ``CANCELLED`` in band; the pool counters
+  say which was which;
+* while draining, new requests on both transports get ``SHUTTING_DOWN`` at once,
+  health is NOT_SERVING, and the work admitted before still gets its outcome;
+* ``GET /metrics`` reports what happened; any other path is 404.
+
+The real server wiring runs: ``mmadmit.server.start_server`` on ephemeral ports
+with the pool's ``before_run`` hook holding requests whose id starts with
+``hold`` (a threading.Event), so queueing is deterministic, never timed. The
+clients are the client library's.
+
+Run with: python -m pytest tests/test_admission_both_transports.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import CONFIGS
+from mmadmit import wire
+from mmadmit._proto import admission_pb2 as pb
+from mmadmit.config import build_config
+from mmadmit.grpc_server import ADMISSION_SERVICE
+from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+from mmadmit.pool import MaterializerPool
+from mmadmit.server import ServerHandle, shutdown, start_server
+from mmadmit_client import RequestTimeout
+from mmadmit_client.grpc import (
+    Aborted,
+    AsyncAdmissionClient,
+    Materialized,
+    build_item,
+    build_request,
+)
+from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome, decode_reply
+
+MODEL = CONFIGS / "qwen3_5.json"
+QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
+
+pytestmark = [
+    pytest.mark.skipif(not MODEL.is_file(), reason=f"no model config at {MODEL}"),
+    pytest.mark.timeout(60),
+]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Hold:
+    """``before_run`` hook: blocks requests whose rid starts with ``hold`` until
+    :meth:`release` (10 s at most); :meth:`arm` makes it hold again."""
+
+    def __init__(self) -> None:
+        self._gate = threading.Event()
+        self._entered = threading.Semaphore(0)
+
+    def __call__(self, req: Request) -> None:
+        if req.rid.startswith("hold"):
+            self._entered.release()
+            self._gate.wait(10)
+
+    async def wait_entered(self) -> None:
+        """Until a held request is on the worker (a worker is busy with it)."""
+        assert await asyncio.to_thread(self._entered.acquire, True, 5), "nothing was held"
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def arm(self) -> None:
+        self._gate.clear()
+
+    @property
+    def holding(self) -> bool:
+        return not self._gate.is_set()
+
+
+@dataclass
+class Service:
+    handle: ServerHandle
+    hold: Hold
+    grpc: AsyncAdmissionClient
+    zmq: AsyncZmqClient
+    stack: contextlib.AsyncExitStack
+
+    @property
+    def pool(self) -> MaterializerPool:
+        return self.handle.pool
+
+    async def zmq_client(self) -> AsyncZmqClient:
+        """One more ZMQ peer (its own DEALER), closed with the service."""
+        return await self.stack.enter_async_context(
+            AsyncZmqClient(self.handle.addresses["zmq"], timeout_s=10)
+        )
+
+
+@contextlib.asynccontextmanager
+async def running(**settings: Any) -> AsyncIterator[Service]:
+    """The real server on ephemeral ports, a hold hook, one client per transport."""
+    hold = Hold()
+    config = build_config(
+        {
+            "model": str(MODEL),
+            "device": "cpu",
+            "grpc_listen": "127.0.0.1:0",
+            "zmq_listen": "tcp://127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            **settings,
+        },
+        environ={},
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(hold.release)  # whatever fails, never leave a worker blocked
+        handle = await start_server(config, stack, before_run=hold)
+        stack.callback(hold.release)  # LIFO: released before the transports and pool stop
+        grpc_client = await stack.enter_async_context(
+            AsyncAdmissionClient(handle.addresses["grpc"])
+        )
+        zmq_client = await stack.enter_async_context(
+            AsyncZmqClient(handle.addresses["zmq"], timeout_s=10)
+        )
+        yield Service(handle, hold, grpc_client, zmq_client, stack)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def small_request(rid: str) -> Request:
+    """Qwen3.5, 40 tokens, one 8x8-patch image (16 placeholders), feature hashed here."""
+    ids = np.full(40, 100, np.int64)
+    ids[10:26] = QWEN35_IMAGE
+    item = Item(
+        modality=int(Modality.IMAGE),
+        offsets=np.array([[10, 25]], np.int64),
+        feature=Tensor.from_numpy(np.arange(64 * 32, dtype=np.float32).reshape(64, 32)),
+        side={"image_grid_thw": Tensor.from_numpy(np.array([[1, 8, 8]], np.int64))},
+    )
+    return Request(rid=rid, input_ids=ids, mm=MultimodalInputs(items=[item]))
+
+
+def admit_request(rid: str) -> pb.AdmitRequest:
+    """The same request as an ``AdmitRequest``, built with the client library."""
+    feature = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    ids = np.full(40, 100, np.int64)
+    ids[10:26] = QWEN35_IMAGE
+    item = build_item("image", offsets=[(10, 25)], feature=feature, image_grid_thw=[1, 8, 8])
+    return build_request(rid, ids, [item])
+
+
+def code_of(out: Any) -> str:
+    """``MATERIALIZED`` or the abort code, for either client's outcome."""
+    if isinstance(out, ZmqOutcome):
+        return "MATERIALIZED" if out.materialized else str(out.abort_code)
+    if isinstance(out, Materialized):
+        return "MATERIALIZED"
+    assert isinstance(out, Aborted), out
+    return out.code
+
+
+def rid_of(out: Any) -> str:
+    return out.rid if isinstance(out, ZmqOutcome) else out.request_id
+
+
+class RawPeer:
+    """A plain DEALER (no ``ZMQ_IMMEDIATE``) for the drain test: its replies survive the
+    server closing the connection right after sending them, which
+    :class:`AsyncZmqClient`'s do not (see ``test_server_lifecycle.py``,
+    ``test_zmq_client_keeps_replies_received_before_the_server_closed``)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def send(self, req: Request) -> None:
+        await self.sock.send_multipart([b"\x00", *wire.encode_request(req)], copy=False)
+
+    async def reply(self, timeout_s: float = 5.0) -> ZmqOutcome:
+        frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout_s)
+        _, out = decode_reply(frames)
+        assert isinstance(out, ZmqOutcome), out
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+async def http_get(address: str, path: str, method: str = "GET") -> tuple[int, str]:
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split(" ", 2)[1]), body
+
+
+async def scrape(svc: Service) -> dict[str, float]:
+    status, body = await http_get(svc.handle.addresses["metrics"], "/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def outcomes_metric(code: str) -> str:
+    return f'mmadmit_outcomes_total{{outcome="{code}"}}'
+
+
+# --------------------------------------------------------------------------- back-pressure
+
+
+async def test_burst_from_both_transports_one_outcome_each() -> None:
+    """workers=1, max_inflight=2, one held request on the worker: a burst of 25 ZMQ
+    (5 peers) + 25 gRPC requests at once. Exactly one is admitted (queued), 49 are
+    OVERLOADED at once; after the release both admitted ones are materialized."""
+    async with running(workers=1, max_inflight=2) as svc:
+        held = asyncio.ensure_future(svc.zmq.admit(small_request("hold-0")))
+        await svc.hold.wait_entered()
+        peers = [await svc.zmq_client() for _ in range(5)]
+        calls = [peers[i % 5].admit(small_request(f"z{i}")) for i in range(25)]
+        calls += [svc.grpc.admit(admit_request(f"g{i}"), timeout=10) for i in range(25)]
+        burst = [asyncio.ensure_future(c) for c in calls]
+        try:
+            await until(lambda: sum(t.done() for t in burst) == 49)
+            # the one admitted request is queued behind the held one: in flight, unanswered
+            assert svc.pool.inflight == 2 and svc.pool.queued == 1 and svc.pool.running == 1
+            m = await scrape(svc)
+            assert m["mmadmit_inflight"] == 2
+            assert m["mmadmit_queue_depth"] == 1
+            assert m["mmadmit_running"] == 1
+            assert m[outcomes_metric("OVERLOADED")] == 49
+            assert m["mmadmit_admitted_total"] == 3  # warm-up, hold-0, the queued one
+            svc.hold.release()
+            outs = await asyncio.wait_for(asyncio.gather(*burst), 10)
+        finally:
+            for task in burst:
+                task.cancel()
+            await asyncio.gather(*burst, return_exceptions=True)
+        assert code_of(await held) == "MATERIALIZED"
+        sent = [f"z{i}" for i in range(25)] + [f"g{i}" for i in range(25)]
+        assert [rid_of(o) for o in outs] == sent  # each call got its own request's outcome
+        codes = [code_of(o) for o in outs]
+        assert codes.count("OVERLOADED") == 49 and codes.count("MATERIALIZED") == 1, codes
+        await until(lambda: svc.pool.inflight == 0)
+        await asyncio.sleep(0.2)  # a duplicate reply would arrive now
+        assert all(c.unmatched_replies == 0 for c in [svc.zmq, *peers])
+        zstats = svc.handle.zmq.stats
+        assert zstats.received == 26 and zstats.replied == 26
+        assert svc.handle.grpc.stats.requests == 25
+        stats = svc.pool.stats
+        assert (stats.admitted, stats.overloaded, stats.completed) == (3, 49, 3)
+        assert stats.outcomes == {"MATERIALIZED": 3}
+        m = await scrape(svc)
+        assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
+        assert m[outcomes_metric("OVERLOADED")] == 49
+        assert m[outcomes_metric("MATERIALIZED")] == 3
+        assert m["mmadmit_zmq_replied"] == 26 and m["mmadmit_grpc_requests"] == 25
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
+    async with running(workers=1, max_inflight=8) as svc:
+        pool, zc, gc = svc.pool, svc.zmq, svc.grpc
+        servicer_stats, zstats = svc.handle.grpc.stats, svc.handle.zmq.stats
+
+        # A request held on the worker; everything below queues behind it.
+        hold_z = asyncio.ensure_future(zc.admit(small_request("hold-z")))
+        await svc.hold.wait_entered()
+        assert pool.inflight == 1
+
+        # ZMQ ABORT of a queued request: removed from the queue, CANCELLED reply.
+        queued_z = asyncio.ensure_future(zc.admit(small_request("queued-z")))
+        await until(lambda: pool.inflight == 2)
+        await zc.abort("queued-z")
+        out = await asyncio.wait_for(queued_z, 5)
+        assert (out.rid, out.abort_code) == ("queued-z", "CANCELLED")
+        assert pool.inflight == 1 and pool.stats.cancelled_queued == 1
+
+        # gRPC client-side cancellation of a queued call: its work is removed.
+        queued_g = asyncio.ensure_future(gc.admit(admit_request("queued-g")))
+        await until(lambda: pool.inflight == 2)
+        queued_g.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued_g
+        await until(lambda: pool.inflight == 1)
+        await until(lambda: servicer_stats.calls_cancelled == 1)
+        assert pool.stats.cancelled_queued == 2
+
+        # gRPC deadline of a queued call: same.
+        with pytest.raises(RequestTimeout):
+            await gc.admit(admit_request("deadline-g"), timeout=0.3)
+        await until(lambda: pool.inflight == 1 and servicer_stats.calls_cancelled == 2)
+        assert pool.stats.cancelled_queued == 3
+
+        # ZMQ ABORT of the running request: CANCELLED at once, while still on the worker.
+        await zc.abort("hold-z")
+        out = await asyncio.wait_for(hold_z, 5)
+        assert (out.rid, out.abort_code) == ("hold-z", "CANCELLED")
+        assert svc.hold.holding and pool.inflight == 1  # still holds its worker
+        assert pool.stats.discarded_running == 1
+        svc.hold.release()
+        await until(lambda: pool.inflight == 0)
+        await asyncio.sleep(0.2)  # its late result is discarded, never sent
+        assert zc.unmatched_replies == 0
+
+        # The gRPC Abort RPC of a running request: CANCELLED in band.
+        svc.hold.arm()
+        hold_g = asyncio.ensure_future(gc.admit(admit_request("hold-g")))
+        await svc.hold.wait_entered()
+        assert await gc.abort("hold-g", reason="user left") is True
+        out = await asyncio.wait_for(hold_g, 5)
+        assert isinstance(out, Aborted) and out.code == "CANCELLED", out
+        assert "user left" in out.message
+        assert await gc.abort("hold-g") is False  # no longer in flight
+        assert svc.hold.holding and pool.inflight == 1
+        svc.hold.release()
+        await until(lambda: pool.inflight == 0)
+
+        # Nothing running, nothing held, and the counters tell the story.
+        assert (pool.inflight, pool.queued, pool.running) == (0, 0, 0)
+        assert svc.handle.grpc.servicer.inflight_ids == frozenset()
+        assert svc.handle.zmq.inflight == 0
+        stats = pool.stats
+        assert (stats.cancelled_queued, stats.discarded_running) == (3, 2)
+        assert stats.outcomes == {"MATERIALIZED": 1, "CANCELLED": 5}  # 1: the warm-up
+        assert servicer_stats.aborts_requested == 1 and servicer_stats.calls_cancelled == 2
+        assert zstats.cancelled_by_peer == 2 and zstats.replied == 2
+        m = await scrape(svc)
+        assert m["mmadmit_cancelled_queued_total"] == 3
+        assert m["mmadmit_discarded_running_total"] == 2
+        assert m[outcomes_metric("CANCELLED")] == 5
+        assert m["mmadmit_inflight"] == 0
+        # and both transports still serve
+        assert (await zc.admit(small_request("after-z"))).materialized
+        assert isinstance(await gc.admit(admit_request("after-g"), timeout=10), Materialized)
+
+
+# --------------------------------------------------------------------------- drain
+
+
+async def test_drain_refuses_new_work_and_finishes_admitted_work() -> None:
+    """``shutdown(handle)`` while a ZMQ request is held on the worker and a gRPC call is
+    queued: new requests on both transports get SHUTTING_DOWN at once, health is
+    NOT_SERVING, and after the release both admitted requests are materialized."""
+    async with running(workers=1, max_inflight=4, drain_timeout=10) as svc:
+        pool, gc = svc.pool, svc.grpc
+        peer = RawPeer(svc.handle.addresses["zmq"])
+        stopping: asyncio.Future[None] | None = None
+        try:
+            await peer.send(small_request("hold-d"))
+            await svc.hold.wait_entered()
+            queued = asyncio.ensure_future(gc.admit(admit_request("queued-d"), timeout=20))
+            await until(lambda: pool.inflight == 2)
+            assert await gc.health() == "SERVING"
+
+            stopping = asyncio.ensure_future(shutdown(svc.handle))
+            await until(lambda: pool.draining)
+            t0 = time.monotonic()
+            late_z = await svc.zmq.admit(small_request("late-z"), timeout_s=2)
+            await peer.send(small_request("late-z2"))
+            late_z2 = await peer.reply(2)
+            late_g = await gc.admit(admit_request("late-g"), timeout=2)
+            assert time.monotonic() - t0 < 1.0  # at once, not behind the held work
+            assert (late_z.rid, late_z.abort_code) == ("late-z", "SHUTTING_DOWN")
+            assert (late_z2.rid, late_z2.abort_code) == ("late-z2", "SHUTTING_DOWN")
+            assert isinstance(late_g, Aborted) and late_g.code == "SHUTTING_DOWN", late_g
+            for name in ("", ADMISSION_SERVICE):
+                assert await gc.health(name, timeout=2) == "NOT_SERVING"
+            # the admitted work is still waiting for the held worker
+            assert not queued.done() and not stopping.done()
+            svc.hold.release()
+            held = await peer.reply(5)
+            assert (held.rid, code_of(held)) == ("hold-d", "MATERIALIZED")
+            assert code_of(await asyncio.wait_for(queued, 5)) == "MATERIALIZED"
+            await asyncio.wait_for(stopping, 10)
+        finally:
+            svc.hold.release()
+            if stopping is not None:
+                stopping.cancel()
+                await asyncio.gather(stopping, return_exceptions=True)
+            peer.close()
+        stats = pool.stats
+        assert stats.rejected_shutting_down == 3 and stats.shutdown_aborted == 0
+        assert pool.inflight == 0
+        assert svc.handle.zmq.stats.undeliverable == 0
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+async def test_metrics_endpoint_paths() -> None:
+    async with running(workers=1, max_inflight=2) as svc:
+        address = svc.handle.addresses["metrics"]
+        assert (await svc.zmq.admit(small_request("m-z"))).materialized
+        assert isinstance(await svc.grpc.admit(admit_request("m-g"), timeout=10), Materialized)
+        status, body = await http_get(address, "/metrics?name[]=x")
+        assert status == 200
+        assert "# TYPE mmadmit_inflight gauge" in body
+        assert "# TYPE mmadmit_outcomes_total counter" in body
+        m = await scrape(svc)
+        assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
+        assert m["mmadmit_max_inflight"] == 2 and m["mmadmit_draining"] == 0
+        assert m[outcomes_metric("MATERIALIZED")] == 3  # warm-up + 2
+        assert m["mmadmit_grpc_requests"] == 1 and m["mmadmit_zmq_replied"] == 1
+        for path in ("/", "/metric", "/metrics/x", "/healthz"):
+            assert (await http_get(address, path))[0] == 404, path
+        assert (await http_get(address, "/metrics", method="POST"))[0] == 405
+
+
+# --------------------------------------------------------------------------- after the loop
+
+
+def test_work_finishing_after_the_loop_closed_is_dropped_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What ``mmadmit serve`` does when a drain runs out of time: the running request
+    ends SHUTTING_DOWN, the servers stop, the event loop closes, and the worker
+    finishes the discarded work afterwards. That late finish must be dropped quietly
+    (its outcome was already given), not reported as an error."""
+    from mmadmit.errors import AbortCode
+    from mmadmit.materializer import Materializer
+    from mmadmit.profile import load_profile
+
+    hold = Hold()
+    pool = MaterializerPool(
+        Materializer(load_profile(str(MODEL))), workers=1, max_inflight=2, before_run=hold
+    )
+
+    async def drain_while_running() -> None:
+        ticket = pool.submit(small_request("hold-late"))
+        await hold.wait_entered()
+        assert await pool.drain(0.05) == 1
+        out = await ticket.outcome()
+        assert out.code is AbortCode.SHUTTING_DOWN  # type: ignore[union-attr]
+
+    try:
+        asyncio.run(drain_while_running())  # the loop is closed now; the worker still holds
+        with caplog.at_level(logging.WARNING):
+            hold.release()
+            pool.close()
+            pool._executor.shutdown(wait=True)  # the worker has finished the request
+    finally:
+        hold.release()
+        pool.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
