@@ -35,6 +35,7 @@ bench: setup
 	$(PY) bench/bench_materialize.py
 	$(PY) bench/bench_zmq.py
 	$(PY) bench/bench_grpc.py
+	$(PY) bench/bench_pool.py
 
 protos: setup
 	$(PY) scripts/gen_protos.py
