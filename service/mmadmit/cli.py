@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import wire
-from .config import ServeConfig, add_config_arguments, build_config
+from .config import add_config_arguments, build_config
 from .errors import Abort, AbortCode, ConfigError
 from .frames import pack_frames, parse_frames
 from .materializer import Materializer
@@ -128,4 +128,4 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-__all__ = ["ServeConfig", "build_parser", "main", "replay"]
+__all__ = ["build_parser", "main", "replay"]

@@ -549,13 +549,6 @@ class _Marked(AdmissionError):
         self.code = abort.code
 
 
-def total_feature_bytes(req: Request) -> int:
-    """Bytes of inline features a request carries (for metrics and size hints)."""
-    if req.mm is None:
-        return 0
-    return sum(it.feature.nbytes for it in req.mm.items if it.feature is not None)
-
-
 __all__ = [
     "ArrayOps",
     "CPU_OPS",
@@ -563,5 +556,4 @@ __all__ = [
     "Limits",
     "Materializer",
     "Outcome",
-    "total_feature_bytes",
 ]

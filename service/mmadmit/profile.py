@@ -291,9 +291,8 @@ def profile_from_config(
         if missing:
             raise ConfigError(f"{source}: missing {', '.join(missing)} for family {family.value}")
 
-    if max_model_len is None:
-        max_model_len = None  # only the operator's --max-model-len limits prompts
-    elif max_model_len <= 1:
+    # Only the operator's --max-model-len limits prompts (not the config's own value).
+    if max_model_len is not None and max_model_len <= 1:
         raise ConfigError(f"max_model_len must be at least 2, got {max_model_len}")
 
     return ModelProfile(
