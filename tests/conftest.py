@@ -8,6 +8,8 @@ the repository with ``shared/`` beside it). Helpers here are plain functions
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -107,3 +109,19 @@ def vector_loader():
     """``vector_loader(name)`` -> :class:`Vector` (skips when the vectors are absent)."""
     require_vectors()
     return load_vector
+
+
+async def http_get(address: str, path: str = "/metrics", method: str = "GET") -> tuple[int, str]:
+    """One plain HTTP/1.1 request to the metrics endpoint: (status, body)."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split(" ", 2)[1]), body

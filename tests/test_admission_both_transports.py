@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS
+from conftest import CONFIGS, http_get
 from mmadmit import wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.config import build_config
@@ -220,21 +220,6 @@ class RawPeer:
 
 
 # --------------------------------------------------------------------------- metrics
-
-
-async def http_get(address: str, path: str, method: str = "GET") -> tuple[int, str]:
-    host, _, port = address.rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    return int(head.split(" ", 2)[1]), body
 
 
 async def scrape(svc: Service) -> dict[str, float]:

@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, REPO_ROOT
+from conftest import CONFIGS, REPO_ROOT, http_get
 from mmadmit import wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.errors import Abort, AbortCode
@@ -185,21 +185,6 @@ def serve(*args: str) -> Iterator[ServeProcess]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def http_get(address: str, path: str = "/metrics") -> tuple[int, str]:
-    host, _, port = address.rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    return int(head.split(" ", 2)[1]), body
 
 
 async def metrics(address: str, attempts: int = 5) -> dict[str, float]:
