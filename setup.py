@@ -116,7 +116,7 @@ class build_with_protos(build):
     sub_commands = [("build_protos", None), *build.sub_commands]
 
 
-_COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O2"]
+_COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 
 setup(
     cmdclass={
@@ -137,6 +137,12 @@ setup(
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],
+            extra_compile_args=_COMPILE_ARGS,
+            optional=True,
+        ),
+        Extension(
+            "mmadmit._planner",
+            sources=["service/mmadmit/_planner.c"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),

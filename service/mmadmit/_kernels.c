@@ -28,6 +28,13 @@
 
 #include <stdint.h>
 
+/* Hot loops get an AVX2 clone picked at load time where the compiler can. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define MM_VECTORIZE __attribute__((target_clones("avx2", "default")))
+#else
+#define MM_VECTORIZE
+#endif
+
 static int
 is_int64(const Py_buffer *v)
 {
@@ -83,6 +90,58 @@ get_bufs(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_buffer *b,
     return 0;
 }
 
+/* The fill of mrope_fill over validated runs; returns the delta. */
+MM_VECTORIZE static int64_t
+fill_positions(int64_t *out, int64_t n, Py_ssize_t k, const int64_t *start,
+               const int64_t *frames, const int64_t *rows, const int64_t *cols,
+               const int64_t *t_off, const int64_t *t_index)
+{
+    int64_t pos = 0; /* position of the next text token */
+    int64_t tok = 0; /* next token index to write */
+    int64_t *o0 = out, *o1 = out + n, *o2 = out + 2 * n;
+    for (Py_ssize_t r = 0; r < k; r++) {
+        for (int64_t i = tok; i < start[r]; i++) {
+            int64_t v = pos + (i - tok);
+            o0[i] = v;
+            o1[i] = v;
+            o2[i] = v;
+        }
+        pos += start[r] - tok;
+        int64_t origin = pos, i = start[r];
+        const int64_t *tr = t_index + t_off[r];
+        const int64_t nc = cols[r];
+        for (int64_t f = 0; f < frames[r]; f++) {
+            int64_t tv = origin + tr[f];
+            for (int64_t h = 0; h < rows[r]; h++, i += nc) {
+                int64_t hv = origin + h;
+                int64_t *a = o0 + i, *b = o1 + i, *c = o2 + i;
+                for (int64_t w = 0; w < nc; w++) {
+                    a[w] = tv;
+                    b[w] = hv;
+                    c[w] = origin + w;
+                }
+            }
+        }
+        int64_t extent = tr[frames[r] - 1];
+        if (rows[r] - 1 > extent) {
+            extent = rows[r] - 1;
+        }
+        if (cols[r] - 1 > extent) {
+            extent = cols[r] - 1;
+        }
+        pos = origin + extent + 1;
+        tok = i;
+    }
+    for (int64_t i = tok; i < n; i++) {
+        int64_t v = pos + (i - tok);
+        o0[i] = v;
+        o1[i] = v;
+        o2[i] = v;
+    }
+    pos += n - tok;
+    return pos - n;
+}
+
 static PyObject *
 kernels_mrope_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -127,51 +186,12 @@ kernels_mrope_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, err);
         return NULL;
     }
-    int64_t pos = 0; /* position of the next text token */
-    int64_t tok = 0; /* next token index to write */
+    int64_t delta;
     Py_BEGIN_ALLOW_THREADS
-    int64_t *o0 = out, *o1 = out + n, *o2 = out + 2 * n;
-    for (Py_ssize_t r = 0; r < k; r++) {
-        for (int64_t i = tok; i < start[r]; i++) {
-            int64_t v = pos + (i - tok);
-            o0[i] = v;
-            o1[i] = v;
-            o2[i] = v;
-        }
-        pos += start[r] - tok;
-        int64_t origin = pos, i = start[r];
-        const int64_t *tr = t_index + t_off[r];
-        for (int64_t f = 0; f < frames[r]; f++) {
-            int64_t tv = origin + tr[f];
-            for (int64_t h = 0; h < rows[r]; h++) {
-                int64_t hv = origin + h;
-                for (int64_t w = 0; w < cols[r]; w++, i++) {
-                    o0[i] = tv;
-                    o1[i] = hv;
-                    o2[i] = origin + w;
-                }
-            }
-        }
-        int64_t extent = tr[frames[r] - 1];
-        if (rows[r] - 1 > extent) {
-            extent = rows[r] - 1;
-        }
-        if (cols[r] - 1 > extent) {
-            extent = cols[r] - 1;
-        }
-        pos = origin + extent + 1;
-        tok = i;
-    }
-    for (int64_t i = tok; i < n; i++) {
-        int64_t v = pos + (i - tok);
-        o0[i] = v;
-        o1[i] = v;
-        o2[i] = v;
-    }
-    pos += n - tok;
+    delta = fill_positions(out, n, k, start, frames, rows, cols, t_off, t_index);
     Py_END_ALLOW_THREADS
     release_all(b, 7);
-    return PyLong_FromLongLong(pos - n);
+    return PyLong_FromLongLong(delta);
 }
 
 static int
@@ -193,6 +213,35 @@ check_spans(const Py_buffer *ids, const Py_buffer *start, const Py_buffer *stop,
     return 0;
 }
 
+/* First span holding a token other than its expected id, -1 when none. */
+MM_VECTORIZE static Py_ssize_t
+first_bad_span(const int64_t *ids, const int64_t *a, const int64_t *z, const int64_t *want,
+               Py_ssize_t k)
+{
+    for (Py_ssize_t r = 0; r < k; r++) {
+        int64_t acc = 0, w = want[r];
+        for (int64_t i = a[r]; i < z[r]; i++) {
+            acc |= ids[i] ^ w; /* no early exit: the loop vectorizes */
+        }
+        if (acc != 0) {
+            return r;
+        }
+    }
+    return -1;
+}
+
+MM_VECTORIZE static void
+fill_spans(int64_t *out, const int64_t *a, const int64_t *z, const int64_t *v, Py_ssize_t k)
+{
+    for (Py_ssize_t r = 0; r < k; r++) {
+        int64_t *o = out + a[r];
+        const int64_t len = z[r] - a[r], value = v[r];
+        for (int64_t i = 0; i < len; i++) {
+            o[i] = value;
+        }
+    }
+}
+
 static PyObject *
 kernels_spans_check(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -208,15 +257,7 @@ kernels_spans_check(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t na
     const int64_t *ids = b[0].buf, *a = b[1].buf, *z = b[2].buf, *want = b[3].buf;
     Py_ssize_t k = b[1].len / 8, bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < k && bad < 0; r++) {
-        const int64_t w = want[r];
-        for (int64_t i = a[r]; i < z[r]; i++) {
-            if (ids[i] != w) {
-                bad = r;
-                break;
-            }
-        }
-    }
+    bad = first_bad_span(ids, a, z, want, k);
     Py_END_ALLOW_THREADS
     release_all(b, 4);
     return PyLong_FromSsize_t(bad);
@@ -238,11 +279,7 @@ kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
     const int64_t *a = b[1].buf, *z = b[2].buf, *v = b[3].buf;
     Py_ssize_t k = b[1].len / 8;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < k; r++) {
-        for (int64_t i = a[r]; i < z[r]; i++) {
-            out[i] = v[r];
-        }
-    }
+    fill_spans(out, a, z, v, k);
     Py_END_ALLOW_THREADS
     release_all(b, 4);
     Py_RETURN_NONE;

@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from . import kernels, mrope
+from . import kernels, mrope, planner
 from .errors import (
     Abort,
     AbortCode,
@@ -160,7 +160,20 @@ def _scalar_of(t: Tensor, what: str) -> int:
 
 
 def _delta_tensor(delta: int) -> Tensor:
-    return Tensor.from_numpy(np.array([[delta]], dtype=np.int64))
+    return Tensor.of_int64(np.array([[delta]], dtype=np.int64))
+
+
+def _copy_mm(mm: MultimodalInputs, items: list[Item]) -> MultimodalInputs:
+    """``dataclasses.replace(mm, items=items)`` without its per-call introspection."""
+    return MultimodalInputs(
+        items,
+        mm.im_token_id,
+        mm.video_token_id,
+        mm.mrope_positions,
+        mm.mrope_position_delta,
+        mm.mrope_position_delta_scalar,
+        mm.extra,
+    )
 
 
 class Materializer:
@@ -170,6 +183,8 @@ class Materializer:
         self.profile = profile
         self.limits = limits or Limits()
         self._supported = frozenset(m for m in Modality if profile.supports(m))
+        # the native per-item pass (M-RoPE families; None: the Python path only)
+        self._ctx = planner.make_ctx(profile) if profile.uses_mrope else None
 
     # ------------------------------------------------------------------ entry points
 
@@ -219,18 +234,30 @@ class Materializer:
             return self._upstream(req, mm, original, ops)
 
         # Rules 5 to 8.
-        plan, spans = self._validate_items(items, mm, original, need_pad=False)
-        new_items = [self._with_pad_value(i, item) for i, item in enumerate(items)]
-        new_mm = dataclasses.replace(mm, items=new_items)
+        fast = self._fast_plan(items, mm, original, need_pad=False)
+        if fast is not None:
+            plan: mrope.RunPlan | None = fast.plan
+            new_items = _hash_remaining(items, fast.new_items)
+            starts, stops, owner = fast.span_start, fast.span_stop, fast.span_owner
+        else:
+            plan, spans = self._validate_items(items, mm, original, need_pad=False)
+            new_items = [self._with_pad_value(i, item) for i, item in enumerate(items)]
+            starts, stops, owner = spans.start, spans.stop, spans.owner
+        new_mm = _copy_mm(mm, new_items)
         if profile.uses_mrope:
             assert plan is not None
             self._set_positions(new_mm, mm, len(original), plan, ops)
-        pads = np.asarray([it.pad_value for it in new_items], np.int64)
-        padded = ops.substitute(original, spans.start, spans.stop, pads[spans.owner])
-        return Materialized(
-            dataclasses.replace(req, input_ids=padded, input_ids_unpadded=original, mm=new_mm),
-            Rule.NORMAL,
+        pads = np.fromiter((it.pad_value for it in new_items), np.int64, len(new_items))
+        padded = ops.substitute(original, starts, stops, pads[owner])
+        out = Request(
+            req.rid,
+            padded,
+            original,
+            new_mm,
+            req.validation_error,
+            req.extra,  # rule 8
         )
+        return Materialized(out, Rule.NORMAL)
 
     # ------------------------------------------------------------------ rules
 
@@ -263,7 +290,14 @@ class Materializer:
         self, req: Request, mm: MultimodalInputs, original: np.ndarray, ops: ArrayOps
     ) -> Materialized:
         items = mm.items
-        plan, spans = self._validate_items(items, mm, original, need_pad=True)
+        fast = self._fast_plan(items, mm, original, need_pad=True)
+        if fast is not None:
+            plan: mrope.RunPlan | None = fast.plan
+            # k_in_item only words span errors, which a valid plan no longer has
+            none = np.full(len(fast.span_start), -1, np.int64)
+            spans = _SpanTable(fast.span_start, fast.span_stop, fast.span_owner, none)
+        else:
+            plan, spans = self._validate_items(items, mm, original, need_pad=True)
         self._check_unpadded(req, items, spans)
         if not self.profile.uses_mrope:
             return Materialized(req, Rule.UPSTREAM)
@@ -298,7 +332,7 @@ class Materializer:
                 f"the payload carries mrope_position_delta {carried} but the grids and spans "
                 f"give {delta}"
             )
-        new_mm.mrope_positions = Tensor.from_numpy(positions)
+        new_mm.mrope_positions = Tensor.of_int64(positions)
         new_mm.mrope_position_delta = _delta_tensor(delta)
         new_mm.mrope_position_delta_scalar = delta
 
@@ -325,6 +359,13 @@ class Materializer:
                 f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)"
             )
         rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
+        if (
+            self._ctx is not None
+            and mm.mrope_positions is None
+            and mm.mrope_position_delta is None
+            and planner.tensors_ok(mm.items, self._ctx, rank_max, bytes_max)
+        ):
+            return  # the native pass vouches for every item tensor (no feature_shm)
         for what, t in self._tensors(mm):
             if len(t.shape) > rank_max:
                 raise TooLarge(f"{what()}: rank {len(t.shape)} exceeds the limit of {rank_max}")
@@ -359,9 +400,8 @@ class Materializer:
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # no temporaries
-            bad = (ids < 0) | (ids >= vocab)
-            i = int(np.argmax(bad))
+        i = planner.first_outside(ids, 0, vocab)
+        if i >= 0:
             raise InvalidRequest(
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )
@@ -528,6 +568,20 @@ class Materializer:
                 f"{int(want[k])}"
             )
 
+    def _fast_plan(
+        self, items: list[Item], mm: MultimodalInputs, original: np.ndarray, *, need_pad: bool
+    ) -> planner.FastPlan | None:
+        """Rules 5 and 6 in one native pass; ``None`` sends the request down the Python path."""
+        if self._ctx is None:
+            return None
+        profile = self.profile
+        placeholders = (
+            mm.im_token_id if mm.im_token_id is not None else profile.image_token_id,
+            mm.video_token_id if mm.video_token_id is not None else profile.video_token_id,
+            profile.audio_token_id,
+        )
+        return planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
+
     # ------------------------------------------------------------------ rule 6
 
     @staticmethod
@@ -539,6 +593,16 @@ class Materializer:
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
         return item.with_pad(content_hash, pad_value(MODALITY_OF[item.modality], content_hash))
+
+
+def _hash_remaining(items: list[Item], new_items: list[Item | None]) -> list[Item]:
+    """Rule 6 after a native pass: hash the features of the items it left as None."""
+    if None not in new_items:
+        return new_items  # type: ignore[return-value]
+    return [
+        Materializer._with_pad_value(i, items[i]) if new is None else new
+        for i, new in enumerate(new_items)
+    ]
 
 
 class _Marked(AdmissionError):

@@ -67,12 +67,22 @@ class Tensor:
         dtype = parse_dtype(arr.dtype.str if arr.dtype.kind != "b" else "bool")
         return cls(dtype, tuple(int(d) for d in arr.shape), arr.data.cast("B"))
 
+    @classmethod
+    def of_int64(cls, arr: np.ndarray) -> Tensor:
+        """:meth:`from_numpy` for the int64 arrays the materializer makes, minus its checks."""
+        if arr.dtype != np.int64 or not arr.flags.c_contiguous:
+            return cls.from_numpy(arr)
+        return cls(_INT64, arr.shape, arr.data.cast("B"))
+
     def to_numpy(self) -> np.ndarray:
         """A read-only numpy view of the bytes (raises for dtypes numpy lacks)."""
         if self.dtype.numpy is None:
             raise TypeError(f"dtype {self.dtype.name} has no numpy equivalent")
         arr = np.frombuffer(self.data, dtype=self.dtype.numpy)
         return arr.reshape(self.shape)
+
+
+_INT64 = parse_dtype("int64")
 
 
 @dataclass(eq=False)

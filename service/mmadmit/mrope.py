@@ -115,13 +115,18 @@ def _f32(x: float) -> float:
     return float(_F32.unpack(_F32.pack(x))[0])
 
 
+def time_keys(profile: ModelProfile) -> tuple[str, ...]:
+    """The side keys holding a video's seconds per grid row, in lookup order."""
+    return _OMNI_TIME_KEYS if profile.family is Family.QWEN3_OMNI else _QWEN25_TIME_KEYS
+
+
 def _seconds_per_row(profile: ModelProfile, idx: int, item: Item, rows: int) -> list[float]:
     """float32 seconds per grid row for a video item (one value broadcast or one per row)."""
     if profile.family is Family.QWEN3_OMNI:
-        keys, default = _OMNI_TIME_KEYS, profile.seconds_per_chunk or 2.0
+        default = profile.seconds_per_chunk or 2.0
     else:
-        keys, default = _QWEN25_TIME_KEYS, 1.0
-    for key in keys:
+        default = 1.0
+    for key in time_keys(profile):
         tensor = item.side.get(key)
         if tensor is None:
             continue

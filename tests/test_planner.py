@@ -1,0 +1,394 @@
+"""The native per-item pass (mmadmit._planner) against the Python path.
+
+The native pass may only ever say "valid, here is the plan" or "not sure"; the
+Python path decides every abort. These tests hold it to that: on valid
+requests of every family (generated prompts, the vectors) it must take the
+fast path and give the very same outcome, and on thousands of mutated
+requests (bad spans, grids, seconds, hashes, pad values, placeholders,
+dtypes, keys) the outcome, abort code and message included, must equal the
+Python path's. A pass that accepted something Python rejects fails here.
+
+Run with: python -m pytest tests/test_planner.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import load_vector, vector_names
+from mmadmit import planner, wire
+from mmadmit.materializer import Materializer
+from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
+from mmadmit.profile import ModelProfile, load_profile
+from prompt_gen import gen_prompt
+
+pytestmark = pytest.mark.skipif(not planner.HAVE_NATIVE, reason="C extension not built")
+
+FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_omni_moe",
+)
+
+
+def _pair(profile: ModelProfile) -> tuple[Materializer, Materializer]:
+    native = Materializer(profile)
+    python = Materializer(profile)
+    python._ctx = None  # the Python path only
+    return native, python
+
+
+def _request(profile: ModelProfile, family: str, seed: int) -> Request:
+    prompt = gen_prompt(family, seed, hf_compatible=False)
+    rng = np.random.default_rng(seed)
+    for item in prompt.items:  # rule 6 inputs: a hash, or a feature to hash
+        if rng.random() < 0.7:
+            item.hash = int(rng.integers(0, 2**63)) * 2 + int(rng.integers(0, 2))
+        else:
+            item.feature = Tensor.from_numpy(rng.random((3, 4), np.float32))
+    mm = MultimodalInputs(
+        items=prompt.items,
+        im_token_id=profile.image_token_id,
+        video_token_id=profile.video_token_id,
+    )
+    return Request(rid=f"{family}-{seed}", input_ids=prompt.input_ids, mm=mm)
+
+
+def _same(a: object, b: object) -> None:
+    assert type(a) is type(b), (a, b)
+    if not isinstance(a, Materialized):
+        assert a == b  # Abort: code and message
+        return
+    assert isinstance(b, Materialized)
+    ra, rb = a.request, b.request
+    assert a.rule is b.rule
+    assert np.array_equal(ra.input_ids, rb.input_ids)
+    assert (ra.input_ids_unpadded is None) == (rb.input_ids_unpadded is None)
+    if ra.input_ids_unpadded is not None:
+        assert np.array_equal(ra.input_ids_unpadded, rb.input_ids_unpadded)
+    assert (ra.mm is None) == (rb.mm is None)
+    if ra.mm is None or rb.mm is None:
+        return
+    for x, y in zip(ra.mm.items, rb.mm.items, strict=True):
+        assert (x.hash, x.pad_value, x.modality) == (y.hash, y.pad_value, y.modality)
+        assert x.offsets is y.offsets and x.side is y.side and x.feature is y.feature
+    pa, pb = ra.mm.mrope_positions, rb.mm.mrope_positions
+    assert (pa is None) == (pb is None)
+    if pa is not None and pb is not None:
+        assert np.array_equal(pa.to_numpy(), pb.to_numpy())
+    assert ra.mm.mrope_position_delta_scalar == rb.mm.mrope_position_delta_scalar
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_valid_prompts_take_the_native_path_with_identical_outcomes(family: str) -> None:
+    profile = load_profile(family)
+    native, python = _pair(profile)
+    for seed in range(60):
+        req = _request(profile, family, seed)
+        assert req.mm is not None
+        ph = (profile.image_token_id, profile.video_token_id, profile.audio_token_id)
+        assert planner.fast_plan(req.mm.items, req.input_ids, native._ctx, ph, need_pad=False)
+        a, b = native.run(req), python.run(req)
+        assert isinstance(a, Materialized), a
+        _same(a, b)
+        # rule 4 (pads set upstream, input_ids_unpadded present) takes it too
+        up = a.request
+        assert up.mm is not None
+        up.mm.mrope_positions = up.mm.mrope_position_delta = None
+        up.mm.mrope_position_delta_scalar = None
+        assert planner.fast_plan(up.mm.items, req.input_ids, native._ctx, ph, need_pad=True)
+        _same(native.run(up), python.run(up))
+
+
+@pytest.mark.parametrize("name", vector_names())
+def test_vectors_identical_through_both_paths(name: str) -> None:
+    vec = load_vector(name)
+    native, python = _pair(load_profile(str(vec.config)))
+    req = wire.decode_message(list(vec.frames)).request
+    assert req is not None
+    _same(native.run(req), python.run(req))
+
+
+# --------------------------------------------------------------------------- mutations
+
+
+def _with_spans(rng: np.random.Generator, req: Request) -> Item | None:
+    """A random item that still has an int64 [k, 2] offsets array (k >= 1)."""
+    assert req.mm is not None
+    ok = [
+        i
+        for i in req.mm.items
+        if isinstance(i.offsets, np.ndarray) and i.offsets.dtype == np.int64 and len(i.offsets)
+    ]
+    return ok[int(rng.integers(0, len(ok)))] if ok else None
+
+
+def _any_item(rng: np.random.Generator, req: Request) -> Item | None:
+    assert req.mm is not None
+    items = req.mm.items
+    return items[int(rng.integers(0, len(items)))] if items else None
+
+
+def _mutations(profile: ModelProfile) -> list[Callable[[np.random.Generator, Request], None]]:
+    def span(rng: np.random.Generator, req: Request) -> None:
+        item = _with_spans(rng, req)
+        if item is None:
+            return
+        off = item.offsets.copy()
+        k = int(rng.integers(0, len(off)))
+        j = int(rng.integers(0, 2))
+        off[k, j] += int(rng.choice([-2, -1, 1, 2, -(10**6), 10**6]))
+        item.offsets = off
+
+    def span_shape(rng: np.random.Generator, req: Request) -> None:
+        item = _with_spans(rng, req)
+        if item is None:
+            return
+        choice = int(rng.integers(0, 4))
+        if choice == 0:
+            item.offsets = item.offsets[:0]
+        elif choice == 1:
+            item.offsets = item.offsets.astype(np.int32)
+        elif choice == 2:
+            item.offsets = np.concatenate([item.offsets, item.offsets[:1]])
+        else:
+            item.offsets = None
+
+    def overlap(rng: np.random.Generator, req: Request) -> None:
+        a, b = _with_spans(rng, req), _with_spans(rng, req)
+        if a is not None and b is not None and a is not b:
+            a.offsets = b.offsets.copy()
+
+    def modality(rng: np.random.Generator, req: Request) -> None:
+        item = _any_item(rng, req)
+        if item is None:
+            return
+        item.modality = int(rng.choice([0, 1, 2, 3, 4, -1]))
+
+    def hash_(rng: np.random.Generator, req: Request) -> None:
+        item = _any_item(rng, req)
+        if item is None:
+            return
+        item.hash = rng.choice([-1, 2**64, 2**64 - 1, 0, None, True])  # type: ignore[assignment]
+
+    def pad(rng: np.random.Generator, req: Request) -> None:
+        item = _any_item(rng, req)
+        if item is None:
+            return
+        lo = 1_000_000 + (int(rng.integers(0, 3))) * 715_494_549
+        item.pad_value = int(
+            rng.choice([lo, lo - 1, lo + 715_494_548, lo + 715_494_549, -5, 2**40])
+        )
+
+    def placeholder(rng: np.random.Generator, req: Request) -> None:
+        item = _with_spans(rng, req)
+        if item is None:
+            return
+        a, b = item.offsets[int(rng.integers(0, len(item.offsets)))]
+        ids = req.input_ids.copy()
+        ids[int(rng.integers(a, b + 1))] = int(rng.integers(0, 100))
+        req.input_ids = ids
+
+    def override(rng: np.random.Generator, req: Request) -> None:
+        mm = req.mm
+        assert mm is not None
+        if rng.random() < 0.5:
+            mm.im_token_id = int(rng.choice([mm.im_token_id or 0, 5, profile.video_token_id]))
+        else:
+            mm.video_token_id = int(rng.choice([mm.video_token_id or 0, 7]))
+
+    def grid(rng: np.random.Generator, req: Request) -> None:
+        items = [
+            i
+            for i in req.mm.items
+            if "image_grid_thw" in i.side or "video_grid_thw" in i.side  # type: ignore[union-attr]
+        ]
+        if not items:
+            return
+        item = items[int(rng.integers(0, len(items)))]
+        key = "image_grid_thw" if "image_grid_thw" in item.side else "video_grid_thw"
+        g = item.side[key].to_numpy().copy()
+        choice = int(rng.integers(0, 6))
+        if choice == 0:
+            g.reshape(-1)[int(rng.integers(0, g.size))] += int(rng.choice([-2, -1, 1, 2]))
+        elif choice == 1:
+            g.reshape(-1)[int(rng.integers(0, g.size))] = int(rng.choice([0, -4, 2**40]))
+        elif choice == 2:
+            g = g.astype(rng.choice([np.int32, np.int16, np.float32, np.uint8]))
+        elif choice == 3:
+            g = g.reshape(-1)[:3] if g.shape[0] == 1 else g[:1]
+        elif choice == 4:
+            g = g.reshape(-1)[: max(1, g.size - 1)]
+        else:
+            g = np.concatenate([g, g[:1]])
+        item.side = dict(item.side, **{key: Tensor.from_numpy(np.ascontiguousarray(g))})
+
+    def seconds(rng: np.random.Generator, req: Request) -> None:
+        videos = [i for i in req.mm.items if i.modality == 2]  # type: ignore[union-attr]
+        if not videos:
+            return
+        item = videos[int(rng.integers(0, len(videos)))]
+        key = str(rng.choice(["second_per_grid_ts", "video_second_per_grid"]))
+        rows = item.side["video_grid_thw"].shape[0] if "video_grid_thw" in item.side else 1
+        value = rng.choice([np.nan, -1.0, 0.0, 0.5, 3.25, 1e7, np.inf])
+        count = int(rng.choice([1, rows, rows + 1]))
+        dtype = rng.choice([np.float32, np.float32, np.float64, np.int64, np.float16])
+        with np.errstate(over="ignore", invalid="ignore"):  # 1e7 as float16 is inf: fine
+            arr = np.full(count, value if dtype is not np.int64 else 2, dtype)
+        item.side = dict(item.side, **{key: Tensor.from_numpy(arr)})
+
+    def keys(rng: np.random.Generator, req: Request) -> None:
+        item = _any_item(rng, req)
+        if item is None:
+            return
+        side = dict(item.side)
+        choice = int(rng.integers(0, 4))
+        if choice == 0 and side:
+            side.pop(str(rng.choice(sorted(side))))
+        elif choice == 1:
+            side["image_grid_thw"] = Tensor.from_numpy(np.array([[1, 2, 2]], np.int64))
+        elif choice == 2:
+            side["video_grid_thw"] = Tensor.from_numpy(np.array([[1, 2, 2]], np.int64))
+        else:
+            side["use_audio_in_video"] = rng.choice([True, False])  # type: ignore[assignment]
+        item.side = side
+
+    def feature(rng: np.random.Generator, req: Request) -> None:
+        item = _any_item(rng, req)
+        if item is None:
+            return
+        choice = int(rng.integers(0, 4))
+        item.hash = None
+        if choice == 0:
+            item.feature = None
+        elif choice == 1:
+            t = Tensor.from_numpy(np.zeros((2, 3), np.float32))
+            item.feature = Tensor(t.dtype, (2, 4), t.data)  # byte length mismatch
+        elif choice == 2:
+            item.feature = None
+            item.feature_shm = ShmHandle(name="seg", shape=(2, 3), dtype="float32")
+        else:
+            item.feature = Tensor.from_numpy(np.zeros((1,) * 9, np.float32))  # rank 9
+
+    return [
+        span,
+        span_shape,
+        overlap,
+        modality,
+        hash_,
+        pad,
+        placeholder,
+        override,
+        grid,
+        seconds,
+        keys,
+        feature,
+    ]
+
+
+def _deep(req: Request) -> Request:
+    """A copy whose items can be mutated without touching ``req``."""
+    mm = req.mm
+    assert mm is not None
+    items = []
+    for item in mm.items:
+        twin = copy.copy(item)
+        twin.side = dict(item.side)
+        items.append(twin)
+    return Request(
+        req.rid, req.input_ids, None, MultimodalInputs(items, mm.im_token_id, mm.video_token_id)
+    )
+
+
+@pytest.mark.parametrize("family", ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_omni_moe"))
+def test_mutated_requests_identical_through_both_paths(family: str) -> None:
+    profile = load_profile(family)
+    native, python = _pair(profile)
+    mutations = _mutations(profile)
+    rng = np.random.default_rng(2026)
+    fast_taken = aborted = 0
+    for seed in range(120):
+        base = _request(profile, family, seed)
+        for _ in range(6):
+            req = _deep(base)
+            for _ in range(int(rng.integers(1, 3))):
+                mutations[int(rng.integers(0, len(mutations)))](rng, req)
+            a, b = native.run(req), python.run(req)
+            _same(a, b)
+            aborted += not isinstance(b, Materialized)
+            mm = req.mm
+            assert mm is not None
+            ph = (mm.im_token_id, mm.video_token_id, profile.audio_token_id)
+            if isinstance(mm.items, list) and all(
+                isinstance(i.offsets, np.ndarray) or i.offsets is None for i in mm.items
+            ):
+                try:
+                    fast = planner.fast_plan(
+                        mm.items, req.input_ids, native._ctx, ph, need_pad=False
+                    )
+                except (TypeError, ValueError):
+                    fast = None
+                if fast is not None:
+                    fast_taken += 1
+                    # whatever the native pass accepts, the Python path accepts too
+                    # (a later check, e.g. vocabulary or size, may still abort)
+                    assert (
+                        isinstance(b, Materialized)
+                        or "vocabulary" in str(b)
+                        or ("exceed" in str(b))
+                    ), b
+    assert aborted > 200 and fast_taken > 50, (aborted, fast_taken)
+
+
+def test_tensor_check_defers_to_python_on_anything_unusual() -> None:
+    profile = load_profile("qwen3_5")
+    native, _ = _pair(profile)
+    ctx = native._ctx
+    req = _request(profile, "qwen3_5", 1)
+    items = req.mm.items  # type: ignore[union-attr]
+    assert planner.tensors_ok(items, ctx, 8, 1 << 30)
+    assert not planner.tensors_ok(items, ctx, 0, 1 << 30)  # rank limit
+    assert not planner.tensors_ok(items, ctx, 8, 4)  # byte limit
+    item = items[0]
+    item.feature = Tensor(item.side[next(iter(item.side))].dtype, (99,), memoryview(b"x" * 8))
+    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)  # length mismatch
+    item.feature = None
+    item.feature_shm = ShmHandle(name="seg")
+    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)  # shm: Python looks
+
+
+def test_first_outside_native_equals_numpy() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(0, 3000))
+        ids = rng.integers(0, 1000, n).astype(np.int64)
+        if n and rng.random() < 0.7:
+            ids[int(rng.integers(0, n))] = int(rng.choice([-1, 1000, 5000, -(2**62)]))
+        bad = (ids < 0) | (ids >= 1000)
+        want = int(np.argmax(bad)) if bad.any() else -1
+        assert planner.first_outside(ids, 0, 1000) == want
+        assert planner.first_outside(ids[::-1].copy(), 0, 1000) == (
+            int(np.argmax(bad[::-1])) if bad.any() else -1
+        )
+
+
+def test_new_items_are_copies_and_inputs_untouched() -> None:
+    profile = load_profile("qwen3_omni_moe")
+    native, _ = _pair(profile)
+    req = _request(profile, "qwen3_omni_moe", 4)
+    items = list(req.mm.items)  # type: ignore[union-attr]
+    before = [(i.hash, i.pad_value) for i in items]
+    out = native.run(req)
+    assert isinstance(out, Materialized)
+    assert [(i.hash, i.pad_value) for i in items] == before  # the request is not modified
+    new = out.request.mm.items  # type: ignore[union-attr]
+    assert all(type(i) is Item for i in new)
+    assert all(a is not b for a, b in zip(items, new, strict=True) if a.pad_value is None)
+    assert all(i.pad_value is not None for i in new)
