@@ -146,5 +146,11 @@ setup(
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),
+        Extension(
+            "mmadmit._pbwire",
+            sources=["service/mmadmit/_pbwire.c"],
+            extra_compile_args=_COMPILE_ARGS,
+            optional=True,
+        ),
     ],
 )

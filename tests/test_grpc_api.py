@@ -655,6 +655,55 @@ async def test_echo_features_and_derived_fields(qwen: Running) -> None:
     assert plain.items[0].feature is None and plain.items[0].side == {}
 
 
+async def test_large_inline_tensors_are_read_in_place(
+    qwen: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admit and AdmitStream take inline tensors of 64 KiB or more as views on the received
+    bytes (the request deserializer strips them from what upb parses, pbwire.py); outcomes,
+    echoed features and carried positions are those of the plain message."""
+    seen: list[type] = []
+    admit_one = qwen.server.servicer._admit_one
+
+    async def spy(request: Any) -> pb.AdmitResponse:
+        seen.append(type(request))
+        return await admit_one(request)
+
+    monkeypatch.setattr(qwen.server.servicer, "_admit_one", spy)
+    rng = np.random.default_rng(5)
+    feature = rng.random((16, 1200), dtype=np.float32)  # 75 KiB
+
+    def big(rid: str) -> pb.AdmitRequest:
+        req = _image_request(qwen.profile, rid, echo_features=True)
+        req.mm_inputs.items[0].encoder_input.CopyFrom(tensor_data(feature))
+        return req
+
+    n = 3000  # a request materialized upstream, carrying 72 kB of positions
+    ids = np.arange(100, 100 + n, dtype=np.int64)
+    positions = np.tile(np.arange(n, dtype=np.int64), (3, 1))
+    carried = build_request("pos", ids, input_ids_unpadded=ids, mrope=(positions, None))
+
+    outcomes = [await qwen.client.admit(big("u1")), await qwen.client.admit(carried)]
+    outcomes += [
+        o async for o in qwen.client.admit_many([big("s1"), _image_request(qwen.profile, "s2")])
+    ]
+    by_id = {o.request_id: o for o in outcomes}
+    for rid in ("u1", "s1"):
+        got = by_id[rid]
+        assert isinstance(got, Materialized), got
+        np.testing.assert_array_equal(got.items[0].feature.to_numpy(), feature)
+    pos = by_id["pos"]
+    assert isinstance(pos, Materialized) and pos.passthrough
+    np.testing.assert_array_equal(pos.mrope_positions, positions)
+    assert isinstance(by_id["s2"], Materialized)
+    kinds = [k.__name__ for k in seen]
+    assert sorted(kinds) == [
+        "AdmitRequest",
+        "StrippedRequest",
+        "StrippedRequest",
+        "StrippedRequest",
+    ]
+
+
 async def test_short_content_hash_is_zero_extended_little_endian(qwen: Running) -> None:
     req = _image_request(qwen.profile, "short")
     req.mm_inputs.items[0].content_hash = b"\x01\x02"

@@ -1,7 +1,11 @@
 """The gRPC server: binds the port and wires the services; no request logic.
 
 On one ``grpc.aio`` server and port: ``mmadmit.v1.Admission``
-(:class:`~mmadmit.servicer.AdmissionServicer`), the standard
+(:class:`~mmadmit.servicer.AdmissionServicer`; its handlers are registered
+here rather than by the generated ``add_AdmissionServicer_to_server``, with
+the same method names and serializers except for the request deserializer of
+``Admit`` and ``AdmitStream``: :func:`~mmadmit.pbwire.parse_admit_request`,
+which leaves large inline tensors in the received bytes), the standard
 ``grpc.health.v1.Health`` service, server reflection, and any ``extra_handlers``
 (a benchmark adds an echo method this way).
 
@@ -30,7 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ._proto import admission_pb2, admission_pb2_grpc
+from ._proto import admission_pb2
+from .pbwire import parse_admit_request
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .servicer import AdmissionServicer, ServicerStats
@@ -53,6 +58,34 @@ def clamp_message_bytes(max_message_bytes: int) -> int:
         )
         return GRPC_MAX_MESSAGE_BYTES
     return max_message_bytes
+
+
+def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers of ``mmadmit.v1.Admission`` (the generated ones but for the
+    request deserializer of ``Admit`` and ``AdmitStream``)."""
+    pb = admission_pb2
+    return {
+        "Admit": grpc.unary_unary_rpc_method_handler(
+            servicer.Admit,
+            request_deserializer=parse_admit_request,
+            response_serializer=pb.AdmitResponse.SerializeToString,
+        ),
+        "AdmitStream": grpc.stream_stream_rpc_method_handler(
+            servicer.AdmitStream,
+            request_deserializer=parse_admit_request,
+            response_serializer=pb.AdmitResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort,
+            request_deserializer=pb.AbortRequest.FromString,
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString,
+        ),
+    }
 
 
 def _preflight_bind(host: str, listen: str) -> None:
@@ -128,7 +161,11 @@ class GrpcServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        admission_pb2_grpc.add_AdmissionServicer_to_server(self.servicer, server)
+        handlers = admission_handlers(self.servicer)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(ADMISSION_SERVICE, handlers),)
+        )
+        server.add_registered_method_handlers(ADMISSION_SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (ADMISSION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
@@ -186,4 +223,10 @@ class GrpcServer:
         logger.info("[shutdown] gRPC server on %s stopped", self.address)
 
 
-__all__ = ["ADMISSION_SERVICE", "GRPC_MAX_MESSAGE_BYTES", "GrpcServer", "clamp_message_bytes"]
+__all__ = [
+    "ADMISSION_SERVICE",
+    "GRPC_MAX_MESSAGE_BYTES",
+    "GrpcServer",
+    "admission_handlers",
+    "clamp_message_bytes",
+]

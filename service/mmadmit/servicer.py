@@ -23,6 +23,13 @@ encoding:
   no audio override, so an audio item's value must equal the profile's audio
   placeholder.
 
+Copies (``pbwire.py``): ``Admit`` and ``AdmitStream`` receive what the request
+deserializer ``pbwire.parse_admit_request`` made, a plain ``AdmitRequest`` or,
+for one with inline tensors of 64 KiB or more, a ``StrippedRequest`` whose
+large tensors stay in the received bytes (the tensors built here are views on
+them: no copy at all); the response's id fields are encoded as packed varints
+in one pass (``pbwire.packed_uint32_field``) instead of element by element.
+
 Outcomes are in band (GRPC.md): an abort is an ``AdmitResponse`` with an
 ``AbortStatus`` and gRPC status OK on ``Admit`` and ``AdmitStream`` alike. The
 per-RPC error ladder (STYLE 5): :class:`~mmadmit.errors.AdmissionError` ->
@@ -44,12 +51,13 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from . import pbwire
 from ._proto import admission_pb2 as pb
 from ._proto import admission_pb2_grpc as pb_grpc
 from .dtypes import parse_dtype
@@ -62,6 +70,7 @@ from .errors import (
 )
 from .materializer import Outcome
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, ShmHandle, Tensor
+from .pbwire import StrippedRequest, packed_uint32_field, resolve_inline
 from .pool import MaterializerPool, Ticket
 from .profile import ModelProfile
 
@@ -81,6 +90,9 @@ _ABORT_CODE_TO_PROTO: dict[AbortCode, Any] = {
 }
 
 _SHM_NAME_MAX = 255  # NAME_MAX of the shm filesystems
+
+# The inline payloads a stripped request's markers stand for (None: a plain message).
+Payloads: TypeAlias = list[memoryview] | None
 
 
 @dataclass
@@ -124,8 +136,15 @@ def _check_shm_name(name: str, what: str) -> None:
         )
 
 
-def tensor_from_proto(td: pb.TensorData, what: str) -> Tensor | ShmHandle:
-    """A ``TensorData`` as an inline :class:`Tensor` (a view on protobuf's bytes) or a handle."""
+def tensor_from_proto(
+    td: pb.TensorData, what: str, payloads: Payloads = None
+) -> Tensor | ShmHandle:
+    """A ``TensorData`` as an inline :class:`Tensor` or a handle.
+
+    An inline tensor is a view on protobuf's bytes, or, for a payload the
+    request deserializer stripped (``payloads``, see ``pbwire.py``), a view on
+    the received message itself.
+    """
     kind = td.WhichOneof("payload")
     if kind is None:
         raise InvalidRequest(
@@ -135,14 +154,15 @@ def tensor_from_proto(td: pb.TensorData, what: str) -> Tensor | ShmHandle:
     shape = _shape(td)
     expected = math.prod(shape) * dtype.itemsize
     if kind == "inline":
-        # Reading a bytes field makes protobuf's one copy; keep a view on it, copy nothing more.
-        data = td.inline
-        if len(data) != expected:
+        # Reading a bytes field makes protobuf's one copy; keep a view on it, copy nothing
+        # more. A stripped payload's marker resolves to a view on the received bytes.
+        data = resolve_inline(td.inline, payloads)
+        if data.nbytes != expected:
             raise InvalidRequest(
-                f"{what}: {len(data)} data bytes but shape {list(shape)} of {dtype.name} needs "
+                f"{what}: {data.nbytes} data bytes but shape {list(shape)} of {dtype.name} needs "
                 f"{expected}"
             )
-        return Tensor(dtype, shape, memoryview(data))
+        return Tensor(dtype, shape, data)
     shm = td.shm
     _check_shm_name(shm.name, what)
     if shm.nbytes and shm.nbytes != expected:
@@ -160,8 +180,8 @@ def tensor_from_proto(td: pb.TensorData, what: str) -> Tensor | ShmHandle:
     )
 
 
-def _inline_tensor(td: pb.TensorData, what: str) -> Tensor:
-    t = tensor_from_proto(td, what)
+def _inline_tensor(td: pb.TensorData, what: str, payloads: Payloads) -> Tensor:
+    t = tensor_from_proto(td, what, payloads)
     if isinstance(t, ShmHandle):
         raise InvalidRequest(
             f"{what}: must be inline bytes (shared memory is accepted only for encoder_input)"
@@ -186,7 +206,7 @@ def _offsets(msg: pb.MultimodalItem, idx: int) -> np.ndarray:
     return arr
 
 
-def _item_from_proto(msg: pb.MultimodalItem, idx: int) -> Item:
+def _item_from_proto(msg: pb.MultimodalItem, idx: int, payloads: Payloads) -> Item:
     what = f"item {idx}"
     modality = MODALITY_FROM_PROTO.get(msg.modality)
     if modality is None:
@@ -202,13 +222,13 @@ def _item_from_proto(msg: pb.MultimodalItem, idx: int) -> Item:
     feature: Tensor | None = None
     feature_shm: ShmHandle | None = None
     if msg.HasField("encoder_input"):
-        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input")
+        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input", payloads)
         if isinstance(got, ShmHandle):
             feature_shm = got
         else:
             feature = got
     side = {
-        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]")
+        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]", payloads)
         for key, td in msg.model_specific_tensors.items()
     }
     return Item(
@@ -246,8 +266,15 @@ def _placeholder_overrides(
     return overrides
 
 
-def request_from_proto(msg: pb.AdmitRequest, profile: ModelProfile) -> Request:
-    """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated."""
+def request_from_proto(
+    msg: pb.AdmitRequest, profile: ModelProfile, payloads: Payloads = None
+) -> Request:
+    """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated.
+
+    ``payloads``: for a message the request deserializer stripped
+    (:class:`~mmadmit.pbwire.StrippedRequest`), the inline payloads its
+    markers stand for.
+    """
     rid = msg.request_id
     if not rid:
         raise InvalidRequest("request_id is empty; responses are matched by request_id")
@@ -261,7 +288,7 @@ def request_from_proto(msg: pb.AdmitRequest, profile: ModelProfile) -> Request:
     has_mrope = msg.HasField("mrope")
     if has_mm or has_mrope:
         proto_items = msg.mm_inputs.items
-        items = [_item_from_proto(it, i) for i, it in enumerate(proto_items)]
+        items = [_item_from_proto(it, i, payloads) for i, it in enumerate(proto_items)]
         overrides = _placeholder_overrides(proto_items, items, profile)
         mm = MultimodalInputs(
             items=items,
@@ -271,7 +298,7 @@ def request_from_proto(msg: pb.AdmitRequest, profile: ModelProfile) -> Request:
         if has_mrope:
             mrope = msg.mrope
             if mrope.HasField("positions"):
-                mm.mrope_positions = _inline_tensor(mrope.positions, "mrope.positions")
+                mm.mrope_positions = _inline_tensor(mrope.positions, "mrope.positions", payloads)
             if mrope.HasField("delta"):
                 mm.mrope_position_delta_scalar = mrope.delta
     return Request(rid=rid, input_ids=input_ids, input_ids_unpadded=unpadded, mm=mm)
@@ -294,6 +321,35 @@ def _tensor_to_proto(t: Tensor | ShmHandle, out: pb.TensorData) -> None:
     obj = t.data.obj
     # A view on a whole bytes object (what the decoder built) is handed over as is.
     out.inline = obj if isinstance(obj, bytes) and len(obj) == t.nbytes else t.data.tobytes()
+
+
+# Without the C extension, pbwire's numpy encoder beats tolist() + extend only on long
+# arrays (a few whole-array passes against a per-element conversion).
+_NUMPY_PACKED_MIN = 8192
+
+
+def _packs_fast(arr: np.ndarray) -> bool:
+    return (
+        arr.ndim == 1
+        and arr.dtype == np.int64
+        and (pbwire.HAVE_NATIVE or arr.shape[0] >= _NUMPY_PACKED_MIN)
+    )
+
+
+def _ids_to_proto(
+    ids: np.ndarray, unpadded: np.ndarray | None, out: pb.MaterializedRequest
+) -> None:
+    """``input_ids`` (1) and ``input_ids_unpadded`` (2), range-checked as protobuf does."""
+    if _packs_fast(ids) and (unpadded is None or _packs_fast(unpadded)):
+        # Encoded as packed fields in one pass and parsed by upb in C: no Python int per id.
+        raw = packed_uint32_field(1, ids)
+        if unpadded is not None:
+            raw += packed_uint32_field(2, unpadded)
+        out.MergeFromString(raw)
+        return
+    out.input_ids.extend(ids.tolist())
+    if unpadded is not None:
+        out.input_ids_unpadded.extend(unpadded.tolist())
 
 
 def _positions_to_proto(t: Tensor, out: pb.TensorData) -> None:
@@ -330,10 +386,7 @@ def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) ->
     req = outcome.request
     resp = pb.AdmitResponse(request_id=rid)
     out = resp.materialized
-    # tolist() + extend is the fastest bulk path into a repeated scalar field.
-    out.input_ids.extend(req.input_ids.tolist())
-    if req.input_ids_unpadded is not None:
-        out.input_ids_unpadded.extend(req.input_ids_unpadded.tolist())
+    _ids_to_proto(req.input_ids, req.input_ids_unpadded, out)
     out.passthrough = outcome.passthrough
     mm = req.mm
     if mm is not None:
@@ -400,12 +453,19 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
 
     # ------------------------------------------------------------------ one request
 
-    async def _admit_one(self, msg: pb.AdmitRequest) -> pb.AdmitResponse:
-        """One request to one response; raises only ``CancelledError`` and ``AbortError``."""
+    async def _admit_one(self, request: pb.AdmitRequest | StrippedRequest) -> pb.AdmitResponse:
+        """One request to one response; raises only ``CancelledError`` and ``AbortError``.
+
+        ``request``: what the request deserializer made (``pbwire.parse_admit_request``).
+        """
+        if isinstance(request, StrippedRequest):
+            msg, payloads = request.msg, request.payloads
+        else:
+            msg, payloads = request, None
         rid = msg.request_id
         self.stats.requests += 1
         try:
-            req = request_from_proto(msg, self._profile)
+            req = request_from_proto(msg, self._profile, payloads)
             if rid in self._inflight:
                 raise InvalidRequest(
                     f"request_id {rid!r} is already in flight on this replica; ids must be unique"
@@ -441,13 +501,13 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
     # ------------------------------------------------------------------ RPCs
 
     async def Admit(  # noqa: N802 - the wire's method name
-        self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext
+        self, request: pb.AdmitRequest | StrippedRequest, context: grpc.aio.ServicerContext
     ) -> pb.AdmitResponse:
         return await self._admit_one(request)
 
     async def AdmitStream(  # noqa: N802
         self,
-        request_iterator: AsyncIterator[pb.AdmitRequest],
+        request_iterator: AsyncIterator[pb.AdmitRequest | StrippedRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Read requests while earlier ones run; write each outcome as soon as it is known.
@@ -469,7 +529,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         responses: asyncio.Queue[pb.AdmitResponse | None] = asyncio.Queue()
         workers: set[asyncio.Task[None]] = set()
 
-        async def one(msg: pb.AdmitRequest) -> None:
+        async def one(msg: pb.AdmitRequest | StrippedRequest) -> None:
             responses.put_nowait(await self._admit_one(msg))
 
         async def read_all() -> None:

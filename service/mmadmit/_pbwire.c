@@ -1,0 +1,403 @@
+/*
+ * _pbwire: protobuf wire-format shortcuts for the gRPC transport (see
+ * mmadmit/pbwire.py, which holds the Python fallback that must give the very
+ * same results, byte for byte).
+ *
+ * Python API:
+ *
+ *   packed_uint32_field(field_number, values) -> bytes
+ *       `values`: a C-contiguous native int64 buffer. Returns one packed
+ *       `repeated uint32` field: the tag (wire type 2), the payload length and
+ *       each value's varint; b"" for no values. A value outside
+ *       [0, 2**32 - 1] raises ValueError("Value out of range: V") for the
+ *       first such value (protobuf's own message for `extend`).
+ *   strip_inline(data, min_bytes, nonce) -> (bytes, list[memoryview]) | None
+ *       `data`: a serialized mmadmit.v1.AdmitRequest (bytes). Walks the
+ *       fields listed in pbwire.py's schema and replaces the contents of
+ *       every TensorData.inline of `min_bytes` or more by the marker
+ *       `nonce + index.to_bytes(4, "little")`, rewriting the enclosing
+ *       lengths (minimal varints); every other byte is copied as is (a map
+ *       entry with a field other than key and value is left whole). Returns
+ *       the new message and the replaced contents as memoryview slices of
+ *       `data`, in wire order; None when nothing was replaced or when the
+ *       bytes are not understood (truncated, malformed varint, field number
+ *       0, groups or a reserved wire type).
+ *
+ * Plain C API, no numpy headers: buffers come through the buffer protocol.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------ */
+/* varints */
+
+static inline Py_ssize_t
+varint_size(uint64_t v)
+{
+    Py_ssize_t n = 1;
+    while (v > 0x7F) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static inline uint8_t *
+put_varint(uint8_t *out, uint64_t v)
+{
+    while (v > 0x7F) {
+        *out++ = (uint8_t)((v & 0x7F) | 0x80);
+        v >>= 7;
+    }
+    *out++ = (uint8_t)v;
+    return out;
+}
+
+/* Read a varint of at most 10 bytes (64 bits) from [*pos, end); 0 on failure. */
+static inline int
+get_varint(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, uint64_t *value)
+{
+    uint64_t result = 0;
+    Py_ssize_t p = *pos;
+    for (int k = 0; k < 10; k++) {
+        if (p >= end)
+            return 0;
+        uint8_t b = buf[p++];
+        result |= (uint64_t)(b & 0x7F) << (7 * k);
+        if (b < 0x80) {
+            if (k == 9 && b > 1)
+                return 0; /* more than 64 bits */
+            *pos = p;
+            *value = result;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* packed_uint32_field */
+
+static PyObject *
+pbwire_packed_uint32_field(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "packed_uint32_field(field_number, values)");
+        return NULL;
+    }
+    long field = PyLong_AsLong(args[0]);
+    if (field == -1 && PyErr_Occurred())
+        return NULL;
+    if (field < 1 || field > 0x1FFFFFFF) {
+        PyErr_SetString(PyExc_ValueError, "field number out of range");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.len % 8 != 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "values must be an int64 buffer");
+        return NULL;
+    }
+    const int64_t *values = (const int64_t *)view.buf;
+    Py_ssize_t n = view.len / 8;
+    if (n == 0) {
+        PyBuffer_Release(&view);
+        return PyBytes_FromStringAndSize(NULL, 0);
+    }
+    Py_ssize_t payload = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v = values[i];
+        if (v < 0 || v > (int64_t)UINT32_MAX) {
+            PyBuffer_Release(&view);
+            PyErr_Format(PyExc_ValueError, "Value out of range: %lld", (long long)v);
+            return NULL;
+        }
+        payload += 1 + (v >= (1 << 7)) + (v >= (1 << 14)) + (v >= (1 << 21)) + (v >= (1 << 28));
+    }
+    uint64_t key = ((uint64_t)field << 3) | 2;
+    Py_ssize_t total = varint_size(key) + varint_size((uint64_t)payload) + payload;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, total);
+    if (result == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    out = put_varint(out, key);
+    out = put_varint(out, (uint64_t)payload);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)values[i];
+        if (v < 0x80) {
+            *out++ = (uint8_t)v;
+            continue;
+        }
+        out = put_varint(out, v);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* strip_inline: keep the schema in sync with pbwire.py's _SCHEMA. */
+
+enum { K_ADMIT, K_MM, K_ITEM, K_ENTRY, K_MROPE, K_TENSOR, K_INLINE, K_NONE };
+
+static int
+sub_kind(int kind, uint64_t number)
+{
+    switch (kind) {
+    case K_ADMIT:
+        return number == 9 ? K_MM : number == 101 ? K_MROPE : K_NONE;
+    case K_MM:
+        return number == 1 ? K_ITEM : K_NONE;
+    case K_ITEM:
+        return number == 3 ? K_TENSOR : number == 4 ? K_ENTRY : K_NONE;
+    case K_ENTRY:
+        return number == 2 ? K_TENSOR : K_NONE;
+    case K_MROPE:
+        return number == 1 ? K_TENSOR : K_NONE;
+    case K_TENSOR:
+        return number == 3 ? K_INLINE : K_NONE;
+    default:
+        return K_NONE;
+    }
+}
+
+#define WALK_BAIL (-1)  /* not understood: no Python error set */
+#define WALK_ERROR (-2) /* Python error set */
+
+typedef struct {
+    const uint8_t *buf;
+    Py_ssize_t min_bytes;
+    const uint8_t *nonce;
+    Py_ssize_t nonce_len;
+    PyObject *view;      /* write pass: memoryview of data */
+    PyObject *payloads;  /* write pass: list of memoryview slices */
+} walker;
+
+/*
+ * The new size of the message buf[start:end] of `kind`, and in *stripped the
+ * number of inline payloads replaced in it (a sub-message without any is kept
+ * byte for byte). With out == NULL only counts; otherwise also writes the new
+ * contents at out (exactly the counted size) and appends the payload slices.
+ */
+static Py_ssize_t
+walk(walker *w, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out, Py_ssize_t *stripped)
+{
+    const uint8_t *buf = w->buf;
+    Py_ssize_t pos = start, size = 0;
+    Py_ssize_t kept_from = start; /* unchanged bytes not yet written */
+    int plain = 1;                /* a map entry of key (1) and value (2) only */
+    *stripped = 0;
+    while (pos < end) {
+        Py_ssize_t field_start = pos;
+        uint64_t key, v;
+        if (!get_varint(buf, &pos, end, &key))
+            return WALK_BAIL;
+        Py_ssize_t tag_end = pos;
+        uint64_t number = key >> 3;
+        int wire_type = (int)(key & 7);
+        if (number == 0 || number > 0x1FFFFFFF)
+            return WALK_BAIL;
+        if (number > 2 || wire_type != 2)
+            plain = 0;
+        switch (wire_type) {
+        case 0:
+            if (!get_varint(buf, &pos, end, &v))
+                return WALK_BAIL;
+            continue;
+        case 1:
+            if (end - pos < 8)
+                return WALK_BAIL;
+            pos += 8;
+            continue;
+        case 5:
+            if (end - pos < 4)
+                return WALK_BAIL;
+            pos += 4;
+            continue;
+        case 2:
+            break;
+        default:
+            return WALK_BAIL; /* groups and reserved wire types */
+        }
+        uint64_t length;
+        if (!get_varint(buf, &pos, end, &length))
+            return WALK_BAIL;
+        if (length > (uint64_t)(end - pos))
+            return WALK_BAIL;
+        Py_ssize_t data_start = pos;
+        pos += (Py_ssize_t)length;
+        int sub = sub_kind(kind, number);
+        if (sub == K_NONE)
+            continue;
+        Py_ssize_t new_size, inner = 0;
+        if (sub == K_INLINE) {
+            if ((Py_ssize_t)length < w->min_bytes)
+                continue;
+            new_size = w->nonce_len + 4;
+            inner = 1;
+        }
+        else {
+            /* Counted first: its new length goes before its contents. */
+            new_size = walk(w, data_start, pos, sub, NULL, &inner);
+            if (new_size < 0)
+                return new_size;
+            if (inner == 0)
+                continue; /* unchanged: kept byte for byte */
+        }
+        *stripped += inner;
+        Py_ssize_t head = field_start - kept_from;
+        Py_ssize_t tag_len = tag_end - field_start;
+        Py_ssize_t field_size = tag_len + varint_size((uint64_t)new_size) + new_size;
+        if (out != NULL) {
+            uint8_t *o = out + size;
+            memcpy(o, buf + kept_from, (size_t)head);
+            o += head;
+            memcpy(o, buf + field_start, (size_t)tag_len);
+            o += tag_len;
+            o = put_varint(o, (uint64_t)new_size);
+            if (sub == K_INLINE) {
+                Py_ssize_t index = PyList_GET_SIZE(w->payloads);
+                memcpy(o, w->nonce, (size_t)w->nonce_len);
+                o += w->nonce_len;
+                for (int b = 0; b < 4; b++)
+                    *o++ = (uint8_t)((uint64_t)index >> (8 * b));
+                PyObject *slice = PySequence_GetSlice(w->view, data_start, pos);
+                if (slice == NULL)
+                    return WALK_ERROR;
+                int rc = PyList_Append(w->payloads, slice);
+                Py_DECREF(slice);
+                if (rc < 0)
+                    return WALK_ERROR;
+            }
+            else {
+                Py_ssize_t again;
+                Py_ssize_t wrote = walk(w, data_start, pos, sub, o, &again);
+                if (wrote < 0)
+                    return wrote;
+            }
+        }
+        size += head + field_size;
+        kept_from = pos;
+    }
+    if (kind == K_ENTRY && !plain) {
+        /* upb keeps a map entry with any other field whole, as an unknown field of
+         * the item: its bytes stay as they are. (Only reached when counting: the
+         * write pass never enters a sub-message counted as unchanged.) */
+        *stripped = 0;
+        return end - start;
+    }
+    Py_ssize_t tail = end - kept_from;
+    if (out != NULL)
+        memcpy(out + size, buf + kept_from, (size_t)tail);
+    return size + tail;
+}
+
+static PyObject *
+pbwire_strip_inline(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "strip_inline(data, min_bytes, nonce)");
+        return NULL;
+    }
+    PyObject *data = args[0];
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "strip_inline: data must be bytes");
+        return NULL;
+    }
+    Py_ssize_t min_bytes = PyLong_AsSsize_t(args[1]);
+    if (min_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (min_bytes < 1) {
+        PyErr_SetString(PyExc_ValueError, "strip_inline: min_bytes must be positive");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "strip_inline: nonce must be bytes");
+        return NULL;
+    }
+    walker w = {
+        .buf = (const uint8_t *)PyBytes_AS_STRING(data),
+        .min_bytes = min_bytes,
+        .nonce = (const uint8_t *)PyBytes_AS_STRING(args[2]),
+        .nonce_len = PyBytes_GET_SIZE(args[2]),
+        .view = NULL,
+        .payloads = NULL,
+    };
+    Py_ssize_t n = PyBytes_GET_SIZE(data), stripped = 0;
+    Py_ssize_t size = walk(&w, 0, n, K_ADMIT, NULL, &stripped);
+    if (size == WALK_ERROR)
+        return NULL;
+    if (size == WALK_BAIL || stripped == 0)
+        Py_RETURN_NONE;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, size);
+    if (result == NULL)
+        return NULL;
+    w.view = PyMemoryView_FromObject(data);
+    w.payloads = PyList_New(0);
+    if (w.view == NULL || w.payloads == NULL)
+        goto error;
+    Py_ssize_t wrote = walk(&w, 0, n, K_ADMIT, (uint8_t *)PyBytes_AS_STRING(result), &stripped);
+    if (wrote < 0) {
+        if (wrote == WALK_BAIL) /* cannot happen: the count pass saw the same bytes */
+            PyErr_SetString(PyExc_SystemError, "strip_inline: write pass disagrees");
+        goto error;
+    }
+    if (wrote != size) {
+        PyErr_SetString(PyExc_SystemError, "strip_inline: size mismatch");
+        goto error;
+    }
+    Py_DECREF(w.view);
+    PyObject *pair = PyTuple_Pack(2, result, w.payloads);
+    Py_DECREF(result);
+    Py_DECREF(w.payloads);
+    return pair;
+error:
+    Py_XDECREF(w.view);
+    Py_XDECREF(w.payloads);
+    Py_DECREF(result);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+
+static PyMethodDef pbwire_methods[] = {
+    {"packed_uint32_field", (PyCFunction)(void (*)(void))pbwire_packed_uint32_field,
+     METH_FASTCALL,
+     "packed_uint32_field(field_number, values) -> bytes\n\nOne packed repeated uint32 "
+     "field from a C-contiguous int64 buffer (ValueError for a value out of range)."},
+    {"strip_inline", (PyCFunction)(void (*)(void))pbwire_strip_inline, METH_FASTCALL,
+     "strip_inline(data, min_bytes, nonce) -> (bytes, list) | None\n\nAn AdmitRequest "
+     "with its large TensorData.inline contents replaced by markers (see pbwire.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot pbwire_slots[] = {
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef pbwire_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mmadmit._pbwire",
+    .m_doc = "protobuf wire-format shortcuts for the gRPC transport (see mmadmit.pbwire).",
+    .m_size = 0,
+    .m_methods = pbwire_methods,
+    .m_slots = pbwire_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__pbwire(void)
+{
+    return PyModuleDef_Init(&pbwire_module);
+}

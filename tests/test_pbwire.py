@@ -1,0 +1,634 @@
+"""Protobuf wire shortcuts of the gRPC transport (``mmadmit.pbwire``), both implementations.
+
+Pinned here, for the C extension (when built) and the Python/numpy fallback alike:
+
+* ``packed_uint32_field`` gives byte for byte what protobuf serializes for the
+  same ``repeated uint32`` values (random arrays, every varint size boundary,
+  0 and ``2**32 - 1``), protobuf parses it back to the same values, and a value
+  out of range fails with protobuf's own ``ValueError`` message; the servicer's
+  response builder gives the same message as filling the fields with ``extend``.
+* ``strip_inline_payloads`` / ``parse_admit_request``: the stripped message,
+  with its markers put back, equals ``AdmitRequest.FromString`` of the original
+  bytes (unknown fields included) for every request the gRPC API tests build,
+  every wire vector, unknown fields 3-8 and nested unknown fields, several
+  items, map side tensors, M-RoPE positions, and field orders protobuf merges
+  (split ``mm_inputs``, repeated ``encoder_input``, repeated ``inline``, ``inline``
+  vs ``shm``, duplicate map keys); both implementations give the same bytes;
+  truncated (every cut of a small message), bit-flipped and garbage bytes parse
+  or fail exactly as ``FromString`` does.
+* A large feature becomes a tensor that is a view on the received bytes (no
+  copy); a client ``inline`` value is never mistaken for a marker.
+
+Run with: python -m pytest tests/test_pbwire.py -q
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import TESTS_DIR, load_vector, vector_names
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+from mmadmit import pbwire
+from mmadmit._proto import admission_pb2 as pb
+from mmadmit.materializer import Materializer
+from mmadmit.model import Materialized
+from mmadmit.profile import load_profile
+from mmadmit.servicer import _ids_to_proto, request_from_proto, response_from_outcome
+from mmadmit_client.grpc import build_item, build_request, tensor_data
+from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
+
+IMPLS = ["native", "python"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a test against the C extension, then against the fallback."""
+    if request.param == "native":
+        if not pbwire.HAVE_NATIVE:
+            pytest.skip("mmadmit._pbwire is not built")
+    else:
+        monkeypatch.setattr(pbwire, "_pbwire", None)
+        monkeypatch.setattr(pbwire, "HAVE_NATIVE", False)
+    yield request.param
+
+
+def _varint(value: int) -> bytes:
+    return pbwire.encode_varint(value)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    key = _varint((number << 3) | wire_type)
+    if wire_type == 2:
+        return key + _varint(len(payload)) + payload
+    return key + payload
+
+
+# ----------------------------------------------------------------------------- packed encoder
+
+
+EDGES = [0, 1, 127, 128, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**32 - 1]
+
+
+def _reference(field_number: int, values: np.ndarray) -> bytes:
+    msg = pb.MaterializedRequest()
+    target = msg.input_ids if field_number == 1 else msg.input_ids_unpadded
+    target.extend(values.tolist())
+    return msg.SerializeToString()
+
+
+def _arrays() -> Iterator[np.ndarray]:
+    rng = np.random.default_rng(7)
+    yield np.array([], np.int64)
+    yield np.array(EDGES, np.int64)
+    yield np.array(EDGES[::-1] * 3, np.int64)
+    for value in EDGES:
+        yield np.array([value], np.int64)
+    for n in (1, 2, 3, 100, 1024, 20_000):
+        for top in (2, 128, 2**14, 2**21, 2**28, 2**32):
+            arr = rng.integers(0, top, n, dtype=np.int64)
+            arr[rng.integers(0, n, max(1, n // 10))] = rng.choice(EDGES)
+            yield arr
+    # log-uniform sizes: every varint length in one array
+    yield (2 ** rng.uniform(0, 32, 5000)).astype(np.int64).clip(0, 2**32 - 1)
+
+
+@pytest.mark.parametrize("field_number", [1, 2])
+def test_packed_uint32_equals_protobuf(impl: str, field_number: int) -> None:
+    for arr in _arrays():
+        got = pbwire.packed_uint32_field(field_number, arr)
+        assert got == _reference(field_number, arr), (len(arr), arr[:8])
+        back = pb.MaterializedRequest.FromString(got)
+        values = back.input_ids if field_number == 1 else back.input_ids_unpadded
+        assert list(values) == arr.tolist()
+
+
+def test_packed_uint32_non_contiguous_and_large_field_number(impl: str) -> None:
+    arr = np.arange(0, 4000, dtype=np.int64)[::3]
+    assert pbwire.packed_uint32_field(1, arr) == _reference(1, arr)
+    # a field number with a multi-byte tag
+    got = pbwire.packed_uint32_field(100, np.array(EDGES, np.int64))
+    assert got == _field(100, 2, _reference(1, np.array(EDGES, np.int64))[2:])
+    assert list(pb.AdmitRequest.FromString(got).input_ids_unpadded) == EDGES
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[2**32], [-1], [5, 2**32 + 1, -1], [1, 2, -(2**63)], [2**63 - 1], [0, 2**32 - 1, 2**40]],
+)
+def test_packed_uint32_out_of_range_is_protobufs_error(impl: str, values: list[int]) -> None:
+    arr = np.array(values, np.int64)
+    with pytest.raises(ValueError) as want:
+        pb.MaterializedRequest().input_ids.extend(arr.tolist())
+    with pytest.raises(ValueError) as got:
+        pbwire.packed_uint32_field(1, arr)
+    assert str(got.value) == str(want.value)
+    assert str(got.value).startswith("Value out of range: ")
+
+
+def test_packed_uint32_refuses_other_dtypes() -> None:
+    with pytest.raises(TypeError):
+        pbwire.packed_uint32_field(1, np.arange(3, dtype=np.int32))
+    with pytest.raises(TypeError):
+        pbwire.packed_uint32_field(1, np.zeros((2, 2), np.int64))
+
+
+@pytest.mark.parametrize("size", [0, 5, 1024, 9000])
+def test_response_ids_equal_extend(impl: str, size: int) -> None:
+    rng = np.random.default_rng(size)
+    ids = rng.integers(0, 2**32, size, dtype=np.int64)
+    for unpadded in (None, rng.integers(0, 300_000, size, dtype=np.int64)):
+        got = pb.AdmitResponse(request_id="r")
+        _ids_to_proto(ids, unpadded, got.materialized)
+        got.materialized.passthrough = False
+        want = pb.AdmitResponse(request_id="r")
+        want.materialized.input_ids.extend(ids.tolist())
+        if unpadded is not None:
+            want.materialized.input_ids_unpadded.extend(unpadded.tolist())
+        want.materialized.passthrough = False
+        assert got == want
+        assert got.SerializeToString() == want.SerializeToString()
+        assert got.WhichOneof("outcome") == "materialized"
+
+
+@pytest.mark.parametrize("size", [3, 9000])
+def test_response_ids_out_of_range_as_before(impl: str, size: int) -> None:
+    """The message the old ``extend`` gave (it becomes an in-band INTERNAL abort)."""
+    ids = np.arange(size, dtype=np.int64)
+    unpadded = ids.copy()
+    unpadded[-1] = 2**32
+    with pytest.raises(ValueError, match=r"^Value out of range: 4294967296$"):
+        _ids_to_proto(ids, unpadded, pb.MaterializedRequest())
+    ids[1] = -5  # the first field is checked first
+    with pytest.raises(ValueError, match=r"^Value out of range: -5$"):
+        _ids_to_proto(ids, unpadded, pb.MaterializedRequest())
+    # other dtypes keep the extend path and its checks
+    with pytest.raises(ValueError, match=r"^Value out of range: -5$"):
+        _ids_to_proto(ids.astype(np.int32), None, pb.MaterializedRequest())
+
+
+def test_response_from_outcome_unchanged(impl: str) -> None:
+    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
+    outcome = Materializer(profile).run(request_from_proto(_image_request(profile, "x"), profile))
+    assert isinstance(outcome, Materialized)
+    got = response_from_outcome("x", outcome, echo_features=True)
+    want = pb.AdmitResponse()
+    want.CopyFrom(got)
+    for name, arr in (
+        ("input_ids", outcome.request.input_ids),
+        ("input_ids_unpadded", outcome.request.input_ids_unpadded),
+    ):
+        want.materialized.ClearField(name)
+        assert arr is not None
+        getattr(want.materialized, name).extend(arr.tolist())
+    assert got.SerializeToString() == want.SerializeToString()
+    assert list(got.materialized.input_ids) == outcome.request.input_ids.tolist()
+    assert len(got.materialized.input_ids_unpadded) == len(outcome.request.input_ids)
+
+
+# ------------------------------------------------------------------------------- the stripper
+
+
+def _tensor_fields(msg: pb.AdmitRequest) -> Iterator[pb.TensorData]:
+    for item in msg.mm_inputs.items:
+        if item.HasField("encoder_input"):
+            yield item.encoder_input
+        yield from item.model_specific_tensors.values()
+    if msg.mrope.HasField("positions"):
+        yield msg.mrope.positions
+
+
+def _restore(small: bytes, payloads: list[memoryview]) -> pb.AdmitRequest:
+    """The stripped message with every marker replaced by the bytes it stands for."""
+    msg = pb.AdmitRequest.FromString(small)
+    markers = 0
+    for td in _tensor_fields(msg):
+        if td.WhichOneof("payload") != "inline":
+            continue
+        value = td.inline
+        markers += value.startswith(pbwire._NONCE)
+        td.inline = bytes(pbwire.resolve_inline(value, payloads))
+    # fewer when protobuf merged a stripped value away (a repeated inline, a map key)
+    assert markers <= len(payloads)
+    return msg
+
+
+def _same(a: pb.AdmitRequest, b: pb.AdmitRequest) -> None:
+    assert a == b
+    assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def check_strip(data: bytes, min_bytes: int = 1) -> int:
+    """Strip ``data`` with every implementation; each must restore to FromString's message.
+
+    Returns how many payloads were stripped (0: the walker left it alone).
+    """
+    ref = pb.AdmitRequest.FromString(data)
+    results = []
+    impls: list[Any] = [pbwire._strip_py]
+    if pbwire._pbwire is not None:
+        impls.append(lambda d, m: pbwire._pbwire.strip_inline(d, m, pbwire._NONCE))
+    for strip in impls:
+        got = strip(data, min_bytes)
+        if got is None:
+            results.append(None)
+            continue
+        small, payloads = got
+        assert payloads, "a result always strips something"
+        for view in payloads:
+            assert view.obj is data and view.readonly and view.nbytes >= min_bytes
+        assert len(small) < len(data) or min_bytes <= len(pbwire._NONCE) + 4
+        _same(_restore(small, payloads), ref)
+        results.append((small, [bytes(v) for v in payloads]))
+    assert all(r == results[0] for r in results), "C and Python strip alike"
+    # parse_admit_request too (both implementations, via the module switch)
+    parsed = pbwire.parse_admit_request(data, min_bytes)
+    if isinstance(parsed, pbwire.StrippedRequest):
+        msg = pb.AdmitRequest()
+        msg.CopyFrom(parsed.msg)
+        for td in _tensor_fields(msg):
+            if td.WhichOneof("payload") == "inline":
+                td.inline = bytes(parsed.inline(td))
+        _same(msg, ref)
+    else:
+        _same(parsed, ref)
+    return 0 if results[0] is None else len(results[0][1])
+
+
+def _big_feature(rows: int = 64, cols: int = 600, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random((rows, cols), dtype=np.float32)  # 150 KiB
+
+
+def _large_request(rid: str = "big", **kwargs: Any) -> pb.AdmitRequest:
+    """Two images with large features and a large side tensor, M-RoPE positions carried."""
+    ids = np.arange(1000, 1000 + 5000, dtype=np.int64)
+    items = [
+        build_item(
+            "image",
+            placeholders=[(10, 16)],
+            feature=_big_feature(seed=1),
+            content_hash=7,
+            image_grid_thw=[1, 8, 8],
+            side={"pixel_extra": _big_feature(40, 500, seed=2), "tiny": np.arange(3)},
+        ),
+        build_item(
+            "video",
+            placeholders=[(100, 8), (200, 8)],
+            feature=_big_feature(seed=3).view(np.uint16),
+            feature_dtype="bfloat16",
+            video_grid_thw=[[2, 4, 4]],
+            placeholder_token_id=5,
+        ),
+    ]
+    positions = np.tile(np.arange(5000, dtype=np.int64), (3, 1))  # 117 KiB
+    return build_request(rid, ids, items, mrope=(positions, 3), **kwargs)
+
+
+UNKNOWN_TOP = (
+    _field(3, 2, _field(1, 5, b"\x00\x00\x80\x3f") + _field(2, 0, b"\x14"))  # sampling_params
+    + _field(4, 0, b"\x01")  # return_logprob
+    + _field(5, 0, b"\xff\xff\xff\xff\x0f")  # varint
+    + _field(6, 1, b"\x01" * 8)  # fixed64
+    + _field(7, 0, b"\x01")  # stream
+    + _field(8, 2, b"\x08\x09")  # bootstrap info
+    + _field(10, 2, _field(1, 2, b"10.0.0.1") + _field(2, 0, b"\xa6\x46"))
+    + _field(12, 0, b"\x01")
+)
+
+
+def _with_unknown_nested(data: bytes) -> bytes:
+    """``data`` plus unknown fields inside mm_inputs, an item, a TensorData and a map entry."""
+    tensor = _field(1, 2, b"\x02\x03") + _field(2, 2, b"int8") + _field(3, 2, b"\x01" * 6)
+    tensor += _field(5, 2, b"remote") + _field(99, 5, b"abcd")
+    entry = _field(1, 2, b"odd") + _field(2, 2, tensor) + _field(7, 0, b"\x05")
+    item = _field(1, 0, b"\x01") + _field(4, 2, entry) + _field(3, 2, tensor)
+    item += _field(50, 2, b"unknown item field") + _field(5, 2, _field(1, 0, b"\x00"))
+    mm = _field(1, 2, item) + _field(2, 0, b"\x07")
+    return data + _field(9, 2, mm) + _field(101, 2, _field(9, 0, b"\x01"))
+
+
+def _small_request(rid: str) -> pb.AdmitRequest:
+    """``test_grpc_api._image_request`` without a profile (a fixed placeholder id)."""
+    ids = np.arange(100, 120, dtype=np.int64)
+    ids[5:9] = 248056
+    item = build_item(
+        "image",
+        placeholders=[(5, 4)],
+        feature=np.arange(16 * 6, dtype=np.float32).reshape(16, 6),
+        image_grid_thw=[1, 4, 4],
+        placeholder_token_id=248056,
+    )
+    return build_request(rid, ids, [item])
+
+
+def _overlong(value: int) -> bytes:
+    """A valid but non-minimal varint (two bytes more)."""
+    return _varint(value)[:-1] + bytes([_varint(value)[-1] | 0x80, 0x80, 0x00])
+
+
+def _requests() -> Iterator[tuple[str, bytes]]:
+    base = _small_request("img")
+    yield "image", base.SerializeToString()
+    for label, (mutate, _) in BAD_INPUTS.items():
+        req = pb.AdmitRequest()
+        req.CopyFrom(base)
+        mutate(req)
+        yield f"bad {label}", req.SerializeToString()
+    yield "text only", build_request("t", [1, 2, 3]).SerializeToString()
+    yield "empty", b""
+    big = _large_request().SerializeToString()
+    yield "large", big
+    yield "large + unknown 3-8", UNKNOWN_TOP + big + UNKNOWN_TOP
+    yield "unknown nested", _with_unknown_nested(big)
+    yield "unknown nested, small", _with_unknown_nested(base.SerializeToString())
+    # field orders protobuf merges: mm_inputs in two parts, request_id last
+    req = _large_request()
+    first, second = pb.AdmitRequest(), pb.AdmitRequest()
+    first.mm_inputs.items.append(req.mm_inputs.items[0])
+    second.mm_inputs.items.append(req.mm_inputs.items[1])
+    req.ClearField("mm_inputs")
+    req.ClearField("request_id")
+    yield (
+        "split mm_inputs",
+        first.SerializeToString()
+        + req.SerializeToString()
+        + second.SerializeToString()
+        + _field(1, 2, b"late-id"),
+    )
+    feature = tensor_data(_big_feature(seed=4))
+    other = tensor_data(_big_feature(seed=5))
+    shm = pb.TensorData(shm=pb.ShmHandle(name="seg", nbytes=3))
+    for label, tensors in {
+        "encoder_input twice (merged)": [feature, other],
+        "inline then shm": [feature, shm],
+        "shm then inline": [shm, feature],
+    }.items():
+        item = b"".join(_field(3, 2, t.SerializeToString()) for t in tensors)
+        yield label, _field(1, 2, b"x") + _field(9, 2, _field(1, 2, _field(1, 0, b"\x01") + item))
+    inline_twice = feature.SerializeToString() + _field(3, 2, b"\x05" * 70_000)
+    yield "inline twice", _field(9, 2, _field(1, 2, _field(3, 2, inline_twice)))
+    entries = b"".join(
+        _field(4, 2, _field(1, 2, b"k") + _field(2, 2, t.SerializeToString()))
+        for t in (feature, other, feature)
+    )
+    yield "duplicate map keys", _field(9, 2, _field(1, 2, entries))
+    entry_value_first = _field(2, 2, feature.SerializeToString()) + _field(1, 2, b"v")
+    yield "map value before key", _field(9, 2, _field(1, 2, _field(4, 2, entry_value_first)))
+    # non-minimal length prefixes (protobuf accepts them; the walker rewrites them)
+    raw = _big_feature(seed=6).tobytes()
+    td = b"\x1a" + _overlong(len(raw)) + raw + _field(2, 2, b"float32")
+    item = b"\x1a" + _overlong(len(td)) + td
+    yield "overlong lengths", _field(9, 2, b"\x0a" + _overlong(len(item)) + item)
+    for name in vector_names():
+        yield f"vector {name}", request_from_vector(load_vector(name)).SerializeToString()
+
+
+REQUESTS = dict(_requests())
+
+
+@pytest.mark.parametrize("label", list(REQUESTS))
+@pytest.mark.parametrize("min_bytes", [1, 100, pbwire.STRIP_MIN_BYTES])
+def test_strip_equals_fromstring(impl: str, label: str, min_bytes: int) -> None:
+    stripped = check_strip(REQUESTS[label], min_bytes)
+    # _large_request: 3 large features and positions; 3 small side tensors (2 grids, "tiny")
+    if label.startswith("large") or label in {"unknown nested", "split mm_inputs"}:
+        # + the unknown-nested item's feature (its odd map entry is kept whole)
+        small = 3 + (label == "unknown nested")
+        assert stripped == (4 if min_bytes > 1 else 4 + small), stripped
+    if label in {"image", "unknown nested, small"} and min_bytes == 1:
+        assert stripped >= 2
+
+
+def test_large_request_strips_every_large_payload(impl: str) -> None:
+    data = _large_request().SerializeToString()
+    small, payloads = pbwire.strip_inline_payloads(data) or (b"", [])
+    # two features, one large side tensor, the positions; not the 3-value ones
+    assert len(payloads) == 4 and len(small) < 40_000
+    nested = _with_unknown_nested(UNKNOWN_TOP + data)
+    assert len((pbwire.strip_inline_payloads(nested) or (b"", []))[1]) == 4
+
+
+@pytest.fixture(scope="module")
+def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """tests/protos/generate_compat.proto compiled (as test_grpc_api.py does)."""
+    grpc_tools = pytest.importorskip("grpc_tools.protoc")
+    out = tmp_path_factory.mktemp("compat_pbwire")
+    protos = TESTS_DIR / "protos"
+    rc = grpc_tools.main(
+        ["grpc_tools.protoc", f"-I{protos}", f"--python_out={out}", "generate_compat.proto"]
+    )
+    assert rc == 0, "protoc failed on tests/protos/generate_compat.proto"
+    spec = importlib.util.spec_from_file_location(
+        "generate_compat_pb2_pbwire", Path(out) / "generate_compat_pb2.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: ModuleType) -> None:
+    """A frontend's GenerateRequest (fields 3 to 8, 10 to 12 set) with large tensors."""
+    c = compat_pb2
+    gen = c.GenerateRequest(
+        request_id="smg-1",
+        tokenized=c.TokenizedInput(input_ids=list(range(4000)), original_text="hi"),
+        sampling_params=c.SamplingParams(
+            temperature=0.7, top_k=20, stop=["</s>"], json_schema="{}", logit_bias={"a": 1.0}
+        ),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=5,
+        token_ids_logprob=[1, 2, 3],
+        stream=True,
+        encode_bootstrap_info=c.EncodeBootstrapInfo(items=[c.KvBootstrapInfo(bootstrap_room=9)]),
+        kv_bootstrap_info=c.KvBootstrapInfo(bootstrap_host="10.0.0.1", bootstrap_room=2**62),
+        data_parallel_rank=1,
+    )
+    for k in range(3):
+        item = gen.mm_inputs.items.add(modality=c.IMAGE, content_hash=bytes([k]) * 8)
+        item.placeholders.add(offset=10 + 100 * k, length=16)
+        item.encoder_input.shape.extend([64, 600])
+        item.encoder_input.dtype = "float32"
+        item.encoder_input.inline = _big_feature(seed=k).tobytes()
+        grid = item.model_specific_tensors["image_grid_thw"]
+        grid.shape.extend([1, 3])
+        grid.dtype = "int64"
+        grid.inline = np.array([1, 8, 8], np.int64).tobytes()
+        big_side = item.model_specific_tensors["big"]
+        big_side.dtype = "uint8"
+        big_side.inline = bytes(70_000)
+        big_side.shape.append(70_000)
+    data = gen.SerializeToString()
+    assert check_strip(data, pbwire.STRIP_MIN_BYTES) == 6
+    assert check_strip(data, 1) == 9
+    parsed = pbwire.parse_admit_request(data)
+    assert isinstance(parsed, pbwire.StrippedRequest)
+    assert parsed.msg.ByteSize() < 20_000
+    # the scheduler's fields are kept as unknown fields, byte for byte (check_strip: equal)
+    numbers = {f.field_number for f in UnknownFieldSet(parsed.msg)}
+    assert numbers == {3, 4, 5, 6, 7, 8, 10, 11, 12}
+
+
+def test_map_entry_with_other_fields_is_kept_whole(impl: str) -> None:
+    """upb keeps such an entry as an unknown field of the item; its bytes must not change."""
+    value = tensor_data(_big_feature()).SerializeToString()
+    for extra in (_field(3, 0, b"\x01"), _field(1, 0, b"\x01"), _field(2, 5, b"abcd")):
+        entry = _field(1, 2, b"k") + _field(2, 2, value) + extra
+        plain = _field(4, 2, _field(1, 2, b"p") + _field(2, 2, value))
+        data = _field(9, 2, _field(1, 2, _field(4, 2, entry) + plain))
+        assert check_strip(data, pbwire.STRIP_MIN_BYTES) == 1  # the plain entry only
+        parsed = pbwire.parse_admit_request(data)
+        assert isinstance(parsed, pbwire.StrippedRequest)
+        assert list(parsed.msg.mm_inputs.items[0].model_specific_tensors) == ["p"]
+
+
+def test_groups_and_reserved_wire_types_fall_back(impl: str) -> None:
+    big = _large_request().SerializeToString()
+    group = _varint((20 << 3) | 3) + _field(1, 0, b"\x01") + _varint((20 << 3) | 4)
+    data = big + group
+    assert pb.AdmitRequest.FromString(data)  # protobuf keeps the group as unknown
+    assert pbwire.strip_inline_payloads(data) is None
+    parsed = pbwire.parse_admit_request(data)
+    assert isinstance(parsed, pb.AdmitRequest) and parsed == pb.AdmitRequest.FromString(data)
+
+
+GARBAGE = [
+    b"\xff\xff\xff not protobuf",
+    b"\x00\x01",  # field number 0
+    b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # length beyond 2**63
+    b"\x08" + b"\x80" * 10 + b"\x01",  # varint over 10 bytes
+    b"\x08" + b"\xff" * 9 + b"\x02",  # varint over 64 bits
+    b"\x0e\x00",  # wire type 6
+    b"\x0f\x00",  # wire type 7
+    b"\x0c",  # end group without start
+    b"\x4a\x05\x0a\x03\x1a",  # mm_inputs whose item is cut short
+    _field(9, 2, _field(1, 2, _field(3, 2, _field(3, 2, b"x" * 10)[:-3]))),
+]
+
+
+def _same_outcome(data: bytes, min_bytes: int) -> None:
+    try:
+        want = pb.AdmitRequest.FromString(data)
+    except DecodeError as exc:
+        with pytest.raises(DecodeError) as info:
+            pbwire.parse_admit_request(data, min_bytes)
+        assert str(info.value) == str(exc)
+        return
+    got = pbwire.parse_admit_request(data, min_bytes)
+    if isinstance(got, pbwire.StrippedRequest):
+        check_strip(data, min_bytes)
+    else:
+        _same(got, want)
+
+
+@pytest.mark.parametrize("data", GARBAGE, ids=range(len(GARBAGE)))
+def test_garbage_fails_as_fromstring(impl: str, data: bytes) -> None:
+    _same_outcome(data, 1)
+    _same_outcome(data + _large_request().SerializeToString(), 1)
+    _same_outcome(_large_request().SerializeToString() + data, 1)
+
+
+def test_every_truncation_fails_or_parses_as_fromstring(impl: str) -> None:
+    data = _with_unknown_nested(UNKNOWN_TOP + _small_request("cut").SerializeToString())
+    assert check_strip(data) > 0
+    failures = 0
+    for k in range(len(data)):
+        try:
+            pb.AdmitRequest.FromString(data[:k])
+        except DecodeError:
+            failures += 1
+        _same_outcome(data[:k], 1)
+    assert failures > len(data) // 2  # most cuts do not parse
+
+
+def test_random_bytes_and_bit_flips(impl: str) -> None:
+    rng = np.random.default_rng(3)
+    data = _with_unknown_nested(_small_request("flip").SerializeToString())
+    for _ in range(300):
+        _same_outcome(rng.integers(0, 256, rng.integers(1, 64), dtype=np.uint8).tobytes(), 1)
+    for k in range(len(data)):
+        flipped = bytearray(data)
+        flipped[k] ^= 1 << int(rng.integers(0, 8))
+        _same_outcome(bytes(flipped), 1)
+
+
+def test_invalid_utf8_fails_with_protobufs_error(impl: str) -> None:
+    data = _large_request().SerializeToString() + _field(1, 2, b"\xff\xfe")
+    with pytest.raises(DecodeError):
+        pb.AdmitRequest.FromString(data)
+    assert pbwire.strip_inline_payloads(data) is not None  # the walker does not check strings
+    _same_outcome(data, pbwire.STRIP_MIN_BYTES)
+
+
+def test_min_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        pbwire.strip_inline_payloads(b"", 0)
+
+
+# ------------------------------------------------------------------------------ zero copy
+
+
+def test_large_feature_is_a_view_on_the_received_bytes(impl: str) -> None:
+    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
+    assert profile.image_token_id is not None
+    ids = np.arange(100, 120, dtype=np.int64)
+    ids[5:9] = profile.image_token_id
+    feature = np.random.default_rng(0).random((16, 1200), dtype=np.float32)  # 75 KiB
+    item = build_item("image", placeholders=[(5, 4)], feature=feature, image_grid_thw=[1, 4, 4])
+    data = build_request("zc", ids, [item]).SerializeToString()
+    parsed = pbwire.parse_admit_request(data)
+    assert isinstance(parsed, pbwire.StrippedRequest)
+    assert parsed.msg.ByteSize() < 1000
+    req = request_from_proto(parsed.msg, profile, parsed.payloads)
+    assert req.mm is not None
+    got = req.mm.items[0].feature
+    assert got is not None and got.data.obj is data  # no copy: a slice of what was received
+    assert np.shares_memory(got.to_numpy(), np.frombuffer(data, np.uint8))
+    np.testing.assert_array_equal(got.to_numpy(), feature)
+    # small side tensors are protobuf's own copies, as before
+    grid = req.mm.items[0].side["image_grid_thw"]
+    assert grid.data.obj is not data
+    np.testing.assert_array_equal(grid.to_numpy(), [[1, 4, 4]])
+    # and it materializes like the plain message
+    plain = request_from_proto(pb.AdmitRequest.FromString(data), profile)
+    a, b = Materializer(profile).run(req), Materializer(profile).run(plain)
+    assert isinstance(a, Materialized) and isinstance(b, Materialized)
+    assert response_from_outcome("zc", a, echo_features=True) == response_from_outcome(
+        "zc", b, echo_features=True
+    )
+
+
+def test_small_message_is_parsed_plainly(impl: str) -> None:
+    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
+    data = _image_request(profile, "small").SerializeToString()
+    parsed = pbwire.parse_admit_request(data)
+    assert isinstance(parsed, pb.AdmitRequest) and parsed == pb.AdmitRequest.FromString(data)
+
+
+def test_client_inline_is_never_a_marker(impl: str) -> None:
+    foreign = bytes(16) + (0).to_bytes(4, "little")  # marker-sized, another nonce
+    assert pbwire.resolve_inline(foreign, [memoryview(b"x")]).tobytes() == foreign
+    ours_out_of_range = pbwire._NONCE + (5).to_bytes(4, "little")
+    assert pbwire.resolve_inline(ours_out_of_range, [memoryview(b"x")]).tobytes() == (
+        ours_out_of_range
+    )
+    assert pbwire.resolve_inline(ours_out_of_range, None).tobytes() == ours_out_of_range
+    # a marker-sized client value next to a stripped payload stays itself
+    item = build_item(
+        "image",
+        placeholders=[(0, 1)],
+        feature=_big_feature(),
+        side={"odd": (np.frombuffer(foreign, np.uint8), "uint8")},
+    )
+    data = build_request("m", [1], [item]).SerializeToString()
+    parsed = pbwire.parse_admit_request(data)
+    assert isinstance(parsed, pbwire.StrippedRequest) and len(parsed.payloads) == 1
+    odd = parsed.msg.mm_inputs.items[0].model_specific_tensors["odd"]
+    assert parsed.inline(odd).tobytes() == foreign
