@@ -377,3 +377,448 @@ def test_property_round_trip(values: list[int]) -> None:
     for encode, decode in impls:
         assert encode(arr) == raw
         assert decode(memoryview(raw)).tolist() == values
+
+
+# --------------------------------------------------------------------------
+# Splitting: split_array / array_spans / int_rows, native vs fallback
+#
+# For every valid input both implementations return the very same offsets,
+# spans, rows and int arrays; for every malformed one both raise ValueError
+# (texts differ: the wire codec wraps them).
+
+SPLITTERS = [
+    pytest.param(ic._split_native, id="native", marks=native_only),
+    pytest.param(ic._split_py, id="fallback"),
+]
+SPANNERS = [
+    pytest.param(ic._spans_native, id="native", marks=native_only),
+    pytest.param(ic._spans_py, id="fallback"),
+]
+ROWERS = [
+    pytest.param(ic._rows_native, id="native", marks=native_only),
+    pytest.param(ic._rows_py, id="fallback"),
+]
+
+Ext = msgpack.ExtType
+
+
+def _every_form() -> list[Any]:
+    """One value of every msgpack type and length form (nested containers too)."""
+    return [
+        None, True, False, 0, 127, -1, -32, -33, 255, 256, 65536, 2**32, 2**64 - 1, -(2**63),
+        1.5, "", "x" * 31, "y" * 32, "z" * 256, "w" * 65536, b"", b"b" * 256, b"c" * 65536,
+        Ext(3, b""), Ext(3, b"1"), Ext(4, b"22"), Ext(5, b"4444"), Ext(6, b"8" * 8),
+        Ext(7, b"g" * 16), Ext(8, b"h" * 3), Ext(9, b"i" * 300), Ext(10, b"j" * 70000),
+        [], [1, [2, [3, [4]]]], list(range(16)), list(range(70000)), {}, {"a": {"b": [1]}},
+        {str(i): i for i in range(16)}, {i: [i] for i in range(70000)},
+    ]  # fmt: skip
+
+
+def _pack(values: list[Any]) -> bytes:
+    return msgpack.packb(values, use_bin_type=True)
+
+
+def _expected_offsets(values: list[Any]) -> list[int]:
+    parts = [_pack([v])[1:] if len(values) else b"" for v in values]  # each value alone
+    header = len(_pack(values)) - sum(len(p) for p in parts)
+    offsets = [header]
+    for p in parts:
+        offsets.append(offsets[-1] + len(p))
+    return offsets
+
+
+@pytest.mark.parametrize("split", SPLITTERS)
+def test_split_every_value_form(split: Callable[..., Any]) -> None:
+    values = _every_form()
+    raw = _pack(values)
+    offsets, ints = split(ic._as_bytes(raw), ())
+    assert ints == []
+    assert len(offsets) == len(values) + 1 and offsets[-1] == len(raw)
+    for i, v in enumerate(values):
+        assert (
+            msgpack.unpackb(raw[offsets[i] : offsets[i + 1]], strict_map_key=False)
+            == (msgpack.unpackb(_pack([v]), strict_map_key=False)[0])
+        ), i
+
+
+@pytest.mark.parametrize("split", SPLITTERS)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 65536])
+def test_split_array_headers(split: Callable[..., Any], n: int) -> None:
+    values = list(range(n))
+    body = b"".join(_pack([v])[1:] for v in values)
+    forms = [_pack(values), b"\xdd" + _be(n, 4, False) + body]
+    if n <= 0xFFFF:
+        forms.append(b"\xdc" + _be(n, 2, False) + body)
+    for raw in forms:
+        offsets, ints = split(ic._as_bytes(raw), (0,))
+        assert len(offsets) == n + 1 and offsets[-1] == len(raw)
+        assert offsets[1:] == [len(raw) - len(body) + k + 1 for k in _cumulative(body, n)]
+
+
+def _cumulative(body: bytes, n: int) -> list[int]:
+    """End offsets (minus one) of n concatenated msgpack ints in body."""
+    out, pos = [], 0
+    for _ in range(n):
+        b = body[pos]
+        pos += 1 if b <= 0x7F else {0xCC: 2, 0xCD: 3, 0xCE: 5}[b]
+        out.append(pos - 1)
+    return out
+
+
+@pytest.mark.parametrize("split", SPLITTERS)
+def test_split_decodes_int_fields(split: Callable[..., Any]) -> None:
+    ids = _random_ids(np.random.default_rng(7), 5000)
+    values = ["tag", ids.tolist(), None, [], [1, "x"], [2**63], [[1]], "s", ids[:3].tolist()]
+    raw = _pack(values)
+    offsets, ints = split(ic._as_bytes(raw), (1, 2, 3, 4, 5, 6, 8, 40))
+    assert offsets == _expected_offsets(values)
+    assert ints[0].dtype == np.int64 and ints[0].tolist() == ids.tolist()
+    assert ints[1] is None  # nil
+    assert ints[2].tolist() == [] and ints[2].dtype == np.int64
+    assert ints[3] is None and ints[4] is None and ints[5] is None  # not all int64-range ints
+    assert ints[6].tolist() == ids[:3].tolist()
+    assert ints[7] is None  # no element 40
+    ints[0][0] = 1  # a new writable array
+    with pytest.raises(ValueError, match="distinct"):
+        ic.split_array(raw, (1, 1))
+
+
+def _small_message() -> bytes:
+    return _pack(
+        [
+            "TokenizedGenerateReqInput", "rid", None, "text", [1, 200, 70000, -5],
+            [16, None, [1], 1.0, {"k": Ext(3, b"ab")}], False, -1, 0, None, True,
+            [[1, 2], [3]], b"bin", [[1, [[2, 3]], ["float32", [2], Ext(3, b"12345678")]]],
+        ]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("split", SPLITTERS)
+def test_split_truncated_at_every_offset(split: Callable[..., Any]) -> None:
+    raw = _small_message()
+    split(ic._as_bytes(raw), (4,))
+    for cut in range(len(raw)):
+        with pytest.raises(ValueError):
+            split(ic._as_bytes(raw[:cut]), (4,))
+    with pytest.raises(ValueError):
+        split(ic._as_bytes(raw + b"\x00"), (4,))  # trailing byte
+
+
+@pytest.mark.parametrize("split", SPLITTERS)
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",  # never-used byte
+        b"\x91\xc1",
+        b"\x92\x01\x91\xc1",
+        b"\xa5hello",  # not an array
+        b"\x81\x01\x02",
+        b"\xdd\xff\xff\xff\xff",  # forged counts
+        b"\x91\xdd\xff\xff\xff\xff",
+        b"\x91\xdf\xff\xff\xff\xff",
+        b"\x91\xdb\xff\xff\xff\xff",
+        b"\x91\xc6\xff\xff\xff\xff",
+        b"\x91\xc9\xff\xff\xff\xff\x03",
+        b"\x91\xd8\x03",  # fixext 16 cut
+    ],
+)
+def test_split_malformed(split: Callable[..., Any], raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        split(ic._as_bytes(raw), ())
+
+
+@native_only
+def test_split_native_nesting_has_no_depth_limit() -> None:
+    deep = b"\x92" + b"\x91" * 200_000 + b"\xc0" + b"\x01"
+    offsets, _ = ic._split_native(ic._as_bytes(deep), ())
+    assert offsets == [1, len(deep) - 1, len(deep)]
+    with pytest.raises(ValueError):
+        ic._split_native(ic._as_bytes(deep[:-1]), ())  # the outer array misses an element
+
+
+def test_split_public_api_matches_fallback() -> None:
+    raw = _small_message()
+    assert ic.split_array(raw, (4,))[0] == ic._split_py(ic._as_bytes(raw), (4,))[0]
+    assert ic.split_array(memoryview(raw))[0] == _expected_offsets(msgpack.unpackb(raw))
+
+
+def _items_payload() -> tuple[bytes, list[Any]]:
+    items = [
+        [1, 5, None, [[1, 2], [3, 4]], None, None, {}, None, None, None],
+        "not an array",
+        [],
+        [2],
+        [3, None],
+        [1, None, 7],
+        [1, None, 7, None],
+        [1, 2**64 - 1, None, [], ["f", [1], 3], {"a": 1}, {"g": ["int64", [0], Ext(3, b"")]}, None,
+         None, None, "trailing", {"x": [1]}],
+    ]  # fmt: skip
+    return _pack(items), items
+
+
+@pytest.mark.parametrize("spans", SPANNERS)
+def test_array_spans(spans: Callable[..., Any]) -> None:
+    raw, items = _items_payload()
+    out = spans(ic._as_bytes(raw))
+    assert len(out) == 5 * len(items)
+    for i, item in enumerate(items):
+        start, end, count, off1, off3 = out[5 * i : 5 * i + 5]
+        assert msgpack.unpackb(raw[start:end]) == item
+        if not isinstance(item, list):
+            assert (count, off1, off3) == (-1, -1, -1)
+            continue
+        assert count == len(item)
+        if count < 3:
+            assert (off1, off3) == (-1, -1)
+            continue
+        sub = _expected_offsets(item)
+        assert (off1, off3) == (start + sub[1], start + sub[3])
+
+
+@native_only
+def test_array_spans_native_matches_fallback() -> None:
+    raw, _ = _items_payload()
+    assert ic._spans_native(ic._as_bytes(raw)) == ic._spans_py(ic._as_bytes(raw))
+    for cut in range(len(raw)):
+        for impl in (ic._spans_native, ic._spans_py):
+            with pytest.raises(ValueError):
+                impl(ic._as_bytes(raw[:cut]))
+
+
+@pytest.mark.parametrize("rows", ROWERS)
+def test_int_rows(rows: Callable[..., Any]) -> None:
+    values = [None, [[1, 2], [3, -4]], [], [[INT64_MAX, INT64_MIN]], "pad", [[0, 0]]]
+    raw = _pack(values)
+    starts = _expected_offsets(values)[:-1]
+    table, bounds = rows(ic._as_bytes(raw), [starts[i] for i in (0, 1, 2, 3, 5)], 2)
+    assert table.dtype == np.int64
+    assert table.tolist() == [1, 2, 3, -4, INT64_MAX, INT64_MIN, 0, 0]
+    assert bounds == [-1, -1, 0, 2, 2, 2, 2, 3, 3, 4]
+    table, bounds = rows(ic._as_bytes(raw), [], 2)
+    assert table.tolist() == [] and bounds == []
+
+
+@pytest.mark.parametrize("rows", ROWERS)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [[1, 2, 3]],
+        [[1]],
+        [[1, 2**63]],
+        [[1, 1.5]],
+        [[True, 1]],
+        [[None, 1]],
+        [1, 2],
+        "x",
+        5,
+        [[1, Ext(1, b"")]],
+        {"a": 1},
+        [[[1], 2]],
+    ],  # fmt: skip
+)
+def test_int_rows_rejects(rows: Callable[..., Any], bad: Any) -> None:
+    raw = _pack(["pad", bad])
+    with pytest.raises(ValueError):
+        rows(ic._as_bytes(raw), [4], 2)
+
+
+@pytest.mark.parametrize("rows", ROWERS)
+def test_int_rows_bad_offsets(rows: Callable[..., Any]) -> None:
+    raw = _pack([[[1, 2]]])
+    for starts in ([-1], [len(raw)], [len(raw) + 5]):
+        with pytest.raises(ValueError):
+            rows(ic._as_bytes(raw), starts, 2)
+    with pytest.raises(ValueError):
+        rows(ic._as_bytes(raw[:-1]), [1], 2)  # truncated
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers(-(2**63), 2**64 - 1)
+            | st.floats()
+            | st.text(max_size=40)
+            | st.binary(max_size=300),
+            lambda inner: (
+                st.lists(inner, max_size=5)
+                | st.dictionaries(st.text(max_size=5), inner, max_size=5)
+            ),
+            max_leaves=20,
+        ),
+        max_size=12,
+    )
+)
+def test_property_split_native_matches_fallback(values: list[Any]) -> None:
+    raw = _pack(values)
+    fields = tuple(range(min(len(values), 8)))
+    py_offsets, py_ints = ic._split_py(ic._as_bytes(raw), fields)
+    assert py_offsets == _expected_offsets(values)
+    if not ic.HAVE_NATIVE:
+        return
+    offsets, ints = ic._split_native(ic._as_bytes(raw), fields)
+    assert offsets == py_offsets
+    assert [None if a is None else a.tolist() for a in ints] == [
+        None if a is None else a.tolist() for a in py_ints
+    ]
+    for cut in range(0, len(raw), max(1, len(raw) // 16)):
+        for impl in (ic._split_native, ic._split_py):
+            with pytest.raises(ValueError):
+                impl(ic._as_bytes(raw[:cut]), fields)
+
+
+# --------------------------------------------------------------------------
+# Runs: the native codec takes runs of one int form (decoding) or one value
+# (encoding) eight at a time; results and errors must not change.
+
+_FORMS = [  # type byte, width, signed, a value in range for the form
+    (0xCC, 1, False, 200), (0xCD, 2, False, 60000), (0xCE, 4, False, 248056),
+    (0xCF, 8, False, 2**40 + 3), (0xD0, 1, True, -100), (0xD1, 2, True, -30000),
+    (0xD2, 4, True, -(2**31)), (0xD3, 8, True, INT64_MIN),
+]  # fmt: skip
+
+
+def _runs(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Runs of random lengths of values of every form (edges included), mixed with noise."""
+    out: list[int] = []
+    while len(out) < n:
+        length = int(rng.choice([1, 2, 7, 8, 9, 15, 16, 17, int(rng.integers(1, 400))]))
+        if rng.random() < 0.3:
+            out += _random_ids(rng, length).tolist()
+        else:
+            value = int(rng.choice(EDGE_VALUES + [248056, 151655, 300]))
+            out += [value] * length
+    return np.array(out[:n], dtype=np.int64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [7, 8, 9, 64, 5000, 70000])
+def test_runs_match_msgpack(seed: int, n: int) -> None:
+    values = _runs(np.random.default_rng([seed, n]), n)
+    raw = msgpack.packb(values.tolist())
+    for encode in (ic._encode_py, *([ic._encode_native] if ic.HAVE_NATIVE else [])):
+        assert encode(values) == raw
+    for decode in (ic._decode_py, *([ic._decode_native] if ic.HAVE_NATIVE else [])):
+        assert decode(memoryview(raw)).tolist() == values.tolist()
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+@pytest.mark.parametrize("form", _FORMS, ids=[hex(f[0]) for f in _FORMS])
+def test_decode_runs_of_every_form(decode: Decoder, form: tuple[int, int, bool, int]) -> None:
+    type_byte, width, signed, value = form
+    elem = bytes([type_byte]) + _be(value, width, signed)
+    for lead in range(10):  # other elements before the run: every alignment to a chunk
+        for length in (1, 7, 8, 9, 16, 17, 40):
+            for tail in (0, 1, 8, 20):
+                ids = list(range(lead)) + [value] * length + [5] * tail
+                body = b"".join(_pack([v])[1:] for v in range(lead)) + elem * length
+                body += b"\x05" * tail
+                raw = b"\xdd" + _be(len(ids), 4, False) + body
+                assert decode(raw).tolist() == ids, (lead, length, tail)
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_decode_run_errors_name_the_element(decode: Decoder) -> None:
+    big = b"\xcf" + _be(2**63 + 5, 8, False)
+    good = b"\xcf" + _be(7, 8, False)
+    nil = b"\xc0"
+    for bad, message in (
+        (big, "uint64 value 9223372036854775813 exceeds the int64 range"),
+        (nil, "expected an int, got nil (type byte 0xc0)"),
+        (b"\xd3" + _be(-1, 8, True), None),  # another form in the run: fine
+    ):
+        for at in range(0, 40):
+            elems = [good] * 40
+            elems[at] = bad
+            raw = b"\xdc" + _be(40, 2, False) + b"".join(elems)
+            if message is None:
+                expected = [7] * 40
+                expected[at] = -1
+                assert decode(raw).tolist() == expected
+                continue
+            with pytest.raises(ValueError) as info:
+                decode(raw)
+            assert str(info.value) == f"msgpack int array: element {at}: {message}", at
+
+
+@pytest.mark.parametrize("encode", ENCODERS)
+def test_encode_runs_every_length_and_form(encode: Encoder) -> None:
+    for value in [*EDGE_VALUES, 248056]:
+        for lead in range(10):
+            for length in (1, 7, 8, 9, 16, 17, 33):
+                values = (
+                    list(range(lead)) + [value] * length + [value + 1 if value < INT64_MAX else 0]
+                )
+                assert encode(np.array(values, dtype=np.int64)) == msgpack.packb(values)
+
+
+# --------------------------------------------------------------------------
+# Reads stay inside the input: every native routine on inputs that end right
+# before an unreadable page (a read past the end would crash the process).
+
+
+class _Guarded:
+    """Buffers that end at a page boundary followed by a PROT_NONE page."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+        import mmap
+
+        self.page = mmap.PAGESIZE
+        self.size = 64 * self.page
+        self.map = mmap.mmap(-1, self.size + self.page)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        mprotect = libc.mprotect
+        mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if mprotect(self.base + self.size, self.page, 0) != 0:  # PROT_NONE
+            raise OSError(ctypes.get_errno(), "mprotect")
+
+    def __call__(self, raw: bytes) -> memoryview:
+        assert len(raw) <= self.size
+        start = self.size - len(raw)
+        self.map[start : self.size] = raw
+        return memoryview(self.map)[start : self.size]
+
+
+@pytest.fixture(scope="module")
+def guarded() -> _Guarded:
+    try:
+        return _Guarded()
+    except (OSError, AttributeError, TypeError) as exc:  # no mmap / libc here
+        pytest.skip(f"no guard pages: {exc}")
+
+
+@native_only
+def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
+    from mmadmit import _intcodec  # type: ignore[attr-defined]
+
+    rng = np.random.default_rng(5)
+    cases: list[list[int]] = [[], [1], [2**63 - 1] * 9, [-1] * 20, [248056] * 100]
+    cases += [_runs(rng, int(n)).tolist() for n in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200)]
+    cases += [[int(v)] * n for v in EDGE_VALUES for n in (8, 9, 16, 24)]
+    for values in cases:
+        raw = msgpack.packb(values)
+        buf = guarded(raw)
+        out = np.empty(len(values), dtype=np.int64)
+        _intcodec.decode_into(buf, out)
+        assert out.tolist() == values
+        for cut in range(len(raw)):  # truncated: an error, never a read past the end
+            part = guarded(raw[:cut])
+            with pytest.raises(ValueError):
+                ic._decode_native(part)
+        message = _pack(["x", values, [values[:2], None], {"k": values[-3:]}])
+        offsets, ints = ic._split_native(guarded(message), (1,))
+        assert ints[0] is not None and ints[0].tolist() == values
+        assert offsets[-1] == len(message)
+        for cut in range(0, len(message), max(1, len(message) // 50)):
+            with pytest.raises(ValueError):
+                ic._split_native(guarded(message[:cut]), (1,))
+        rows = _pack([[[v, v] for v in values[:20]]])
+        table, _ = ic._rows_native(guarded(rows), [1], 2)
+        assert table.tolist() == [v for v in values[:20] for _ in range(2)]
+        assert ic._spans_native(guarded(rows)) == ic._spans_py(ic._as_bytes(rows))

@@ -25,8 +25,27 @@
  *       array header followed by each value in its smallest int encoding:
  *       byte for byte what msgpack.packb(list_of_ints) produces.
  *
+ * For the wire codec (mmadmit/wire.py), walks over whole msgpack messages
+ * that check their structure only (lengths, the byte 0xc1, trailing bytes),
+ * iteratively (no recursion, any nesting depth), every read bounds-checked:
+ *
+ *   split(src, int_fields=(), alloc=None) -> (offsets, ints)
+ *       Element boundaries of the one array in `src`; the elements listed in
+ *       `int_fields` that are int arrays decoded on the way into
+ *       alloc(count) int64 buffers (None where one is not).
+ *   array_spans(src) -> list
+ *       Per element of the array in `src`: start, end, count, and where its
+ *       elements 1 and 3 start (multimodal items).
+ *   int_rows(src, starts, width, alloc) -> (table, bounds)
+ *       The arrays of `width`-int rows at the given offsets (item offsets),
+ *       decoded into one int64 buffer.
+ *
+ * Runs of one int form (decoding) or one value (encoding), such as a
+ * placeholder id over an image or a pad value over its span, are taken eight
+ * elements at a time; results and errors are those of the element loop.
+ *
  * Plain C API, no numpy headers: buffers come through the buffer protocol.
- * The parse and write loops touch no Python objects and run with the GIL
+ * The int decode and encode loops touch no Python objects and run with the GIL
  * released; the buffers stay pinned by their Py_buffer views meanwhile.
  */
 #define PY_SSIZE_T_CLEAN
@@ -273,45 +292,100 @@ parse_header(const uint8_t *p, Py_ssize_t len, Py_ssize_t *count,
     return 0;
 }
 
-/* Decode `count` ints starting at p[pos] into out[]; the array must end the
- * input exactly. */
+/* Runs of one int form (a placeholder id repeated over an image, a pad
+ * value over its span): eight elements of type byte b (0xcc..0xd3), s bytes
+ * apart, decoded with independent loads instead of a chain of dependent ones.
+ * Returns 1 if all eight type bytes are b and none is a uint64 above
+ * INT64_MAX; otherwise 0, and out[0..7] hold nothing the caller may keep.
+ * Needs 7 * s + 9 readable bytes at q and 8 writable elements at out. */
+static inline int
+decode_run8(const uint8_t *q, unsigned b, Py_ssize_t s, int64_t *out)
+{
+    unsigned same = 1;
+    for (int k = 1; k < 8; k++) {
+        same &= q[k * s] == b;
+    }
+    if (!same) {
+        return 0;
+    }
+    unsigned shift = (64 - 8 * (1u << (b & 3))) & 63;
+    uint64_t seen = 0;
+    if (b >= 0xd0) {
+        for (int k = 0; k < 8; k++) {
+            out[k] = (int64_t)load_be64(q + k * s + 1) >> shift;
+        }
+    }
+    else {
+        for (int k = 0; k < 8; k++) {
+            uint64_t raw = load_be64(q + k * s + 1);
+            seen |= raw;
+            out[k] = (int64_t)(raw >> shift);
+        }
+    }
+    /* uint64 (shift 0) above INT64_MAX: left to the element loop, which
+     * reports it with its index */
+    return !(b == 0xcf && (seen >> 63));
+}
+
+/* Decode `count` ints starting at p[*ppos] into out[]; on success *ppos is
+ * the offset just after the last one. Bytes after the array are not looked
+ * at (the fast loop may read, never use, up to 8 bytes past its end). */
 static int
-decode_body(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t count,
-            int64_t *out, codec_err *e)
+decode_run(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, Py_ssize_t count,
+           int64_t *out, codec_err *e)
 {
     Py_ssize_t i = 0;
+    Py_ssize_t pos = *ppos;
 
-    /* Fast path, while the largest element (9 bytes) still fits: one table
-     * lookup and one unaligned 8-byte load per element, the value picked
-     * without data-dependent branches (ids mix 2-, 3- and 5-byte forms at
-     * random, which a branch predictor cannot follow). */
-    for (; i < count && len - pos >= 9; i++) {
-        unsigned b = p[pos];
-        unsigned info = TYPE_INFO[b];
-        if (info & T_INVALID) {
-            e->kind = ERR_ELEM_TYPE;
-            e->index = i;
-            e->type_byte = b;
-            return -1;
+    /* Fast path, 8 elements at a time while 72 bytes are left (8 elements
+     * take at most that, the last one's 8-byte load included: no bounds
+     * check inside a chunk): one table lookup and one unaligned 8-byte load
+     * per element, the value picked without data-dependent branches (ids mix
+     * 2-, 3- and 5-byte forms at random, which a branch predictor cannot
+     * follow). Before each chunk, a look for a run of one form (decode_run8),
+     * taken 8 at a time while it lasts: a few independent loads per chunk. */
+    while (count - i >= 8 && len - pos >= 8 * 9) {
+        unsigned first = p[pos];
+        if (first >= 0xcc && first <= 0xd3) {
+            Py_ssize_t s = 1 + ((Py_ssize_t)1 << (first & 3));
+            if (decode_run8(p + pos, first, s, out + i)) {  /* 7 * s + 9 <= 72 */
+                i += 8;
+                pos += 8 * s;
+                continue;
+            }
         }
-        unsigned width = info & T_WIDTH;
-        unsigned shift = (64 - 8 * width) & 63;  /* width 0: unused, keep it defined */
-        uint64_t raw = load_be64(p + pos + 1);
-        int64_t as_unsigned = (int64_t)(raw >> shift);
-        /* Arithmetic right shift of a negative value: what GCC, Clang and
-         * MSVC do (implementation-defined in C99). */
-        int64_t as_signed = (int64_t)raw >> shift;
-        int64_t fixint = (int64_t)(int8_t)b;  /* 0x00..0x7f and 0xe0..0xff */
-        int64_t value = (info & T_SIGNED) ? as_signed : as_unsigned;
-        value = width ? value : fixint;
-        if ((info & T_U64) && as_unsigned < 0) {
-            e->kind = ERR_UINT64_RANGE;
-            e->index = i;
-            e->value = raw;
-            return -1;
+        for (int chunk = 0; chunk < 8; chunk++, i++) {
+            unsigned b = p[pos];
+            unsigned info = TYPE_INFO[b];
+            if (info & T_INVALID) {
+                e->kind = ERR_ELEM_TYPE;
+                e->index = i;
+                e->type_byte = b;
+                return -1;
+            }
+            unsigned width = info & T_WIDTH;
+            unsigned shift = (64 - 8 * width) & 63;  /* width 0: unused, keep it defined */
+            uint64_t raw = load_be64(p + pos + 1);
+            int64_t as_unsigned = (int64_t)(raw >> shift);
+            /* Arithmetic right shift of a negative value: what GCC, Clang and
+             * MSVC do (implementation-defined in C99). */
+            int64_t as_signed = (int64_t)raw >> shift;
+            int64_t fixint = (int64_t)(int8_t)b;  /* 0x00..0x7f and 0xe0..0xff */
+            int64_t value = (info & T_SIGNED) ? as_signed : as_unsigned;
+            value = width ? value : fixint;
+            if ((info & T_U64) && as_unsigned < 0) {
+                e->kind = ERR_UINT64_RANGE;
+                e->index = i;
+                e->value = raw;
+                return -1;
+            }
+            out[i] = value;
+            /* The step to the next element from the type byte by arithmetic, not
+             * from the table: the walk is a chain of dependent loads, and this
+             * keeps the table lookup off it (0xcc..0xd3: 1 + 1, 2, 4, 8 bytes). */
+            unsigned fix = (b < 0x80) | (b >= 0xe0);
+            pos += fix ? 1 : 1 + ((Py_ssize_t)1 << (b & 3));
         }
-        out[i] = value;
-        pos += 1 + (Py_ssize_t)width;
     }
 
     /* The last few elements: every read checked. */
@@ -363,6 +437,19 @@ decode_body(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t count,
         out[i] = value;
         pos += 1 + width;
     }
+    *ppos = pos;
+    return 0;
+}
+
+/* Decode `count` ints starting at p[pos] into out[]; the array must end the
+ * input exactly. */
+static int
+decode_body(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t count,
+            int64_t *out, codec_err *e)
+{
+    if (decode_run(p, len, &pos, count, out, e) < 0) {
+        return -1;
+    }
     if (pos != len) {
         e->kind = ERR_TRAILING;
         e->have = len - pos;
@@ -370,6 +457,269 @@ decode_body(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t count,
         return -1;
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Splitting: walk one msgpack array and report where each element starts.
+ *
+ * The walk is iterative: a single counter holds the values still to be
+ * skipped (an array header adds its count, a map header twice its count), so
+ * nesting depth costs neither C stack nor memory. Every length is checked
+ * against the bytes that are left before it is used, and the pending count
+ * is kept below the bytes left (each value takes at least one byte), so a
+ * forged header fails at once instead of making the walk run long. Only the
+ * structure is checked here (lengths, the never-used byte 0xc1, trailing
+ * bytes); the values themselves are validated by whoever decodes them. */
+
+typedef enum {
+    SERR_OK = 0,
+    SERR_EMPTY,         /* no bytes at all */
+    SERR_NOT_ARRAY,     /* the input is not an array */
+    SERR_COUNT,         /* declared count > bytes that follow */
+    SERR_END,           /* input ended where a value was expected */
+    SERR_VALUE_TRUNC,   /* a value cut short */
+    SERR_PENDING,       /* more values announced than bytes left */
+    SERR_BYTE,          /* the never-used type byte 0xc1 */
+    SERR_TRAILING,      /* bytes after the array */
+} split_err_kind;
+
+typedef struct {
+    split_err_kind kind;
+    unsigned type_byte;
+    Py_ssize_t element;  /* index of the top-level element (-1: the header) */
+    Py_ssize_t offset;
+    uint64_t need;
+    Py_ssize_t have;
+} split_err;
+
+static const char *
+value_type_name(unsigned b)
+{
+    return (b >= 0xcc && b <= 0xd3) ? "int" : type_name(b);
+}
+
+static void
+set_split_error(const split_err *e)
+{
+    switch (e->kind) {
+    case SERR_EMPTY:
+        PyErr_SetString(PyExc_ValueError, "msgpack: truncated input: empty buffer");
+        break;
+    case SERR_NOT_ARRAY:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: expected an array, got %s (type byte 0x%02x)",
+                     value_type_name(e->type_byte), e->type_byte);
+        break;
+    case SERR_COUNT:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: truncated input: the array header declares %llu "
+                     "elements but only %zd bytes follow",
+                     (unsigned long long)e->need, e->have);
+        break;
+    case SERR_END:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: truncated input: element %zd: input ends at "
+                     "offset %zd where a value is expected",
+                     e->element, e->offset);
+        break;
+    case SERR_VALUE_TRUNC:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: truncated input: element %zd: the %s at offset %zd "
+                     "(type byte 0x%02x) needs %llu bytes, only %zd left",
+                     e->element, value_type_name(e->type_byte), e->offset,
+                     e->type_byte, (unsigned long long)e->need, e->have);
+        break;
+    case SERR_PENDING:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: truncated input: element %zd: %llu more values "
+                     "announced at offset %zd but only %zd bytes left",
+                     e->element, (unsigned long long)e->need, e->offset, e->have);
+        break;
+    case SERR_BYTE:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: element %zd: invalid type byte 0x%02x at offset %zd",
+                     e->element, e->type_byte, e->offset);
+        break;
+    case SERR_TRAILING:
+        PyErr_Format(PyExc_ValueError,
+                     "msgpack: %zd trailing bytes after the array (at offset %zd)",
+                     e->have, e->offset);
+        break;
+    default:
+        PyErr_SetString(PyExc_SystemError, "msgpack: unknown split error");
+    }
+}
+
+/* Skip `n` consecutive values starting at p[*ppos]; *ppos ends after them. */
+static int
+skip_values(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, uint64_t n,
+            split_err *e)
+{
+    Py_ssize_t pos = *ppos;
+    uint64_t pending = n;
+    while (pending) {
+        if (pos >= len) {
+            e->kind = SERR_END;
+            e->offset = pos;
+            return -1;
+        }
+        unsigned b = p[pos];
+        uint64_t size = 1;      /* bytes of this value, its children excluded */
+        uint64_t children = 0;  /* values that follow as its elements */
+        pending--;
+        if (b <= 0x7f || b >= 0xe0) {  /* positive / negative fixint */
+            pos++;
+            continue;
+        }
+        if (b <= 0x8f) {  /* fixmap */
+            children = 2u * (b & 0x0f);
+        }
+        else if (b <= 0x9f) {  /* fixarray */
+            children = b & 0x0f;
+        }
+        else if (b <= 0xbf) {  /* fixstr */
+            size = 1 + (b & 0x1f);
+        }
+        else {
+            int lw = 0;        /* width of a length field after the type byte */
+            unsigned ext = 0;  /* ext: the type code byte after the length */
+            int container = 0; /* 1 array, 2 map */
+            switch (b) {
+            case 0xc0: case 0xc2: case 0xc3: size = 1; break;  /* nil, bool */
+            case 0xc1:
+                e->kind = SERR_BYTE;
+                e->type_byte = b;
+                e->offset = pos;
+                return -1;
+            case 0xc4: case 0xd9: lw = 1; break;  /* bin8, str8 */
+            case 0xc5: case 0xda: lw = 2; break;  /* bin16, str16 */
+            case 0xc6: case 0xdb: lw = 4; break;  /* bin32, str32 */
+            case 0xc7: lw = 1; ext = 1; break;    /* ext8 */
+            case 0xc8: lw = 2; ext = 1; break;    /* ext16 */
+            case 0xc9: lw = 4; ext = 1; break;    /* ext32 */
+            case 0xca: size = 5; break;           /* float32 */
+            case 0xcb: size = 9; break;           /* float64 */
+            case 0xcc: case 0xd0: size = 2; break;
+            case 0xcd: case 0xd1: size = 3; break;
+            case 0xce: case 0xd2: size = 5; break;
+            case 0xcf: case 0xd3: size = 9; break;
+            case 0xd4: size = 3; break;           /* fixext 1 */
+            case 0xd5: size = 4; break;           /* fixext 2 */
+            case 0xd6: size = 6; break;           /* fixext 4 */
+            case 0xd7: size = 10; break;          /* fixext 8 */
+            case 0xd8: size = 18; break;          /* fixext 16 */
+            case 0xdc: lw = 2; container = 1; break;
+            case 0xdd: lw = 4; container = 1; break;
+            case 0xde: lw = 2; container = 2; break;
+            case 0xdf: lw = 4; container = 2; break;
+            default: size = 1; break;  /* unreachable: 0xc0..0xdf all listed */
+            }
+            if (lw) {
+                if (len - pos < 1 + lw) {
+                    size = (uint64_t)(1 + lw);
+                    goto truncated;
+                }
+                uint64_t m = load_be(p + pos + 1, lw);
+                if (container) {
+                    size = (uint64_t)(1 + lw);
+                    children = container == 2 ? 2 * m : m;
+                }
+                else {
+                    size = (uint64_t)(1 + lw) + ext + m;
+                }
+            }
+        }
+        if (size > (uint64_t)(len - pos)) {
+            goto truncated;
+        }
+        pos += (Py_ssize_t)size;
+        pending += children;
+        if (pending > (uint64_t)(len - pos)) {
+            e->kind = SERR_PENDING;
+            e->need = pending;
+            e->offset = pos;
+            e->have = len - pos;
+            return -1;
+        }
+        continue;
+    truncated:
+        e->kind = SERR_VALUE_TRUNC;
+        e->type_byte = b;
+        e->offset = pos;
+        e->need = size;
+        e->have = len - pos;
+        return -1;
+    }
+    *ppos = pos;
+    return 0;
+}
+
+/* Parse an array header at p[pos]: 1 and the count and header length if it is
+ * one whose count fits in the bytes left, 0 if it is not an array header,
+ * -1 (error set in e) for a cut or oversized header. */
+static int
+array_header_at(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, uint64_t *count,
+                Py_ssize_t *hlen, split_err *e)
+{
+    if (pos >= len) {
+        e->kind = SERR_END;
+        e->offset = pos;
+        return -1;
+    }
+    unsigned b = p[pos];
+    uint64_t n;
+    Py_ssize_t h;
+    if (b >= 0x90 && b <= 0x9f) {
+        n = b & 0x0f;
+        h = 1;
+    }
+    else if (b == 0xdc || b == 0xdd) {
+        h = (b == 0xdc) ? 3 : 5;
+        if (len - pos < h) {
+            e->kind = SERR_VALUE_TRUNC;
+            e->type_byte = b;
+            e->offset = pos;
+            e->need = (uint64_t)h;
+            e->have = len - pos;
+            return -1;
+        }
+        n = load_be(p + pos + 1, (int)(h - 1));
+    }
+    else {
+        return 0;
+    }
+    if (n > (uint64_t)(len - pos - h)) {
+        e->kind = SERR_PENDING;
+        e->need = n;
+        e->offset = pos + h;
+        e->have = len - pos - h;
+        return -1;
+    }
+    *count = n;
+    *hlen = h;
+    return 1;
+}
+
+/* The top-level array header of `p` (the whole input must be one array). */
+static int
+top_header(const uint8_t *p, Py_ssize_t len, uint64_t *count, Py_ssize_t *hlen,
+           split_err *e)
+{
+    e->element = -1;
+    if (len < 1) {
+        e->kind = SERR_EMPTY;
+        return -1;
+    }
+    int rc = array_header_at(p, len, 0, count, hlen, e);
+    if (rc == 0) {
+        e->kind = SERR_NOT_ARRAY;
+        e->type_byte = p[0];
+        return -1;
+    }
+    if (rc < 0 && e->kind == SERR_PENDING) {
+        e->kind = SERR_COUNT;
+    }
+    return rc < 0 ? -1 : 0;
 }
 
 /* Size class of one int, exactly msgpack-python's choice of form, computed
@@ -410,6 +760,53 @@ write_int(uint8_t *o, int64_t v)
     /* The payload's bytes first, big-endian; the rest is overwritten next. */
     store_be64(o + 1, u << ((64 - 8 * width) & 63));
     return o + (f.fixint ? 1 : 1 + width);
+}
+
+/* Write the n values; needs 9 writable bytes per value at o. Runs of one
+ * value (placeholder or pad runs) are written eight at a time as copies of
+ * its encoding. */
+static uint8_t *
+write_ints(uint8_t *o, const int64_t *v, Py_ssize_t n)
+{
+    uint8_t *last = o;  /* where the previous value's encoding starts */
+    Py_ssize_t i = 0;
+    while (n - i >= 8) {
+        /* Every 8 values, a look for a run of one value (8 more equal to the
+         * previous one): written as copies of its encoding while it lasts.
+         * The first comparison alone is a branch, rarely taken in text. */
+        if (i > 0 && v[i] == v[i - 1]) {
+            int64_t x = v[i - 1];
+            unsigned all = 1;
+            for (int k = 0; k < 8; k++) {
+                all &= v[i + k] == x;
+            }
+            if (all) {
+                /* The previous encoding (at most 9 bytes; write_int and these
+                 * copies always write all 9) copied 8 times: each copy writes
+                 * 9 bytes at o, within o's budget of 9 bytes a value. */
+                Py_ssize_t size = o - last;
+                uint64_t head;
+                memcpy(&head, last, 8);
+                uint8_t tail = last[8];
+                for (int k = 0; k < 8; k++) {
+                    memcpy(o, &head, 8);
+                    o[8] = tail;
+                    o += size;
+                }
+                last = o - size;
+                i += 8;
+                continue;
+            }
+        }
+        for (int chunk = 0; chunk < 8; chunk++, i++) {
+            last = o;
+            o = write_int(o, v[i]);
+        }
+    }
+    for (; i < n; i++) {
+        o = write_int(o, v[i]);
+    }
+    return o;
 }
 
 static inline Py_ssize_t
@@ -586,15 +983,415 @@ intcodec_encode(PyObject *Py_UNUSED(module), PyObject *values)
     uint8_t *o;
     Py_BEGIN_ALLOW_THREADS
     o = write_header(start, n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        o = write_int(o, v[i]);
-    }
+    o = write_ints(o, v, n);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&in);
 
     if (_PyBytes_Resize(&result, o - start) < 0) {
         return NULL;
     }
+    return result;
+}
+
+/* split(src, int_fields=(), alloc=None) -> (offsets, ints)
+ *
+ * `src` holds exactly one msgpack array of n elements. offsets: a list of
+ * n + 1 ints, element i being src[offsets[i]:offsets[i + 1]] (offsets[0] is
+ * the header length, offsets[n] == len(src)). For each element index listed
+ * in `int_fields` that is an array of ints, ints[k] is a new int64 buffer
+ * from alloc(count) holding its values, decoded in the same pass; ints[k] is
+ * None when that element is absent, not an array, or not all ints (the
+ * caller decodes it again for the precise error). ValueError for a
+ * structurally malformed input. */
+static PyObject *
+intcodec_split(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer in;
+    split_err e = {0};
+    uint64_t n = 0;
+    Py_ssize_t pos = 0;
+    PyObject *fields = NULL, *alloc = Py_None;
+    PyObject *offsets = NULL, *ints = NULL, *result = NULL;
+    Py_ssize_t nfields = 0;
+    Py_ssize_t field_idx[8];
+
+    if (nargs < 1 || nargs > 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "split expected 1 to 3 arguments (src, int_fields, alloc), got %zd",
+                     nargs);
+        return NULL;
+    }
+    if (nargs >= 2 && args[1] != Py_None) {
+        fields = args[1];
+        if (!PyTuple_Check(fields)) {
+            PyErr_SetString(PyExc_TypeError, "split: int_fields must be a tuple of ints");
+            return NULL;
+        }
+        nfields = PyTuple_GET_SIZE(fields);
+        if (nfields > (Py_ssize_t)(sizeof(field_idx) / sizeof(field_idx[0]))) {
+            PyErr_SetString(PyExc_ValueError, "split: at most 8 int_fields");
+            return NULL;
+        }
+        for (Py_ssize_t k = 0; k < nfields; k++) {
+            field_idx[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(fields, k));
+            if (field_idx[k] == -1 && PyErr_Occurred()) {
+                return NULL;
+            }
+        }
+    }
+    if (nargs >= 3) {
+        alloc = args[2];
+    }
+    if (nfields && !PyCallable_Check(alloc)) {
+        PyErr_SetString(PyExc_TypeError, "split: alloc must be callable when int_fields is given");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)in.buf;
+    const Py_ssize_t len = in.len;
+
+    if (top_header(p, len, &n, &pos, &e) < 0) {
+        set_split_error(&e);
+        goto done;
+    }
+    offsets = PyList_New((Py_ssize_t)n + 1);
+    ints = PyList_New(nfields);
+    if (offsets == NULL || ints == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < nfields; k++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(ints, k, Py_None);
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; i++) {
+        PyObject *start = PyLong_FromSsize_t(pos);
+        if (start == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(offsets, i, start);
+        e.element = i;
+        Py_ssize_t k = 0;
+        while (k < nfields && field_idx[k] != i) {
+            k++;
+        }
+        if (k < nfields) {
+            uint64_t count = 0;
+            Py_ssize_t hlen = 0;
+            int rc = array_header_at(p, len, pos, &count, &hlen, &e);
+            if (rc < 0) {
+                set_split_error(&e);
+                goto done;
+            }
+            if (rc > 0) {
+                PyObject *arr = PyObject_CallFunction(alloc, "n", (Py_ssize_t)count);
+                if (arr == NULL) {
+                    goto done;
+                }
+                Py_buffer out;
+                if (get_int64_buffer(arr, &out, 1, "alloc(count)") < 0) {
+                    Py_DECREF(arr);
+                    goto done;
+                }
+                if (out.len / 8 != (Py_ssize_t)count) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "split: alloc(%zd) returned %zd elements",
+                                 (Py_ssize_t)count, out.len / 8);
+                    PyBuffer_Release(&out);
+                    Py_DECREF(arr);
+                    goto done;
+                }
+                codec_err ce = {0};
+                Py_ssize_t q = pos + hlen;
+                int drc;
+                Py_BEGIN_ALLOW_THREADS
+                drc = decode_run(p, len, &q, (Py_ssize_t)count, (int64_t *)out.buf, &ce);
+                Py_END_ALLOW_THREADS
+                PyBuffer_Release(&out);
+                if (drc == 0) {
+                    PyList_SetItem(ints, k, arr);  /* steals arr, drops the None */
+                    pos = q;
+                    continue;
+                }
+                Py_DECREF(arr);  /* not all ints: walked again below */
+            }
+        }
+        if (skip_values(p, len, &pos, 1, &e) < 0) {
+            set_split_error(&e);
+            goto done;
+        }
+    }
+    if (pos != len) {
+        e.kind = SERR_TRAILING;
+        e.have = len - pos;
+        e.offset = pos;
+        set_split_error(&e);
+        goto done;
+    }
+    {
+        PyObject *end = PyLong_FromSsize_t(pos);
+        if (end == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(offsets, (Py_ssize_t)n, end);
+    }
+    result = PyTuple_Pack(2, offsets, ints);
+
+done:
+    Py_XDECREF(offsets);
+    Py_XDECREF(ints);
+    PyBuffer_Release(&in);
+    return result;
+}
+
+/* array_spans(src) -> list of ints, 5 per element of the array in `src`:
+ * start, end, count, start of its element 1, start of its element 3. For an
+ * element that is not an array, count is -1; the last two are -1 when the
+ * element has fewer than 3 elements. ValueError for malformed input. */
+static PyObject *
+intcodec_array_spans(PyObject *Py_UNUSED(module), PyObject *src)
+{
+    Py_buffer in;
+    split_err e = {0};
+    uint64_t n = 0;
+    Py_ssize_t pos = 0;
+    PyObject *out = NULL;
+
+    if (PyObject_GetBuffer(src, &in, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)in.buf;
+    const Py_ssize_t len = in.len;
+    if (top_header(p, len, &n, &pos, &e) < 0) {
+        set_split_error(&e);
+        goto fail;
+    }
+    out = PyList_New(5 * (Py_ssize_t)n);
+    if (out == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; i++) {
+        Py_ssize_t row[5] = {pos, -1, -1, -1, -1};
+        uint64_t count = 0;
+        Py_ssize_t hlen = 0;
+        e.element = i;
+        int rc = array_header_at(p, len, pos, &count, &hlen, &e);
+        if (rc < 0) {
+            set_split_error(&e);
+            goto fail;
+        }
+        if (rc == 0) {
+            if (skip_values(p, len, &pos, 1, &e) < 0) {
+                set_split_error(&e);
+                goto fail;
+            }
+        }
+        else {
+            row[2] = (Py_ssize_t)count;
+            pos += hlen;
+            if (count >= 3) {
+                if (skip_values(p, len, &pos, 1, &e) < 0) {
+                    set_split_error(&e);
+                    goto fail;
+                }
+                row[3] = pos;
+                if (skip_values(p, len, &pos, 2, &e) < 0) {
+                    set_split_error(&e);
+                    goto fail;
+                }
+                row[4] = pos;
+                count -= 3;
+            }
+            if (skip_values(p, len, &pos, count, &e) < 0) {
+                set_split_error(&e);
+                goto fail;
+            }
+        }
+        row[1] = pos;
+        for (int k = 0; k < 5; k++) {
+            PyObject *v = PyLong_FromSsize_t(row[k]);
+            if (v == NULL) {
+                goto fail;
+            }
+            PyList_SET_ITEM(out, 5 * i + k, v);
+        }
+    }
+    if (pos != len) {
+        e.kind = SERR_TRAILING;
+        e.have = len - pos;
+        e.offset = pos;
+        set_split_error(&e);
+        goto fail;
+    }
+    PyBuffer_Release(&in);
+    return out;
+
+fail:
+    Py_XDECREF(out);
+    PyBuffer_Release(&in);
+    return NULL;
+}
+
+/* int_rows(src, starts, width, alloc) -> (table, bounds)
+ *
+ * For each offset in `starts` (a list of ints), the msgpack value there is
+ * nil or an array of rows, each an array of exactly `width` ints in the int64
+ * range. Every row of every such array is decoded, in order, into one int64
+ * buffer table = alloc(total_rows * width); bounds holds 2 ints per start:
+ * the first row and the end row of its array in table, or -1, -1 for nil.
+ * ValueError for anything else (the caller then decodes the values the slow
+ * way for a precise error). */
+static PyObject *
+intcodec_int_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer in;
+    PyObject *bounds = NULL, *table = NULL, *result = NULL;
+    Py_buffer out = {0};
+    int have_out = 0;
+    Py_ssize_t *at_of = NULL;  /* the starts, read once: alloc() runs Python code */
+
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "int_rows expected 4 arguments (src, starts, width, alloc), got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyObject *starts = args[1];
+    if (!PyList_Check(starts)) {
+        PyErr_SetString(PyExc_TypeError, "int_rows: starts must be a list of ints");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    if (width == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (width < 1 || width > 15) {
+        PyErr_SetString(PyExc_ValueError, "int_rows: width must be 1..15");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)in.buf;
+    const Py_ssize_t len = in.len;
+    const Py_ssize_t n = PyList_GET_SIZE(starts);
+    split_err e = {0};
+
+    bounds = PyList_New(2 * n);
+    at_of = PyMem_New(Py_ssize_t, n > 0 ? n : 1);
+    if (bounds == NULL || at_of == NULL) {
+        if (at_of == NULL) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    /* Pass 1: the row count of each array (headers only). */
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyList_GET_ITEM(starts, k));
+        if (at == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        at_of[k] = at;
+        if (at < 0 || at >= len) {
+            PyErr_Format(PyExc_ValueError, "int_rows: start %zd outside the input", at);
+            goto done;
+        }
+        Py_ssize_t lo = -1, hi = -1;
+        if (p[at] != 0xc0) {
+            uint64_t rows = 0;
+            Py_ssize_t hlen = 0;
+            int rc = array_header_at(p, len, at, &rows, &hlen, &e);
+            if (rc <= 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "int_rows: the value at offset %zd is not an array "
+                             "of rows", at);
+                goto done;
+            }
+            lo = (Py_ssize_t)total;
+            total += rows;  /* rows <= len each: no overflow for any real n */
+            hi = (Py_ssize_t)total;
+        }
+        PyObject *a = PyLong_FromSsize_t(lo), *b = PyLong_FromSsize_t(hi);
+        if (a == NULL || b == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto done;
+        }
+        PyList_SET_ITEM(bounds, 2 * k, a);
+        PyList_SET_ITEM(bounds, 2 * k + 1, b);
+    }
+    if (total > (uint64_t)PY_SSIZE_T_MAX / 8 / (uint64_t)width) {
+        PyErr_SetString(PyExc_ValueError, "int_rows: too many rows");
+        goto done;
+    }
+    table = PyObject_CallFunction(args[3], "n", (Py_ssize_t)(total * (uint64_t)width));
+    if (table == NULL) {
+        goto done;
+    }
+    if (get_int64_buffer(table, &out, 1, "alloc(count)") < 0) {
+        goto done;
+    }
+    have_out = 1;
+    if ((uint64_t)(out.len / 8) != total * (uint64_t)width) {
+        PyErr_SetString(PyExc_ValueError, "int_rows: alloc returned the wrong size");
+        goto done;
+    }
+    /* Pass 2: every row, checked and decoded. Everything is checked again
+     * (alloc() ran Python code that could have written to a writable src):
+     * the worst a changed input can do is an error, never a write past o_end. */
+    int64_t *o = (int64_t *)out.buf;
+    int64_t *const o_end = o + total * (uint64_t)width;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t at = at_of[k];
+        if (p[at] == 0xc0) {
+            continue;
+        }
+        uint64_t rows = 0;
+        Py_ssize_t hlen = 0;
+        if (array_header_at(p, len, at, &rows, &hlen, &e) <= 0) {
+            PyErr_SetString(PyExc_ValueError, "int_rows: the input changed");
+            goto done;
+        }
+        Py_ssize_t pos = at + hlen;
+        for (uint64_t r = 0; r < rows; r++) {
+            uint64_t cells = 0;
+            Py_ssize_t rh = 0;
+            codec_err ce = {0};
+            if (o_end - o < width) {
+                PyErr_SetString(PyExc_ValueError, "int_rows: the input changed");
+                goto done;
+            }
+            if (array_header_at(p, len, pos, &cells, &rh, &e) <= 0
+                || cells != (uint64_t)width) {
+                PyErr_Format(PyExc_ValueError,
+                             "int_rows: row %llu of the array at offset %zd is not "
+                             "an array of %zd ints",
+                             (unsigned long long)r, at, width);
+                goto done;
+            }
+            pos += rh;
+            if (decode_run(p, len, &pos, width, o, &ce) < 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "int_rows: row %llu of the array at offset %zd is not "
+                             "an array of %zd int64 values",
+                             (unsigned long long)r, at, width);
+                goto done;
+            }
+            o += width;
+        }
+    }
+    result = PyTuple_Pack(2, table, bounds);
+
+done:
+    if (have_out) {
+        PyBuffer_Release(&out);
+    }
+    PyMem_Free(at_of);
+    Py_XDECREF(table);
+    Py_XDECREF(bounds);
+    PyBuffer_Release(&in);
     return result;
 }
 
@@ -609,6 +1406,22 @@ static PyMethodDef intcodec_methods[] = {
     {"encode", (PyCFunction)intcodec_encode, METH_O,
      "encode(values) -> bytes\n\nmsgpack array of the int64 buffer's values, "
      "each in its smallest form (as msgpack.packb)."},
+    {"split", (PyCFunction)(void (*)(void))intcodec_split, METH_FASTCALL,
+     "split(src, int_fields=(), alloc=None) -> (offsets, ints)\n\nElement "
+     "boundaries of the msgpack array in src (n + 1 offsets), decoding the "
+     "int-array elements listed in int_fields into alloc(count) int64 buffers "
+     "in the same pass (None where an element is not an int array). "
+     "ValueError on malformed input."},
+    {"int_rows", (PyCFunction)(void (*)(void))intcodec_int_rows, METH_FASTCALL,
+     "int_rows(src, starts, width, alloc) -> (table, bounds)\n\nDecode the "
+     "arrays of width-int rows found at the given offsets of src (or nil) "
+     "into one int64 buffer alloc(rows * width); bounds: first and end row "
+     "per offset (-1, -1 for nil). ValueError for anything else."},
+    {"array_spans", (PyCFunction)intcodec_array_spans, METH_O,
+     "array_spans(src) -> list\n\n5 ints per element of the msgpack array in "
+     "src: start, end, count (-1: not an array), start of its element 1 and "
+     "of its element 3 (-1: fewer than 3 elements). ValueError on malformed "
+     "input."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,6 +18,18 @@ included:
 ``HAVE_NATIVE`` says which one :func:`decode_int_array` and
 :func:`encode_int_array` use.
 
+Splitting (for the wire codec): :func:`split_array` walks one msgpack array
+and returns where each element starts and ends, decoding chosen int-array
+elements (token ids) into int64 arrays in the same pass, so a 128K-id payload
+is read once; :func:`array_spans` gives the element spans of an array of
+arrays (multimodal items), and :func:`int_rows` decodes arrays of int rows
+at given offsets (their offset pairs) into one int64 table. The native walk
+checks the structure only (lengths, the never-used byte ``0xc1``, trailing
+bytes), iteratively: no depth limit, no recursion; the fallback splits with
+``msgspec`` and walks the bytes in Python where the nesting is deeper than
+``msgspec`` follows. Both raise ``ValueError`` for malformed input and agree
+on every result for valid input; error texts differ (the caller wraps them).
+
 Format: exactly one msgpack array (fixarray, array16 or array32) whose
 elements are ints in any msgpack int encoding; values must fit int64 (a uint64
 above ``2**63 - 1`` is refused). Encoding writes the smallest array header
@@ -28,6 +40,7 @@ for the same list. Non-goals: nested arrays, nil elements, arrays of more than
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import msgspec
@@ -39,7 +52,14 @@ try:
 except ImportError:  # not built (no compiler at install time): use the fallback
     _intcodec = None
 
-__all__ = ["HAVE_NATIVE", "decode_int_array", "encode_int_array"]
+__all__ = [
+    "HAVE_NATIVE",
+    "array_spans",
+    "decode_int_array",
+    "encode_int_array",
+    "int_rows",
+    "split_array",
+]
 
 HAVE_NATIVE: bool = _intcodec is not None
 
@@ -78,6 +98,54 @@ def encode_int_array(values: Any) -> bytes:
     value above ``2**63 - 1`` or more than ``2**32 - 1`` elements.
     """
     return _encode_impl(_as_int64(values))
+
+
+def split_array(
+    raw: Any, int_fields: tuple[int, ...] = ()
+) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+    """Element boundaries of one msgpack array, int arrays decoded on the way.
+
+    ``raw`` holds exactly one msgpack array of ``n`` elements. Returns
+    ``(offsets, ints)``: ``offsets`` has ``n + 1`` entries, element ``i`` being
+    ``raw[offsets[i]:offsets[i + 1]]`` (``offsets[0]`` is the header length,
+    ``offsets[n] == len(raw)``). ``ints[k]`` is element ``int_fields[k]``
+    decoded as by :func:`decode_int_array` (a new writable int64 array), or
+    ``None`` when that element is missing or is not an array of int64-range
+    ints (decode it with :func:`decode_int_array` for the precise error).
+    At most 8 distinct ``int_fields``. Raises ``ValueError`` for input that is
+    not one well-formed msgpack array (not an array, truncated, the byte
+    ``0xc1``, trailing bytes).
+    """
+    if len(int_fields) > 8 or len(set(int_fields)) != len(int_fields):
+        raise ValueError("split_array: at most 8 distinct int_fields")
+    return _split_impl(_as_bytes(raw), tuple(int_fields))
+
+
+def array_spans(raw: Any) -> list[int]:
+    """Spans of the elements of one msgpack array, and of their first elements.
+
+    Returns 5 ints per element of the array in ``raw``: its start and end
+    offsets, its element count (``-1`` if it is not an array), and the offsets
+    where its element 1 and its element 3 start (``-1`` both when it has
+    fewer than 3 elements). Offsets are relative to ``raw``. ``ValueError``
+    as :func:`split_array`.
+    """
+    return _spans_impl(_as_bytes(raw))
+
+
+def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.int64], list[int]]:
+    """Decode the arrays of int rows at the given offsets of ``raw`` into one table.
+
+    At each offset in ``starts`` the msgpack value must be nil or an array of
+    rows, each an array of exactly ``width`` (1 to 15) ints in the int64 range.
+    Returns ``(table, bounds)``: ``table`` a new 1-D int64 array holding every
+    row in order (reshape it to ``(-1, width)``), ``bounds`` two ints per
+    offset, the first row and the end row of its array, ``-1, -1`` for nil.
+    Raises ``ValueError`` for any other value or an offset outside ``raw``.
+    """
+    if not 1 <= width <= 15:
+        raise ValueError("int_rows: width must be 1..15")
+    return _rows_impl(_as_bytes(raw), list(starts), width)
 
 
 # --------------------------------------------------------------------------
@@ -130,6 +198,32 @@ def _encode_native(values: npt.NDArray[np.int64]) -> bytes:
     assert _intcodec is not None
     result: bytes = _intcodec.encode(values)
     return result
+
+
+def _alloc_int64(count: int) -> npt.NDArray[np.int64]:
+    return np.empty(count, dtype=np.int64)
+
+
+def _split_native(
+    buf: memoryview, int_fields: tuple[int, ...]
+) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+    assert _intcodec is not None
+    offsets, ints = _intcodec.split(buf, int_fields, _alloc_int64)
+    return offsets, ints
+
+
+def _spans_native(buf: memoryview) -> list[int]:
+    assert _intcodec is not None
+    spans: list[int] = _intcodec.array_spans(buf)
+    return spans
+
+
+def _rows_native(
+    buf: memoryview, starts: list[int], width: int
+) -> tuple[npt.NDArray[np.int64], list[int]]:
+    assert _intcodec is not None
+    table, bounds = _intcodec.int_rows(buf, starts, width, _alloc_int64)
+    return table, bounds
 
 
 # --------------------------------------------------------------------------
@@ -233,6 +327,155 @@ def _scan(buf: memoryview) -> None:
 
 
 # --------------------------------------------------------------------------
+# Fallback: split
+
+_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def _split_py(
+    buf: memoryview, int_fields: tuple[int, ...]
+) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+    try:
+        elems = _RAW_LIST_DECODER.decode(buf)
+    except RecursionError:  # nested deeper than msgspec follows: walk it here
+        offsets = _walk_py(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"msgpack: {exc}") from exc
+    else:
+        # The elements are back to back and end the input: offsets from their sizes.
+        sizes = [len(r) for r in elems]
+        offsets = [len(buf) - sum(sizes)]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+    ints: list[npt.NDArray[np.int64] | None] = []
+    for field in int_fields:
+        value = None
+        if 0 <= field < len(offsets) - 1:
+            try:
+                value = _decode_py(buf[offsets[field] : offsets[field + 1]])
+            except ValueError:
+                pass
+        ints.append(value)
+    return offsets, ints
+
+
+def _walk_py(buf: memoryview) -> list[int]:
+    """split_array's offsets by a byte walk (no recursion: any nesting depth)."""
+    n = len(buf)
+    if n < 1 or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
+        raise ValueError("msgpack: expected an array")
+    hlen = 1 if buf[0] <= 0x9F else (3 if buf[0] == 0xDC else 5)
+    if n < hlen:
+        raise ValueError("msgpack: truncated input: array header")
+    count = buf[0] & 0x0F if hlen == 1 else int.from_bytes(buf[1:hlen], "big")
+    if count > n - hlen:
+        raise ValueError(f"msgpack: truncated input: the array header declares {count} elements")
+    offsets = [hlen]
+    for _ in range(count):
+        offsets.append(_value_end_py(buf, offsets[-1]))
+    if offsets[-1] != n:
+        raise ValueError(f"msgpack: {n - offsets[-1]} trailing bytes after the array")
+    return offsets
+
+
+def _spans_py(buf: memoryview) -> list[int]:
+    offsets, _ = _split_py(buf, ())
+    out: list[int] = []
+    for start, end in pairwise(offsets):
+        b = buf[start]
+        count, off1, off3 = -1, -1, -1
+        if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+            sub, _ = _split_py(buf[start:end], ())
+            count = len(sub) - 1
+            if count >= 3:
+                off1, off3 = start + sub[1], start + sub[3]
+        out += [start, end, count, off1, off3]
+    return out
+
+
+def _value_end_py(buf: memoryview, pos: int) -> int:
+    """Where the msgpack value starting at ``pos`` ends (structure only, as the C walk)."""
+    n = len(buf)
+    pending = 1
+    while pending:
+        if pos >= n:
+            raise ValueError(f"msgpack: truncated input at offset {pos}")
+        b = buf[pos]
+        pending -= 1
+        size, children = 1, 0
+        if b <= 0x7F or b >= 0xE0:
+            pass
+        elif b <= 0x8F:
+            children = 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            children = b & 0x0F
+        elif b <= 0xBF:
+            size = 1 + (b & 0x1F)
+        elif b == 0xC1:
+            raise ValueError(f"msgpack: invalid type byte 0xc1 at offset {pos}")
+        elif b in _FIXED_SIZE:
+            size = _FIXED_SIZE[b]
+        else:
+            width, ext, container = _LENGTH_FORMS[b]
+            if n - pos < 1 + width:
+                raise ValueError(f"msgpack: truncated input at offset {pos}")
+            m = int.from_bytes(buf[pos + 1 : pos + 1 + width], "big")
+            if container:
+                size, children = 1 + width, m * container
+            else:
+                size = 1 + width + ext + m
+        if size > n - pos:
+            raise ValueError(f"msgpack: truncated input at offset {pos}")
+        pos += size
+        pending += children
+        if pending > n - pos:
+            raise ValueError(f"msgpack: truncated input at offset {pos}")
+    return pos
+
+
+_FIXED_SIZE = {  # type byte -> size of the whole value
+    0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9,
+    0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9,
+    0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18,
+}  # fmt: skip
+_LENGTH_FORMS = {  # type byte -> (length field width, ext type byte, container: 1 array, 2 map)
+    0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0),  # bin
+    0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0),  # str
+    0xC7: (1, 1, 0), 0xC8: (2, 1, 0), 0xC9: (4, 1, 0),  # ext
+    0xDC: (2, 0, 1), 0xDD: (4, 0, 1),  # array
+    0xDE: (2, 0, 2), 0xDF: (4, 0, 2),  # map
+}  # fmt: skip
+
+_ROWS_DECODER = msgspec.msgpack.Decoder(list[list[int]] | None)
+
+
+def _rows_py(
+    buf: memoryview, starts: list[int], width: int
+) -> tuple[npt.NDArray[np.int64], list[int]]:
+    rows: list[list[int]] = []
+    bounds: list[int] = []
+    for at in starts:
+        if not 0 <= at < len(buf):
+            raise ValueError(f"int_rows: start {at} outside the input")
+        try:
+            value = _ROWS_DECODER.decode(buf[at : _value_end_py(buf, at)])
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            raise ValueError(f"int_rows: the value at offset {at}: {exc}") from exc
+        if value is None:
+            bounds += [-1, -1]
+            continue
+        if any(len(row) != width for row in value):
+            raise ValueError(f"int_rows: a row at offset {at} is not an array of {width} ints")
+        bounds += [len(rows), len(rows) + len(value)]
+        rows += value
+    try:
+        table = np.array(rows, dtype=np.int64).reshape(-1)
+    except OverflowError as exc:
+        raise ValueError(f"int_rows: {exc}") from exc
+    return table, bounds
+
+
+# --------------------------------------------------------------------------
 # Fallback: encode
 
 # msgspec writes ints in the same smallest forms as msgpack-python (the tests
@@ -250,6 +493,12 @@ def _encode_py(values: npt.NDArray[np.int64]) -> bytes:
 if HAVE_NATIVE:
     _decode_impl = _decode_native
     _encode_impl = _encode_native
+    _split_impl = _split_native
+    _spans_impl = _spans_native
+    _rows_impl = _rows_native
 else:
     _decode_impl = _decode_py
     _encode_impl = _encode_py
+    _split_impl = _split_py
+    _spans_impl = _spans_py
+    _rows_impl = _rows_py

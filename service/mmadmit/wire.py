@@ -5,12 +5,26 @@ the payload is a positional msgpack array (``TokenizedGenerateReqInput``).
 
 How it stays fast and loses nothing:
 
-* The payload is split with ``msgspec`` into one :class:`msgspec.Raw` per
-  element (C speed, zero-copy). Elements mmadmit does not interpret keep their
-  raw bytes and are re-emitted verbatim, so fields of a newer peer survive a
-  round trip, and shorter arrays simply leave trailing fields at their default.
-* Token-id arrays go straight between msgpack bytes and int64 numpy arrays
-  (:mod:`mmadmit.intcodec`), never through per-token Python ints.
+* The payload is split into one :class:`msgspec.Raw` per element (zero-copy
+  views of the received frame) in one walk (:func:`mmadmit.intcodec.split_array`),
+  which decodes the token-id arrays (``input_ids``, ``input_ids_unpadded``)
+  into int64 numpy arrays on the way, never through per-token Python ints (a
+  payload under 4 KiB is split by ``msgspec``, its ids decoded after).
+  Elements mmadmit does not interpret keep their raw bytes and are re-emitted
+  verbatim, so fields of a newer peer survive a round trip, and shorter arrays
+  simply leave trailing fields at their default.
+* A token array the request still holds as the very object decoded from the
+  wire is re-emitted from its received bytes instead of being re-encoded
+  (``input_ids`` of a text request or a passthrough, ``input_ids_unpadded``
+  = the received ``input_ids`` after substitution). mmadmit never writes a
+  decoded array in place (the materializer substitutes into a copy); code that
+  changes token ids must assign a new array, which is then encoded.
+* Multimodal items are decoded all at once by a typed ``msgspec`` decoder
+  (:class:`_FastItem`); an item that changed only in ``hash`` / ``pad_value``
+  (what materialization does) is re-emitted as its received bytes with those
+  two elements replaced. Anything the typed decoder does not take (an odd but
+  legal item, or a malformed one) goes through the general per-item path,
+  which alone decides what is accepted and words the errors.
 * Tensors are views: inline data (ext code 3, < 256 bytes) or a ``memoryview``
   on the received aux frame. Re-encoding hands the *same* buffer objects back
   as frames, so feature bytes are never copied by mmadmit. Ownership: the
@@ -25,14 +39,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import pairwise
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from .dtypes import parse_dtype
+from .dtypes import DType, parse_dtype
 from .errors import Abort, InvalidRequest
-from .intcodec import decode_int_array, encode_int_array
+from .intcodec import array_spans, decode_int_array, encode_int_array, int_rows, split_array
 from .model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
 
 MSG_ADD = 0x00
@@ -66,6 +81,12 @@ _FIELD_DEFAULTS: dict[int, Any] = {
 
 _MM_FIELDS = 7
 _ITEM_FIELDS = 10
+# Defaults of MultimodalInputs / MultimodalDataItem fields a shorter array
+# leaves out: nil, except model_specific_data, a map.
+_MM_DEFAULTS: dict[int, Any] = {}
+_ITEM_DEFAULTS: dict[int, Any] = {6: {}}
+_INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
+_NATIVE_SPLIT_MIN = 4 << 10  # smaller arrays are split by msgspec (see _split_view)
 
 
 class WireError(InvalidRequest):
@@ -99,8 +120,27 @@ _NIL = msgspec.Raw(_ENC.encode(None))
 def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw]:
     try:
         return _SPLIT.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
+
+
+def _split_view(
+    buf: memoryview, what: str, int_fields: tuple[int, ...] = ()
+) -> tuple[list[msgspec.Raw], list[np.ndarray | None]]:
+    """The elements of the array in ``buf`` (views) and the int arrays asked for.
+
+    One walk (:func:`mmadmit.intcodec.split_array`); an int array it did not
+    decode is None (the caller decodes it, for the precise error). A small
+    array goes through ``msgspec``, quicker there than wrapping views (its
+    int arrays are then all left to the caller).
+    """
+    if len(buf) < _NATIVE_SPLIT_MIN:
+        return _split(buf, what), [None] * len(int_fields)
+    try:
+        offsets, ints = split_array(buf, int_fields)
+    except ValueError as exc:
+        raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
+    return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints
 
 
 def _value(raw: msgspec.Raw, what: str) -> Any:
@@ -108,10 +148,12 @@ def _value(raw: msgspec.Raw, what: str) -> Any:
         return _ANY.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"{what}: undecodable msgpack ({exc})") from exc
+    except RecursionError as exc:
+        raise InvalidRequest(f"{what}: undecodable msgpack (nested too deeply)") from exc
 
 
 def _is_nil(raw: msgspec.Raw) -> bool:
-    return bytes(raw) == b"\xc0"
+    return len(raw) == 1 and bytes(raw) == b"\xc0"
 
 
 def _opt_int(value: Any, what: str) -> int | None:
@@ -127,11 +169,16 @@ def _opt_int(value: Any, what: str) -> int | None:
 
 @dataclass
 class WireExtra:
-    """What the codec keeps to re-encode a request: raw elements and aux frames."""
+    """What the codec keeps to re-encode a request: raw elements and aux frames.
+
+    ``ints``: each token array decoded from the wire with its received bytes;
+    a request that still holds that very array object re-emits those bytes.
+    """
 
     raw: list[msgspec.Raw]
     aux: list[memoryview]
     feature_aux: set[int] = field(default_factory=set)  # aux indices used by features only
+    ints: list[tuple[np.ndarray, msgspec.Raw]] = field(default_factory=list)
 
 
 @dataclass
@@ -150,7 +197,19 @@ def _as_buffer(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-_DTYPES: dict[str, Any] = {}  # wire dtype string -> DType (only valid names are stored)
+_DTYPES: dict[str, DType] = {}  # wire dtype string -> DType (only valid names are stored)
+
+
+class _NotFast(Exception):
+    """The typed fast path does not take this input; the general path decides."""
+
+
+class _FastTensor(msgspec.Struct, array_like=True, gc=False):
+    """A tensor ``[dtype, shape, data]`` as the typed item decoder takes it."""
+
+    dtype: str
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+    data: int | msgspec.msgpack.Ext  # an aux frame index or inline bytes (ext 3)
 
 
 class _Name:
@@ -207,6 +266,29 @@ class _TensorReader:
             )
         return Tensor(dtype, tuple(shape), buf)
 
+    def fast(self, t: _FastTensor, role: str) -> Tensor:
+        """:meth:`tensor` for a typed tensor; :class:`_NotFast` where that one would raise."""
+        dtype = _DTYPES.get(t.dtype)
+        if dtype is None:
+            dtype = parse_dtype(t.dtype)
+            _DTYPES[t.dtype] = dtype
+        data = t.data
+        if isinstance(data, int):  # never a bool: the typed decoder refuses those
+            aux = self.aux
+            if not 0 < data <= len(aux):
+                raise _NotFast
+            buf = aux[data - 1]
+            prev = self.used.get(data)
+            self.used[data] = role if prev is None or prev == role else "shared"
+        elif data.code == EXT_TENSOR_DATA:
+            buf = memoryview(data.data)
+        else:
+            raise _NotFast  # pickle or an unknown ext code: refused by the general path
+        shape = t.shape
+        if buf.nbytes != math.prod(shape) * dtype.itemsize:
+            raise _NotFast
+        return Tensor(dtype, shape, buf)
+
 
 def _is_tensor_value(value: Any) -> bool:
     return (
@@ -255,13 +337,163 @@ _ITEM = msgspec.msgpack.Decoder(_WireItem, ext_hook=_ext_hook)
 _ITEM_FIELD_NAMES = [f.name for f in msgspec.structs.fields(_WireItem)]
 
 
+class _FastItem(msgspec.Struct, array_like=True, gc=False):
+    """:class:`_WireItem` with typed tensors, to decode every item in one call.
+
+    It takes a subset of what the general path takes (every
+    ``model_specific_data`` value a tensor); the rest goes the general way.
+    ``offsets`` are skipped here and decoded for every item at once by
+    :func:`mmadmit.intcodec.int_rows`, which checks them as strictly.
+    Trailing fields of a newer peer are skipped here unseen: they are checked
+    (no pickle) from the item's raw elements.
+    """
+
+    modality: int
+    hash: int | None = None
+    pad_value: int | None = None
+    offsets: msgspec.Raw = _NIL
+    feature: _FastTensor | None = None
+    feature_shm: Any = None
+    model_specific_data: dict[str, _FastTensor] | None = None
+    encoded: Any = None
+    encoded_deepstack: Any = None
+    encode_handshake: Any = None
+
+
+_FAST_ITEMS = msgspec.msgpack.Decoder(list[_FastItem], ext_hook=_ext_hook)
+_NO_SIDE: dict[str, Any] = {}  # an item decoded without side tensors (compared, never changed)
+
+
+class _ItemSrc(msgspec.Struct, gc=False):
+    """Where a received MultimodalDataItem came from (an :class:`Item`'s ``extra``).
+
+    The item is ``buf[start:end]``, an array of ``count`` elements whose
+    element 1 (hash) starts at ``off1`` and element 3 (offsets) at ``off3``;
+    ``aux`` is the received aux frame list its tensor indices refer to.
+    ``modality``, ``feature`` and ``side`` (a copy of the dict) are what was
+    decoded from it, ``fields`` the data, shape and dtype of the feature then
+    of each ``side`` value, in order, as decoded. An
+    item with all 10 fields whose modality, tensors and side dict are still
+    those, re-encoded with the request it was decoded in (the same ``aux``),
+    is re-emitted as its received bytes with elements 1 and 2 replaced
+    (:func:`_encode_items`): its tensors keep their aux indices (received
+    frames keep theirs) and their inline data, every other element its bytes.
+    """
+
+    buf: memoryview
+    aux: list[memoryview]
+    start: int
+    end: int
+    count: int
+    off1: int
+    off3: int
+    modality: int
+    feature: Tensor | None
+    side: dict[str, Any]
+    fields: tuple[Any, ...]
+    raw_elems: list[msgspec.Raw] | None = None
+
+    def elems(self) -> list[msgspec.Raw]:
+        """The raw elements, for the general re-encode."""
+        if self.raw_elems is None:
+            self.raw_elems = _split(self.buf[self.start : self.end], "item")
+        return self.raw_elems
+
+    def unchanged(self, item: Item) -> bool:
+        """Whether ``item`` can be spliced: all 10 fields, the same modality and tensors."""
+        if (
+            self.count < _ITEM_FIELDS
+            or item.modality != self.modality
+            or item.feature is not self.feature
+            or item.side != self.side  # Tensor equality is identity
+        ):
+            return False
+        fields = self.fields
+        k = 0
+        feature = self.feature
+        if feature is not None:
+            if (
+                feature.data is not fields[0]
+                or feature.shape is not fields[1]
+                or feature.dtype is not fields[2]
+            ):
+                return False
+            k = 3
+        for t in self.side.values():
+            if (
+                t.data is not fields[k]
+                or t.shape is not fields[k + 1]
+                or t.dtype is not fields[k + 2]
+            ):
+                return False
+            k += 3
+        return True
+
+
+def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
+    spans = array_spans(view)
+    wire_items = _FAST_ITEMS.decode(view)
+    fast = reader.fast
+    items: list[Item] = []
+    with_offsets: list[Item] = []  # items that have element 3, offsets
+    for i, w, start, end, count, off1, off3 in zip(
+        range(len(wire_items)),
+        wire_items,
+        spans[0::5],
+        spans[1::5],
+        spans[2::5],
+        spans[3::5],
+        spans[4::5],
+        strict=True,
+    ):
+        if count > _ITEM_FIELDS:  # newer peer's fields: validated (no pickle), kept raw
+            for extra_raw in _split(view[start:end], f"item {i}")[_ITEM_FIELDS:]:
+                _value(extra_raw, f"item {i}")
+        fields: list[Any] = []
+        feature = None
+        if w.feature is not None:
+            feature = fast(w.feature, "feature")
+            fields += (feature.data, feature.shape, feature.dtype)
+        side: dict[str, Any] = {}
+        if w.model_specific_data:
+            for key, wt in w.model_specific_data.items():
+                t = side[key] = fast(wt, "side")
+                fields += (t.data, t.shape, t.dtype)
+        shm = None if w.feature_shm is None else _decode_shm(w.feature_shm, f"item {i}")
+        src = _ItemSrc(
+            view,
+            reader.aux,
+            start,
+            end,
+            count,
+            off1,
+            off3,
+            w.modality,
+            feature,
+            side.copy() if side else _NO_SIDE,
+            tuple(fields),
+        )
+        item = Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src)
+        if count > 3:
+            with_offsets.append(item)
+        items.append(item)
+    if with_offsets:
+        # every item's [start, end] rows in one array; each item gets its slice (a view)
+        flat, bounds = int_rows(view, [it.extra.off3 for it in with_offsets], 2)
+        table = flat.reshape(-1, 2)
+        for item, a, b in zip(with_offsets, bounds[0::2], bounds[1::2], strict=True):
+            if a >= 0:  # nil: None
+                item.offsets = table[a:b]
+    return items
+
+
 def _decode_item(raw: msgspec.Raw, idx: int, reader: _TensorReader) -> Item:
     elems = _split(raw, f"item {idx}")  # raw elements: re-emitted verbatim unless changed
     try:
         w = _ITEM.decode(raw)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"item {idx}: {_field_error(exc)}") from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidRequest(f"item {idx}: undecodable msgpack ({exc})") from exc
     for extra_raw in elems[_ITEM_FIELDS:]:
         _value(extra_raw, f"item {idx}")  # newer peer's fields: validated (no pickle), kept raw
@@ -300,9 +532,31 @@ def _field_error(exc: msgspec.ValidationError) -> str:
 
 
 def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
+    try:
+        return _decode_mm_fast(raw, reader)
+    except Exception:  # noqa: BLE001 - the general path alone judges and words errors
+        reader.used.clear()
+        return _decode_mm_general(raw, reader)
+
+
+def _decode_mm_fast(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
+    elems, _ = _split_view(memoryview(raw), "multimodal_inputs")
+    items: list[Item] = []
+    if elems and not _is_nil(elems[0]):
+        items = _decode_items_fast(memoryview(elems[0]), reader)
+    return _mm_with(items, elems, reader)
+
+
+def _decode_mm_general(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
     elems = _split(raw, "multimodal_inputs")
     items_raw = _split(elems[0], "mm_items") if elems and not _is_nil(elems[0]) else []
     items = [_decode_item(r, i, reader) for i, r in enumerate(items_raw)]
+    return _mm_with(items, elems, reader)
+
+
+def _mm_with(
+    items: list[Item], elems: list[msgspec.Raw], reader: _TensorReader
+) -> MultimodalInputs:
     vals = [_value(r, "multimodal_inputs") for r in elems[1:_MM_FIELDS]]
     for extra_raw in elems[_MM_FIELDS:]:
         _value(extra_raw, "multimodal_inputs")
@@ -334,8 +588,11 @@ def _ids(raw: msgspec.Raw, what: str) -> np.ndarray:
 def recover_rid(payload: Any) -> str:
     """Best effort: the rid of a payload that failed to decode ("" if unreadable)."""
     try:
-        elems = _SPLIT.decode(_as_buffer(payload))
-        rid = msgspec.msgpack.decode(elems[F_RID]) if len(elems) > F_RID else ""
+        buf = _as_buffer(payload)
+        offsets, _ = split_array(buf)
+        if len(offsets) <= F_RID + 1:
+            return ""
+        rid = msgspec.msgpack.decode(buf[offsets[F_RID] : offsets[F_RID + 1]])
         return rid if isinstance(rid, str) else ""
     except Exception:  # noqa: BLE001 - any failure means "no rid"
         return ""
@@ -345,7 +602,7 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
     """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong."""
     buf = _as_buffer(payload)
     try:
-        elems = _split(buf, "the payload")
+        elems, ints = _split_view(buf, "the payload", _INT_FIELDS)
         if not elems:
             raise InvalidRequest("the payload is an empty array")
         tag = _value(elems[0], "tag")
@@ -365,10 +622,17 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
             _value(raw, f"element {i}")  # no pickle / unknown ext anywhere
         if len(elems) <= F_INPUT_IDS:
             raise InvalidRequest("the payload has no input_ids")
-        input_ids = _ids(elems[F_INPUT_IDS], "input_ids")
+        # decoded by the split; None: not an int array, decoded again for the error
+        input_ids = ints[0]
+        if input_ids is None:
+            input_ids = _ids(elems[F_INPUT_IDS], "input_ids")
+        decoded = [(input_ids, elems[F_INPUT_IDS])]
         unpadded = None
         if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
-            unpadded = _ids(elems[F_UNPADDED], "input_ids_unpadded")
+            unpadded = ints[1]
+            if unpadded is None:
+                unpadded = _ids(elems[F_UNPADDED], "input_ids_unpadded")
+            decoded.append((unpadded, elems[F_UNPADDED]))
         mm = None
         if len(elems) > F_MM and not _is_nil(elems[F_MM]):
             mm = _decode_mm(elems[F_MM], reader)
@@ -383,6 +647,7 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
         raw=elems,
         aux=aux,
         feature_aux={k for k, role in reader.used.items() if role == "feature"},
+        ints=decoded,
     )
     return Request(
         rid=rid,
@@ -406,7 +671,7 @@ def decode_message(frames: list[Any]) -> WireMessage:
             raise WireError(f"an ABORT message has exactly 2 frames, got {len(frames)}")
         try:
             rids = _ANY.decode(_as_buffer(frames[1]))
-        except (msgspec.DecodeError, InvalidRequest) as exc:
+        except (msgspec.DecodeError, RecursionError, InvalidRequest) as exc:
             raise WireError(f"ABORT payload: undecodable ({exc})") from exc
         if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
             raise WireError("ABORT payload must be an array of request id strings")
@@ -440,15 +705,57 @@ class _FrameWriter:
         return [t.dtype.name, list(t.shape), data]
 
 
-def _raw_at(raw: list[msgspec.Raw], i: int, default: Any = None) -> Any:
+def _raw_at(raw: list[msgspec.Raw], i: int, defaults: dict[int, Any]) -> Any:
     if i < len(raw):
         return raw[i]
-    return _FIELD_DEFAULTS.get(i, default)
+    return defaults.get(i)
 
 
-def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> msgspec.Raw:
-    elems = list(item.extra) if isinstance(item.extra, list) else []
-    out: list[Any] = [_raw_at(elems, i) for i in range(max(_ITEM_FIELDS, len(elems)))]
+def _array_header(n: int) -> bytes:
+    """The msgpack array header for ``n`` elements, in its smallest form."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n <= 0xFFFF:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _item_elems(extra: Any) -> list[msgspec.Raw]:
+    if isinstance(extra, _ItemSrc):
+        return extra.elems()
+    return list(extra) if isinstance(extra, list) else []
+
+
+def _encode_items(
+    items: list[Item], writer: _FrameWriter, drop_features: bool, aux: list[memoryview]
+) -> msgspec.Raw:
+    """The mm_items array; ``aux``: the received frames the request's writer starts from."""
+    pieces: list[Any] = [_array_header(len(items))]
+    for item in items:
+        src = item.extra
+        if (
+            not drop_features
+            and type(src) is _ItemSrc
+            and src.aux is aux  # its aux indices are this message's
+            and src.unchanged(item)
+        ):
+            # received bytes, hash and pad_value replaced (a fixarray of 2, header dropped)
+            buf = src.buf
+            pieces += (
+                buf[src.start : src.off1],
+                _ENC.encode((item.hash, item.pad_value))[1:],
+                buf[src.off3 : src.end],
+            )
+        else:
+            pieces.append(_encode_item(item, writer, drop_features))
+    return msgspec.Raw(b"".join(pieces))
+
+
+def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
+    elems = _item_elems(item.extra)
+    out: list[Any] = [
+        _raw_at(elems, i, _ITEM_DEFAULTS) for i in range(max(_ITEM_FIELDS, len(elems)))
+    ]
     out[0] = item.modality
     out[1] = item.hash
     out[2] = item.pad_value
@@ -475,13 +782,15 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> msgspe
             out[6] = {
                 k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()
             }
-    return msgspec.Raw(_ENC.encode(out))
+    return _ENC.encode(out)
 
 
-def _encode_mm(mm: MultimodalInputs, writer: _FrameWriter, drop_features: bool) -> msgspec.Raw:
+def _encode_mm(
+    mm: MultimodalInputs, writer: _FrameWriter, drop_features: bool, aux: list[memoryview]
+) -> msgspec.Raw:
     elems = list(mm.extra) if isinstance(mm.extra, list) else []
-    out: list[Any] = [_raw_at(elems, i) for i in range(max(_MM_FIELDS, len(elems)))]
-    out[0] = [_encode_item(it, writer, drop_features) for it in mm.items]
+    out: list[Any] = [_raw_at(elems, i, _MM_DEFAULTS) for i in range(max(_MM_FIELDS, len(elems)))]
+    out[0] = _encode_items(mm.items, writer, drop_features, aux)
     out[1] = mm.im_token_id
     out[2] = mm.video_token_id
     out[3] = None if mm.mrope_positions is None else writer.tensor(mm.mrope_positions)
@@ -496,6 +805,14 @@ def _wire_extra(req: Request) -> WireExtra:
     return WireExtra(raw=[], aux=[])
 
 
+def _int_array(extra: WireExtra, values: np.ndarray) -> msgspec.Raw:
+    """The received bytes of ``values`` if it is an array decoded from them, else encoded."""
+    for decoded, raw in extra.ints:
+        if decoded is values:
+            return raw
+    return msgspec.Raw(encode_int_array(values))
+
+
 def encode_request(
     req: Request, *, validation_error: str | None = None, drop_features: bool = False
 ) -> list[Any]:
@@ -507,18 +824,16 @@ def encode_request(
         # Features are removed; blank their frames so other indices stay valid.
         aux = [b"" if (i + 1) in extra.feature_aux else f for i, f in enumerate(aux)]
     writer = _FrameWriter(aux)
-    out: list[Any] = [_raw_at(raw, i) for i in range(max(N_FIELDS, len(raw)))]
+    out: list[Any] = [_raw_at(raw, i, _FIELD_DEFAULTS) for i in range(max(N_FIELDS, len(raw)))]
     out[0] = TAG
     out[F_RID] = req.rid
-    out[F_INPUT_IDS] = msgspec.Raw(encode_int_array(req.input_ids))
+    out[F_INPUT_IDS] = _int_array(extra, req.input_ids)
     if not raw:
         out[F_SAMPLING] = []
     out[F_UNPADDED] = (
-        None
-        if req.input_ids_unpadded is None
-        else msgspec.Raw(encode_int_array(req.input_ids_unpadded))
+        None if req.input_ids_unpadded is None else _int_array(extra, req.input_ids_unpadded)
     )
-    out[F_MM] = None if req.mm is None else _encode_mm(req.mm, writer, drop_features)
+    out[F_MM] = None if req.mm is None else _encode_mm(req.mm, writer, drop_features, extra.aux)
     out[F_VALIDATION_ERROR] = (
         validation_error if validation_error is not None else req.validation_error
     )

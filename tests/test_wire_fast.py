@@ -1,0 +1,648 @@
+"""The wire codec's fast paths held to its general path (WIRE.md).
+
+The codec splits the payload natively (decoding the token arrays in the same
+walk), decodes every multimodal item with one typed ``msgspec`` call,
+re-encodes a received item by splicing new ``hash`` / ``pad_value`` bytes into
+its received bytes, and re-emits a token array from its received bytes while
+the request still holds the very array decoded from them. None of that may
+change what is decoded, what goes out, or what is refused. Four modes:
+
+* ``fast``: the codec as it runs (payloads under 4 KiB split by ``msgspec``);
+* ``native_split``: as ``fast``, every array split by the native walk;
+* ``general``: the typed item decoder, splicing and verbatim token arrays off,
+  the pure-Python splitter (what the codec did before the fast paths);
+* ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (no C
+  extension), the wire fast paths on, every array split through it.
+
+On every vector and on generated requests all four decode the same fields
+and emit the same bytes (received encodings here are canonical, so verbatim
+and re-encoded bytes coincide); on malformed input all four refuse.
+
+Run with: python -m pytest tests/test_wire_fast.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import msgspec
+import numpy as np
+import pytest
+from conftest import REPO_ROOT, load_vector, vector_names
+from mmadmit import intcodec as ic
+from mmadmit import wire
+from mmadmit.errors import Abort, AbortCode
+from mmadmit.materializer import Materializer
+from mmadmit.model import Materialized, MultimodalInputs, Request, Tensor
+from mmadmit.profile import load_profile
+from prompt_gen import gen_prompt
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import workloads  # noqa: E402  (bench/ is not a package)
+
+TAG = "TokenizedGenerateReqInput"
+ENC = msgspec.msgpack.Encoder()
+Ext = msgspec.msgpack.Ext
+NAMES = vector_names()
+needs_vectors = pytest.mark.skipif(not NAMES, reason="no wire vectors")
+MODES = ("fast", "native_split", "general", "fallback")
+FAMILY_PROFILE = {"qwen3_5": "qwen3_5", "qwen3_omni": "qwen3_omni_moe", "llama": "llama"}
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def _refuse(*_: Any) -> Any:
+    raise wire._NotFast
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Run the codec in one of MODES (see the module docstring)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if name in ("native_split", "fallback"):
+            mp.setattr(wire, "_NATIVE_SPLIT_MIN", 0)
+        if name == "general":
+            mp.setattr(wire, "_decode_mm_fast", _refuse)
+            mp.setattr(wire._ItemSrc, "unchanged", lambda self, item: False)
+            mp.setattr(
+                wire,
+                "_int_array",
+                lambda extra, values: msgspec.Raw(ic.encode_int_array(values)),
+            )
+        if name in ("general", "fallback"):
+            for impl in ("_split", "_spans", "_rows"):
+                mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
+        if name == "fallback":
+            mp.setattr(ic, "_decode_impl", ic._decode_py)
+            mp.setattr(ic, "_encode_impl", ic._encode_py)
+        yield
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def _aux_index(req: Request, buf: Any) -> int | None:
+    """Which received aux frame a tensor's data *is* (None: inline or new)."""
+    aux = req.extra.aux if isinstance(req.extra, wire.WireExtra) else []
+    for k, frame in enumerate(aux):
+        if frame is buf:
+            return k + 1
+    return None
+
+
+def _tensor(req: Request, t: Any) -> Any:
+    if not isinstance(t, Tensor):
+        return ("value", t)
+    return (t.dtype.name, t.shape, bytes(t.data), _aux_index(req, t.data))
+
+
+def _array(a: np.ndarray | None) -> Any:
+    return None if a is None else (a.dtype.str, a.shape, a.tolist())
+
+
+def snapshot(req: Request) -> dict[str, Any]:
+    """Everything a decode produced, in comparable form (buffers as bytes + aux index)."""
+    out: dict[str, Any] = {
+        "rid": req.rid,
+        "input_ids": _array(req.input_ids),
+        "unpadded": _array(req.input_ids_unpadded),
+        "validation_error": req.validation_error,
+        "mm": None,
+    }
+    if isinstance(req.extra, wire.WireExtra):
+        out["raw"] = [bytes(r) for r in req.extra.raw]
+        out["aux"] = [bytes(a) for a in req.extra.aux]
+        out["feature_aux"] = sorted(req.extra.feature_aux)
+    mm = req.mm
+    if mm is not None:
+        out["mm"] = {
+            "im": mm.im_token_id,
+            "vid": mm.video_token_id,
+            "positions": None if mm.mrope_positions is None else _tensor(req, mm.mrope_positions),
+            "delta": None
+            if mm.mrope_position_delta is None
+            else _tensor(req, mm.mrope_position_delta),
+            "scalar": mm.mrope_position_delta_scalar,
+            "items": [
+                (
+                    type(it.modality),
+                    it.modality,
+                    it.hash,
+                    it.pad_value,
+                    _array(it.offsets),
+                    None if it.feature is None else _tensor(req, it.feature),
+                    None
+                    if it.feature_shm is None
+                    else (it.feature_shm.name, it.feature_shm.shape, it.feature_shm.dtype),
+                    {k: _tensor(req, v) for k, v in it.side.items()},
+                )
+                for it in mm.items
+            ],
+        }
+    return out
+
+
+def _frames(frames: list[Any], req: Request) -> list[Any]:
+    """Encoded frames in comparable form: bytes, and for aux frames whether each
+    is the received buffer object itself (and which)."""
+    out: list[Any] = [bytes(frames[0])]
+    for f in frames[1:]:
+        out.append((bytes(f), _aux_index(req, f)))
+    return out
+
+
+def _outputs(req: Request, profile: str | None) -> dict[str, Any]:
+    """Every encoding of a decoded request: as is, aborted, and materialized."""
+    out = {
+        "plain": _frames(wire.encode_request(req), req),
+        "aborted": _frames(wire.encode_aborted(req, Abort(AbortCode.TOO_LARGE, "x"))[1:], req),
+    }
+    if profile is not None:
+        outcome = Materializer(load_profile(profile)).run(req)
+        if isinstance(outcome, Materialized):
+            out["materialized"] = _frames(wire.encode_materialized(outcome)[1:], req)
+            out["materialized_request"] = snapshot(outcome.request)
+        else:
+            out["aborted_outcome"] = (outcome.code, outcome.message)
+            out["aborted_frames"] = _frames(wire.encode_aborted(req, outcome)[1:], req)
+    return out
+
+
+def check_modes_agree(frames: list[Any], profile: str | None) -> dict[str, Any]:
+    """Decode and encode ``frames`` in every mode; all results must be equal."""
+    results = {}
+    for name in MODES:
+        with mode(name):
+            req = wire.decode_message(list(frames)).request
+            assert req is not None
+            results[name] = (snapshot(req), _outputs(req, profile))
+    fast = results["fast"]
+    for name in MODES[1:]:
+        assert results[name][0] == fast[0], f"decoded fields differ: fast vs {name}"
+        for key in fast[1]:
+            assert results[name][1][key] == fast[1][key], f"{key} differs: fast vs {name}"
+    return fast[1]
+
+
+def _uses_fast_items(frames: list[Any]) -> bool:
+    req = wire.decode_message(list(frames)).request
+    assert req is not None
+    return req.mm is None or all(isinstance(it.extra, wire._ItemSrc) for it in req.mm.items)
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@needs_vectors
+@pytest.mark.parametrize("name", NAMES or ["-"])
+def test_vectors_all_modes_agree(name: str) -> None:
+    vec = load_vector(name)
+    out = check_modes_agree(vec.frames, FAMILY_PROFILE[vec.meta["family"]])
+    assert out["plain"][0] == bytes(vec.frames[1])  # nothing changed: byte-identical
+    assert _uses_fast_items(vec.frames)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_omni_moe"])
+@pytest.mark.parametrize("n", [1024, 8192, 32768])
+@pytest.mark.parametrize("with_hash", [True, False])
+def test_generated_requests_all_modes_agree(family: str, n: int, with_hash: bool) -> None:
+    profile = workloads.profile_for(family)
+    req = workloads.build_request(
+        profile, n, seed=n, with_hash=with_hash, feature_bytes=None if with_hash else 4096
+    )
+    frames = workloads.frames_of(req)
+    out = check_modes_agree(frames, family)
+    assert "materialized" in out
+    assert _uses_fast_items(frames)
+
+
+def _prompt_request(family: str, seed: int) -> Request:
+    prompt = gen_prompt(family, seed, hf_compatible=False)
+    rng = np.random.default_rng(seed)
+    profile = load_profile(family)
+    for item in prompt.items:
+        if rng.random() < 0.5:
+            item.hash = int(rng.integers(0, 2**63)) * 2 + int(rng.integers(0, 2))
+        if rng.random() < 0.7:
+            rows = int(rng.integers(1, 80))  # inline below 256 bytes, an aux frame above
+            item.feature = Tensor.from_numpy(rng.random((rows, 2), np.float32))
+    mm = MultimodalInputs(
+        items=prompt.items,
+        im_token_id=profile.image_token_id,
+        video_token_id=profile.video_token_id,
+    )
+    return Request(rid=f"{family}-{seed}", input_ids=prompt.input_ids, mm=mm)
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_omni_moe"]
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_generated_prompts_all_modes_agree(family: str, seed: int) -> None:
+    frames = workloads.frames_of(_prompt_request(family, seed))
+    check_modes_agree(frames, family)
+    assert _uses_fast_items(frames)
+
+
+def test_text_request_all_modes_agree() -> None:
+    req = Request(rid="t", input_ids=(np.arange(40000, dtype=np.int64) * 7) % 150_000)
+    frames = workloads.frames_of(req)
+    out = check_modes_agree(frames, "qwen3_5")
+    assert out["materialized"] == out["plain"]  # rule 1: passed through as received
+
+
+# --------------------------------------------------------------------------- token arrays
+
+
+def _ids_payload(ids_raw: bytes, unpadded_raw: bytes | None = None, mm: Any = None) -> bytes:
+    """A payload whose element 4 (and 21) are the given raw bytes."""
+    elems: list[Any] = [TAG, "rid-v", None, None, msgspec.Raw(ids_raw), [], False, -1, 0, None]
+    elems += [False, None, None, None, False, 0.5, None, None, None, None, None]
+    elems += [msgspec.Raw(unpadded_raw) if unpadded_raw else None, mm, None]
+    return ENC.encode(elems)
+
+
+def _noncanonical(ids: list[int]) -> bytes:
+    """An array16 header and every id as a uint32 (legal, not what msgpack.packb writes)."""
+    out = b"\xdc" + len(ids).to_bytes(2, "big")
+    return out + b"".join(b"\xce" + v.to_bytes(4, "big") for v in ids)
+
+
+def test_decoded_ids_reemitted_verbatim_until_replaced() -> None:
+    ids = [5, 1, 2, 3]
+    raw_ids = _noncanonical(ids)
+    req = wire.decode_request(_ids_payload(raw_ids), [])
+    assert req.input_ids.tolist() == ids
+    assert _element(wire.encode_request(req)[0], 4) == raw_ids  # the very array: as received
+    req.input_ids = req.input_ids.copy()  # a new array (same values): encoded
+    assert _element(wire.encode_request(req)[0], 4) == msgpack.packb(ids)
+
+
+def _element(payload: Any, i: int) -> bytes:
+    offsets, _ = ic.split_array(payload)
+    return bytes(payload)[offsets[i] : offsets[i + 1]]
+
+
+def test_materialized_unpadded_is_received_bytes() -> None:
+    # image prompt of Qwen3.5: text, <vs>, 6 image pads, <ve>, text; hash given
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, 12, vs, *([img] * 6), ve, 13]
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 4, 6], np.int64).tobytes())]
+    item = [1, 5, None, [[3, 8]], None, None, {"image_grid_thw": grid}, None, None, None]
+    raw_ids = _noncanonical(ids)
+    payload = _ids_payload(raw_ids, mm=[[item], img, 248057, None, None, None, None])
+    req = wire.decode_request(payload, [])
+    out = Materializer(load_profile("qwen3_5")).run(req)
+    assert isinstance(out, Materialized)
+    assert out.request.input_ids_unpadded is req.input_ids
+    frames = wire.encode_materialized(out)
+    assert _element(frames[1], 21) == raw_ids  # verbatim, non-canonical kept
+    padded = msgpack.unpackb(_element(frames[1], 4))
+    assert padded[3:9] == [out.request.mm.items[0].pad_value] * 6
+    assert _element(frames[1], 4) == msgpack.packb(padded)  # encoded, canonical
+    # the item: received bytes with hash / pad_value replaced
+    again = wire.decode_request(frames[1], frames[2:])
+    assert again.mm.items[0].pad_value == out.request.mm.items[0].pad_value
+    assert again.input_ids_unpadded.tolist() == ids
+
+
+@needs_vectors
+def test_upstream_request_keeps_both_token_arrays_verbatim() -> None:
+    vec = load_vector("qwen3_5_smg_style")
+    req = wire.decode_request(vec.frames[1], list(vec.frames[2:]))
+    assert req.input_ids_unpadded is not None
+    out = Materializer(load_profile("qwen3_5")).run(req)
+    assert isinstance(out, Materialized)
+    frames = wire.encode_materialized(out)
+    assert _element(frames[1], 4) == bytes(req.extra.raw[4])
+    assert _element(frames[1], 21) == bytes(req.extra.raw[21])
+
+
+# --------------------------------------------------------------------------- splicing
+
+
+def _decoded(family: str = "qwen3_5", n: int = 8192) -> tuple[list[Any], Request]:
+    req = workloads.build_request(workloads.profile_for(family), n, seed=3)
+    frames = workloads.frames_of(req)
+    decoded = wire.decode_message(frames).request
+    assert decoded is not None and decoded.mm is not None
+    return frames, decoded
+
+
+def _reencode(req: Request) -> Request:
+    frames = wire.encode_request(req)
+    return wire.decode_request(frames[0], frames[1:])
+
+
+def _general_bytes(req: Request) -> list[Any]:
+    with mode("general"):
+        return _frames(wire.encode_request(req), req)
+
+
+def test_splice_changes_only_hash_and_pad() -> None:
+    _, req = _decoded()
+    items = req.mm.items
+    items[0].hash, items[0].pad_value = 2**64 - 1, 7
+    items[1].hash, items[1].pad_value = None, -(2**40)
+    items[2] = items[2].with_pad(123, 456)
+    assert _frames(wire.encode_request(req), req) == _general_bytes(req)
+    back = _reencode(req)
+    assert [(it.hash, it.pad_value) for it in back.mm.items[:3]] == [
+        (2**64 - 1, 7),
+        (None, -(2**40)),
+        (123, 456),
+    ]
+
+
+def test_splice_follows_item_order() -> None:
+    _, req = _decoded()
+    req.mm.items.reverse()
+    del req.mm.items[1]
+    assert _frames(wire.encode_request(req), req) == _general_bytes(req)
+    back = _reencode(req)
+    assert [_array(it.offsets) for it in back.mm.items] == [
+        _array(it.offsets) for it in req.mm.items
+    ]
+
+
+@pytest.mark.parametrize("change", ["feature", "side_add", "side_data", "modality", "shape"])
+def test_changed_item_is_encoded_not_spliced(change: str) -> None:
+    _, req = _decoded()
+    it = req.mm.items[0]
+    new_feature = Tensor.from_numpy(np.arange(1000, dtype=np.float32).reshape(500, 2))
+    if change == "feature":
+        it.feature = new_feature
+    elif change == "side_add":
+        it.side["extra_tensor"] = Tensor.from_numpy(np.array([1, 2], np.int64))
+    elif change == "side_data":
+        grid = next(iter(it.side.values()))
+        grid.data = memoryview(np.array([[1, 2, 8]], np.int64).tobytes())
+    elif change == "modality":
+        it.modality = 2 if it.modality == 1 else 1
+    else:
+        assert it.feature is not None
+        it.feature.shape = (it.feature.shape[0] // 2, it.feature.shape[1] * 2)
+    assert not it.extra.unchanged(it)
+    assert _frames(wire.encode_request(req), req) == _general_bytes(req)
+    back = _reencode(req).mm.items[0]
+    assert snapshot_item(back) == snapshot_item(it)
+
+
+def snapshot_item(it: Any) -> Any:
+    def t(x: Any) -> Any:
+        return (x.dtype.name, x.shape, bytes(x.data)) if isinstance(x, Tensor) else x
+
+    return (
+        it.modality,
+        it.hash,
+        it.pad_value,
+        t(it.feature),
+        {k: t(v) for k, v in it.side.items()},
+    )
+
+
+def test_items_moved_to_another_request_keep_their_tensors() -> None:
+    """Aux indices are the received message's: an item moved elsewhere is re-encoded."""
+    _, donor = _decoded("qwen3_omni_moe", 8192)
+    _, host = _decoded("qwen3_5", 8192)
+    host.mm.items = donor.mm.items[:5] + host.mm.items[:2]
+    frames = wire.encode_request(host)
+    back = wire.decode_request(frames[0], frames[1:])
+    assert [snapshot_item(it) for it in back.mm.items] == [
+        snapshot_item(it) for it in host.mm.items
+    ]
+    assert _frames(frames, host) == _general_bytes(host)
+
+
+def test_aborted_request_drops_features_of_spliceable_items() -> None:
+    frames, req = _decoded()
+    out = wire.encode_aborted(req, Abort(AbortCode.INVALID_REQUEST, "no"))
+    back = wire.decode_request(out[1], out[2:])
+    assert all(it.feature is None for it in back.mm.items)
+    assert all(len(f) == 0 for f in out[2:])  # every aux frame held a feature
+    assert len(out) == len(frames)
+
+
+def test_short_items_and_mm_get_their_own_defaults() -> None:
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, 12, vs, *([img] * 6), ve, 13]
+    short_item = [1, 5, None, [[3, 8]]]
+    payload = _ids_payload(msgpack.packb(ids), mm=[[short_item], img])
+    req = wire.decode_request(payload, [])
+    elems = msgspec.msgpack.decode(wire.encode_request(req)[0])
+    mm = elems[22]
+    assert mm[1:] == [img, None, None, None, None, None]  # repeated_cache: nil
+    assert mm[0] == [[1, 5, None, [[3, 8]], None, None, {}, None, None, None]]
+
+
+# --------------------------------------------------------------------------- malformed
+
+
+def _small_mm_payload(trailing: tuple[Any, ...] = ()) -> tuple[bytes, list[bytes]]:
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, 12, vs, *([img] * 16), ve, 13]
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 8, 8], np.int64).tobytes())]
+    feature = ["float32", [64, 2], 1]
+    item = [1, None, None, [[3, 18]], feature, None, {"image_grid_thw": grid}, None, None, None]
+    item2 = [1, 9, None, [], ["bfloat16", [2], Ext(3, b"abcd")], None, {}, None, None, {"h": 1}]
+    mm = [[item, item2, *trailing], img, 248057, None, None, None, None]
+    return _ids_payload(msgpack.packb(ids), mm=mm), [bytes(512)]
+
+
+def _semantic(snap: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot without raw bytes and aux placement (verbatim and re-encoded agree here)."""
+    out = {k: v for k, v in snap.items() if k not in ("raw", "aux", "feature_aux", "mm")}
+    mm = snap["mm"]
+    if mm is not None:
+        out["mm"] = {k: v for k, v in mm.items() if k != "items"}
+        for key in ("positions", "delta"):
+            out["mm"][key] = None if mm[key] is None else mm[key][:3]
+        out["mm"]["items"] = [
+            (
+                *it[:5],
+                None if it[5] is None else it[5][:3],
+                it[6],
+                {k: v[:3] for k, v in it[7].items()},
+            )
+            for it in mm["items"]
+        ]
+    return out
+
+
+def _outcome(frames: list[Any]) -> Any:
+    try:
+        req = wire.decode_message(frames).request
+    except wire.WireError as exc:
+        return ("error", exc.rid)
+    assert req is not None
+    return ("ok", snapshot(req), _semantic(snapshot(_reencode(req))))
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_truncated_at_every_offset(name: str) -> None:
+    payload, aux = _small_mm_payload()
+    with mode(name):
+        assert _outcome([b"\x00", payload, *aux])[0] == "ok"
+        for cut in range(len(payload)):
+            with pytest.raises(wire.WireError) as info:
+                wire.decode_message([b"\x00", payload[:cut], *aux])
+            assert info.value.rid == ""  # nothing readable in a truncated array
+
+
+def test_corrupted_bytes_same_outcome_in_every_mode() -> None:
+    """Every byte replaced by a few telling values: the modes agree on each."""
+    payload, aux = _small_mm_payload()
+    start = payload.index(b"\x92\x9a")  # the mm_items array: fuzz the items, not the ids
+    for pos in range(start, len(payload)):
+        for value in (0x00, 0x7F, 0x91, 0xC0, 0xC1, 0xC3, 0xCF, 0xD4, 0xDC, 0xFF):
+            if payload[pos] == value:
+                continue
+            bad = payload[:pos] + bytes([value]) + payload[pos + 1 :]
+            outcomes = []
+            for name in MODES:
+                with mode(name):
+                    outcomes.append(_outcome([b"\x00", bad, *aux]))
+            assert outcomes[1:] == outcomes[:1] * (len(MODES) - 1), (pos, hex(value))
+
+
+PK = Ext(1, b"\x80\x04K\x01.")
+CPK = Ext(2, b"\x80\x04K\x01.")
+UNKNOWN = Ext(9, b"?")
+
+
+@pytest.mark.parametrize("ext", [PK, CPK, UNKNOWN], ids=["pickle", "cloudpickle", "unknown"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "offsets",
+        "hash",
+        "feature_dtype",
+        "feature_shape",
+        "feature_data",
+        "feature_shm",
+        "msd_value",
+        "msd_tensor_nested",
+        "encoded",
+        "handshake_nested",
+        "item_trailing_nested",
+        "mm_trailing_nested",
+        "mm_im_token",
+        "top_map",
+    ],
+)
+@pytest.mark.parametrize("name", MODES)
+def test_refused_ext_codes_anywhere(name: str, where: str, ext: Ext) -> None:
+    payload, aux = _small_mm_payload()
+    items = msgspec.msgpack.decode(payload, ext_hook=lambda c, d: Ext(c, bytes(d)))
+    top = items
+    mm = top[22]
+    it = mm[0][0]
+    if where == "offsets":
+        it[3] = [[3, ext]]
+    elif where == "hash":
+        it[1] = ext
+    elif where == "feature_dtype":
+        it[4][0] = ext
+    elif where == "feature_shape":
+        it[4][1] = [64, ext]
+    elif where == "feature_data":
+        it[4][2] = ext
+    elif where == "feature_shm":
+        it[5] = {"shm_name": "x", "shape": [ext], "dtype": "float32"}
+    elif where == "msd_value":
+        it[6]["other"] = {"k": [1, ext]}
+    elif where == "msd_tensor_nested":
+        it[6]["image_grid_thw"] = ["int64", [1, 3], [ext]]
+    elif where == "encoded":
+        it[7] = ext
+    elif where == "handshake_nested":
+        it[9] = {"a": [{"b": ext}]}
+    elif where == "item_trailing_nested":
+        it += [None, {"x": [ext]}]
+    elif where == "mm_trailing_nested":
+        mm += [{"new": {"deeper": ext}}]
+    elif where == "mm_im_token":
+        mm[1] = ext
+    else:
+        top[20] = [{"a": {"b": ext}}]
+    bad = ENC.encode(top)
+    with mode(name), pytest.raises(wire.WireError) as info:
+        wire.decode_message([b"\x00", bad, *aux])
+    assert info.value.rid == "rid-v"
+    assert info.value.code is AbortCode.INVALID_REQUEST
+
+
+@pytest.mark.parametrize(
+    "where", ["top_trailing", "item_handshake", "item_trailing", "mm_trailing", "abort"]
+)
+@pytest.mark.parametrize("name", MODES)
+def test_deep_nesting_is_an_error_not_a_crash(name: str, where: str) -> None:
+    deep = msgspec.Raw(b"\x91" * 100_000 + b"\xc0")
+    payload, aux = _small_mm_payload()
+    top = msgspec.msgpack.decode(payload, ext_hook=lambda c, d: Ext(c, bytes(d)))
+    if where == "top_trailing":
+        top.append(deep)
+    elif where == "item_handshake":
+        top[22][0][0][9] = deep
+    elif where == "item_trailing":
+        top[22][0][0].append(deep)
+    elif where == "mm_trailing":
+        top[22].append(deep)
+    if where == "abort":
+        frames = [b"\x01", ENC.encode([deep])]
+    else:
+        frames = [b"\x00", ENC.encode(top), *aux]
+    with mode(name), pytest.raises(wire.WireError) as info:
+        wire.decode_message(frames)
+    if where != "abort":
+        assert info.value.rid == "rid-v"
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_bad_token_arrays_same_messages(name: str) -> None:
+    cases = {
+        "not ids": "input_ids must be an array of integers (msgpack int array: expected "
+        "an array header, got str (type byte 0xa7))",
+        "nil": "input_ids must be an array of integers (msgpack int array: expected an "
+        "array header, got nil (type byte 0xc0))",
+        "mixed": "input_ids must be an array of integers (msgpack int array: element 1: "
+        "expected an int, got str (type byte 0xa1))",
+        "big": "input_ids must be an array of integers (msgpack int array: element 0: "
+        "uint64 value 18446744073709551615 exceeds the int64 range)",
+    }
+    values = {"not ids": "not ids", "nil": None, "mixed": [1, "x"], "big": [2**64 - 1]}
+    for key, message in cases.items():
+        with mode(name), pytest.raises(wire.WireError) as info:
+            wire.decode_message([b"\x00", _ids_payload(msgpack.packb(values[key]))])
+        assert info.value.message == message and info.value.rid == "rid-v"
+        if key == "nil":  # a nil input_ids_unpadded is simply absent
+            continue
+        with mode(name), pytest.raises(wire.WireError) as info:
+            wire.decode_message([b"\x00", _ids_payload(b"\x91\x01", msgpack.packb(values[key]))])
+        assert info.value.message == message.replace("input_ids", "input_ids_unpadded")
+
+
+def test_shared_aux_frames_all_modes_agree() -> None:
+    """Aux roles (feature only, or shared) decide what an abort blanks: the same in every mode."""
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, vs, *([img] * 16), ve, vs, *([img] * 16), ve, vs, *([img] * 16), ve, 12]
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 8, 8], np.int64).tobytes())]
+    shared = ["int32", [4, 16], 1]  # frame 1: item 0's feature and item 1's side tensor
+    items = [
+        [1, None, None, [[2, 17]], shared, None, {"image_grid_thw": grid}, None, None, None],
+        [1, 4, None, [[20, 35]], ["float32", [64], 2], None,
+         {"image_grid_thw": grid, "extra": shared}, None, None, None],
+        [1, 6, None, [[38, 53]], ["float32", [64], 2], None, {"image_grid_thw": grid}, None,
+         None, None],
+    ]  # fmt: skip
+    payload = _ids_payload(msgpack.packb(ids), mm=[items, img, 248057, None, None, None, None])
+    frames = [b"\x00", payload, bytes(range(256)), bytes(256)]
+    out = check_modes_agree(frames, "qwen3_5")
+    req = wire.decode_message(frames).request
+    assert req is not None and req.extra.feature_aux == {2}  # frame 1 is shared
+    assert out["aborted"][1][0] == bytes(range(256)) and out["aborted"][2][0] == b""
