@@ -8,7 +8,8 @@ from one client process in the same run:
 * ``echo``: a plain ROUTER that sends every message straight back
   (``copy=False``): the floor of sockets + loopback TCP;
 * ``codec``: decodes every ADD with ``wire.decode_message`` and re-encodes it
-  with ``wire.encode_request`` on the event loop, without materializing;
+  with ``wire.encode_request`` on the event loop, without materializing (its
+  ``input_ids`` are encoded, not re-emitted verbatim, as in a real reply);
 * ``mmadmit``: the real ``ZmqIngest`` + ``MaterializerPool`` (Qwen3.5 profile).
 
 Workloads (Qwen3.5, built with ``mmadmit.model`` + ``wire.encode_request``):
@@ -132,6 +133,10 @@ async def _serve_echo_or_codec(kind: str) -> None:
             else:
                 req = wire.decode_message(frames[1:]).request
                 assert req is not None
+                # The codec re-emits a token array it decoded verbatim while the
+                # request still holds it; a materialized reply carries new
+                # (substituted) ids, so the baseline encodes its ids too.
+                req.input_ids = req.input_ids.copy()
                 out = [frames[0], status, *wire.encode_request(req)]
             await router.send_multipart(out, copy=False)
     finally:
