@@ -46,6 +46,25 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+def paired_median_ms(
+    base: Callable[[], object], measured: Callable[[], object], repeat: int
+) -> tuple[float, float]:
+    """Medians of a baseline and a measured region, sampled alternately.
+
+    Alternating keeps a burst of background load (these machines are shared)
+    from landing on one side of a ratio only.
+    """
+    base()
+    measured()  # warm both
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, out in ((base, a), (measured, b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a) * 1e3, statistics.median(b) * 1e3
+
+
 def codec_only(frames: list) -> list:
     """Decode the frames and encode the request again, without materializing.
 
@@ -76,7 +95,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     tune_allocator()  # as `mmadmit serve` does at start-up
     print(
-        f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs; "
+        f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs, "
+        "baseline and measured region sampled alternately; "
         f"command: python bench/bench_materialize.py --repeat {args.repeat}\n"
     )
 
@@ -93,12 +113,16 @@ def main() -> None:
                 out = np.empty((3, len(ids)), np.int64)
                 out[:] = ids
 
-            t_base = median_ms(baseline, args.repeat)
-            t_mat = median_ms(lambda req=req, mat=mat: mat.materialize(req), args.repeat)
+            t_base, t_mat = paired_median_ms(
+                baseline, lambda req=req, mat=mat: mat.materialize(req), args.repeat
+            )
             rows_a.append((family, n, f"{media_share(req):.0%}", len(req.mm.items), t_base, t_mat))
             frames = frames_of(req)
-            t_codec = median_ms(lambda f=frames: codec_only(f), args.repeat)
-            t_full = median_ms(lambda f=frames, mat=mat: codec_and_materialize(mat, f), args.repeat)
+            t_codec, t_full = paired_median_ms(
+                lambda f=frames: codec_only(f),
+                lambda f=frames, mat=mat: codec_and_materialize(mat, f),
+                args.repeat,
+            )
             rows_b.append((family, n, t_codec, t_full))
 
     print("### materialize alone vs numpy copy baseline (target <= 5x at 32K and 128K)\n")
