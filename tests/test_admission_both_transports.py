@@ -477,3 +477,33 @@ def test_work_finishing_after_the_loop_closed_is_dropped_quietly(
         pool.close()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_admitted_requests_are_freed_by_refcount_not_left_to_the_cyclic_gc() -> None:
+    """A materialized request's objects (request, items, outcome, ticket) must be
+    freed as soon as the reply is out: a reference cycle through the pool's future
+    or a raised-and-stored zmq.Again once kept each one alive until the cyclic GC
+    ran, which cost ~10% of a ZMQ request's time in collections."""
+    import gc
+
+    async with running() as svc:
+        for i in range(3):  # warm every path once
+            await svc.zmq.admit(small_request(f"w{i}"))
+            await svc.grpc.admit(admit_request(f"wg{i}"), timeout=10)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for i in range(20):
+                assert code_of(await svc.zmq.admit(small_request(f"z{i}"))) == "MATERIALIZED"
+                out = await svc.grpc.admit(admit_request(f"g{i}"), timeout=10)
+                assert code_of(out) == "MATERIALIZED"
+            gc.collect()
+            leaked = [
+                type(o).__name__
+                for o in gc.garbage
+                if type(o).__name__ in {"Request", "Item", "Materialized", "Ticket", "Tensor"}
+            ]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert leaked == [], f"{len(leaked)} objects freed only by the cyclic GC: {leaked[:8]}"

@@ -116,6 +116,7 @@ class Ticket:
         self._done.set_result(outcome)
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
+            self._deadline_handle = None  # the handle's callback refers back to us
         name = outcome.code.value if isinstance(outcome, Abort) else "MATERIALIZED"
         stats = self._pool.stats
         stats.outcomes[name] = stats.outcomes.get(name, 0) + 1
@@ -123,6 +124,10 @@ class Ticket:
     def _release(self) -> None:
         if not self._released:
             self._released = True
+            # The worker let go: drop the future. Its done-callback refers back to
+            # this ticket, and the cycle would keep the whole outcome (request,
+            # positions, features) alive until the cyclic GC ran.
+            self._cf = None
             self._pool._release(self)
 
 
