@@ -83,6 +83,35 @@ vec_push(vec *a, int64_t x)
 enum { SP_START, SP_STOP, SP_OWNER, RUN_START, RUN_FRAMES, RUN_ROWS, RUN_COLS, RUN_TOFF,
        T_INDEX, SP_MOD };
 
+/* ------------------------------------------------------------------ buffers */
+
+/* Is this a native-endian signed 64-bit int buffer? */
+static int
+is_int64(const Py_buffer *v)
+{
+    const char *f = v->format;
+    if (f != NULL && (f[0] == '<' || f[0] == '=' || f[0] == '@')) {
+        f++;
+    }
+    return v->itemsize == 8 && f != NULL && (f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8))
+           && f[1] == '\0';
+}
+
+/* A C-contiguous int64 buffer of obj, or -1 with TypeError set. */
+static int
+get_ids(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (!is_int64(view)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "ids must be a C-contiguous int64 buffer");
+        return -1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ context */
 
 typedef struct {
@@ -517,12 +546,7 @@ plan_item(PyObject *item, Py_ssize_t idx, const ctx_t *c, int64_t n, int need_pa
         goto done;
     }
     have_ob = 1;
-    const char *f = ob.format;
-    if (f != NULL && (f[0] == '<' || f[0] == '=' || f[0] == '@')) {
-        f++;
-    }
-    if (ob.itemsize != 8 || f == NULL || !(f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8))
-        || f[1] != '\0' || ob.ndim != 2 || ob.shape[1] != 2 || ob.shape[0] < 1) {
+    if (!is_int64(&ob) || ob.ndim != 2 || ob.shape[1] != 2 || ob.shape[0] < 1) {
         goto done;
     }
     const int64_t *off = ob.buf;
@@ -697,17 +721,7 @@ planner_plan(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer ib;
-    if (PyObject_GetBuffer(args[1], &ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    const char *f = ib.format;
-    if (f != NULL && (f[0] == '<' || f[0] == '=' || f[0] == '@')) {
-        f++;
-    }
-    if (ib.itemsize != 8 || f == NULL || !(f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8))
-        || f[1] != '\0') {
-        PyBuffer_Release(&ib);
-        PyErr_SetString(PyExc_TypeError, "ids must be a C-contiguous int64 buffer");
+    if (get_ids(args[1], &ib) < 0) {
         return NULL;
     }
     const int64_t *ids = ib.buf;
@@ -859,17 +873,7 @@ planner_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    const char *f = b.format;
-    if (f != NULL && (f[0] == '<' || f[0] == '=' || f[0] == '@')) {
-        f++;
-    }
-    if (b.itemsize != 8 || f == NULL || !(f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8))
-        || f[1] != '\0') {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_TypeError, "ids must be a C-contiguous int64 buffer");
+    if (get_ids(args[0], &b) < 0) {
         return NULL;
     }
     const int64_t *p = b.buf;
