@@ -471,15 +471,13 @@ class Materializer:
         """Rule 5 for every item; returns the M-RoPE plan (M-RoPE families) and the spans."""
         profile = self.profile
         n = len(original)
-        placeholder = {
-            Modality.IMAGE: mm.im_token_id
-            if mm.im_token_id is not None
-            else profile.image_token_id,
-            Modality.VIDEO: mm.video_token_id
-            if mm.video_token_id is not None
-            else profile.video_token_id,
-            Modality.AUDIO: profile.audio_token_id,
-        }
+        placeholder = dict(
+            zip(
+                (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO),
+                self._placeholders(mm),
+                strict=True,
+            )
+        )
         expected_ids = []
         for i, item in enumerate(items):
             modality = MODALITY_OF.get(item.modality)
@@ -574,13 +572,17 @@ class Materializer:
         """Rules 5 and 6 in one native pass; ``None`` sends the request down the Python path."""
         if self._ctx is None:
             return None
+        placeholders = self._placeholders(mm)
+        return planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
+
+    def _placeholders(self, mm: MultimodalInputs) -> tuple[int | None, int | None, int | None]:
+        """Image, video and audio placeholder ids: the request's overrides, else the profile's."""
         profile = self.profile
-        placeholders = (
+        return (
             mm.im_token_id if mm.im_token_id is not None else profile.image_token_id,
             mm.video_token_id if mm.video_token_id is not None else profile.video_token_id,
             profile.audio_token_id,
         )
-        return planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
 
     # ------------------------------------------------------------------ rule 6
 
