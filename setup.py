@@ -137,12 +137,14 @@ setup(
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],
+            depends=["service/mmadmit/_native.h"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),
         Extension(
             "mmadmit._planner",
             sources=["service/mmadmit/_planner.c"],
+            depends=["service/mmadmit/_native.h"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),

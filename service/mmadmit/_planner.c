@@ -38,15 +38,11 @@
 
 #include <math.h>
 #include <stdint.h>
+
+#include "_native.h"
 #include <stdlib.h>
 #include <string.h>
 
-/* Hot loops get an AVX2 clone picked at load time where the compiler can. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define MM_VECTORIZE __attribute__((target_clones("avx2", "default")))
-#else
-#define MM_VECTORIZE
-#endif
 
 #define PAD_BASE 1000000LL
 #define PAD_SLOTS 715494549LL
@@ -85,17 +81,6 @@ enum { SP_START, SP_STOP, SP_OWNER, RUN_START, RUN_FRAMES, RUN_ROWS, RUN_COLS, R
 
 /* ------------------------------------------------------------------ buffers */
 
-/* Is this a native-endian signed 64-bit int buffer? */
-static int
-is_int64(const Py_buffer *v)
-{
-    const char *f = v->format;
-    if (f != NULL && (f[0] == '<' || f[0] == '=' || f[0] == '@')) {
-        f++;
-    }
-    return v->itemsize == 8 && f != NULL && (f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8))
-           && f[1] == '\0';
-}
 
 /* A C-contiguous int64 buffer of obj, or -1 with TypeError set. */
 static int
