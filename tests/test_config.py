@@ -31,6 +31,13 @@ def test_defaults_match_cli_md() -> None:
         10.0,
     )
     assert c.load_profile().family is Family.QWEN2_5_VL
+    assert c.inline_max_tokens == 16384  # not in CLI.md: small requests skip the workers
+
+
+def test_inline_max_tokens_accepts_zero_refuses_negative() -> None:
+    assert build_config({}, environ={"MMADMIT_INLINE_MAX_TOKENS": "0"}).inline_max_tokens == 0
+    with pytest.raises(ConfigError, match="--inline-max-tokens"):
+        build_config({"inline_max_tokens": "-1"}, environ={})
 
 
 def test_flag_beats_env_beats_default() -> None:

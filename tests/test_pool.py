@@ -159,3 +159,120 @@ async def test_two_workers_run_in_parallel(hold: Hold) -> None:
         assert isinstance(await b.outcome(), Materialized)
     finally:
         pool.close()
+
+
+# --------------------------------------------------------------------------- inline runs
+
+QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
+
+
+def _image_req(rid: str, *, n_text: int = 24, hashed: bool = True) -> Request:
+    """Qwen3.5: text, one 8x8-patch image (16 placeholders), text; hash supplied or
+    a small feature to hash."""
+    from mmadmit.model import Item, Modality, MultimodalInputs, Tensor
+
+    ids = np.concatenate(
+        [np.arange(1, n_text + 1), np.full(16, QWEN35_IMAGE), np.arange(1, 9)]
+    ).astype(np.int64)
+    item = Item(
+        modality=int(Modality.IMAGE),
+        hash=0x1234_5678_9ABC_DEF1 if hashed else None,
+        offsets=np.array([[n_text, n_text + 15]], np.int64),
+        feature=None if hashed else Tensor.from_numpy(np.ones((16, 8), np.float32)),
+        side={"image_grid_thw": Tensor.from_numpy(np.array([[1, 8, 8]], np.int64))},
+    )
+    return Request(rid=rid, input_ids=ids, mm=MultimodalInputs(items=[item]))
+
+
+def _qwen_pool(inline_max_tokens: int, **kw: object) -> MaterializerPool:
+    return MaterializerPool(
+        Materializer(load_profile("qwen3_5")),
+        workers=1,
+        inline_max_tokens=inline_max_tokens,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_small_request_runs_inline_with_the_worker_path_result() -> None:
+    inline, workers = _qwen_pool(64), _qwen_pool(0)
+    try:
+        ticket = inline.submit(_image_req("small"))
+        assert ticket.done  # finished before submit returned: no worker, no await
+        assert inline.inflight == 0 and inline.queued == 0
+        assert (inline.stats.inline, inline.stats.admitted, inline.stats.completed) == (1, 1, 1)
+        assert inline.stats.outcomes == {"MATERIALIZED": 1}
+        got = await ticket.outcome()
+        other = workers.submit(_image_req("small"))
+        assert not other.done
+        want = await other.outcome()
+        assert workers.stats.inline == 0
+        assert isinstance(got, Materialized) and isinstance(want, Materialized)
+        a, b = got.request, want.request
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.input_ids_unpadded, b.input_ids_unpadded)
+        assert a.mm is not None and b.mm is not None
+        assert [i.pad_value for i in a.mm.items] == [i.pad_value for i in b.mm.items]
+        assert a.mm.mrope_positions is not None and b.mm.mrope_positions is not None
+        np.testing.assert_array_equal(
+            a.mm.mrope_positions.to_numpy(), b.mm.mrope_positions.to_numpy()
+        )
+        assert a.mm.mrope_position_delta_scalar == b.mm.mrope_position_delta_scalar
+        assert not ticket.cancel()  # it already has its one outcome
+    finally:
+        inline.close()
+        workers.close()
+
+
+async def test_what_stays_on_the_workers(hold: Hold) -> None:
+    pool = _qwen_pool(48)  # the image request is 48 tokens with n_text=24
+    try:
+        assert pool.runs_inline(_image_req("fits"))
+        assert not pool.runs_inline(_image_req("longer", n_text=25))  # 49 tokens
+        assert not pool.runs_inline(_image_req("to-hash", hashed=False))  # feature bytes to hash
+        big = pool.submit(_image_req("longer", n_text=25))
+        hashed = pool.submit(_image_req("to-hash", hashed=False))
+        assert not big.done and not hashed.done
+        assert isinstance(await big.outcome(), Materialized)
+        assert isinstance(await hashed.outcome(), Materialized)
+        assert pool.stats.inline == 0
+    finally:
+        pool.close()
+    hooked = _qwen_pool(1 << 20, before_run=hold)  # a hook exists to hold workers: no inline
+    off = _qwen_pool(0)
+    try:
+        assert hooked.inline_max_tokens == 0 and not hooked.runs_inline(_image_req("x"))
+        assert not off.runs_inline(_image_req("x"))
+    finally:
+        hooked.close()
+        off.close()
+    with pytest.raises(ValueError, match="inline_max_tokens"):
+        _qwen_pool(-1)
+
+
+async def test_inline_is_refused_while_draining_and_not_counted_in_flight() -> None:
+    gate = threading.Event()
+
+    def hold_big(req: Request, ops: object) -> object:  # runs on the worker thread
+        if req.rid.startswith("hold"):
+            gate.wait(10)
+        return ops
+
+    pool = _qwen_pool(64, max_inflight=1, choose_ops=hold_big)
+    try:
+        held = pool.submit(_image_req("hold-big", n_text=100))  # 124 tokens: a worker's
+        assert pool.inflight == 1
+        # the pool is full, yet a small request is answered at once: it holds nothing
+        assert isinstance(await pool.submit(_image_req("small")).outcome(), Materialized)
+        from mmadmit.errors import Overloaded, ShuttingDown
+
+        with pytest.raises(Overloaded):
+            pool.submit(_image_req("hold-more", n_text=100))
+        pool.begin_drain()
+        with pytest.raises(ShuttingDown):
+            pool.submit(_image_req("late"))
+        gate.set()
+        assert isinstance(await held.outcome(), Materialized)
+        assert pool.stats.inline == 1 and pool.stats.rejected_shutting_down == 1
+    finally:
+        gate.set()
+        pool.close()

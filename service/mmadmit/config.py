@@ -33,6 +33,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be a non-negative integer")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also rejects NaN
@@ -131,6 +138,14 @@ class ServeConfig:
     max_inflight: int = field(
         default=64,
         metadata={"parse": _positive_int, "help": "admitted requests in flight before OVERLOADED"},
+    )
+    inline_max_tokens: int = field(
+        default=16_384,
+        metadata={
+            "parse": _nonneg_int,
+            "help": "requests of at most this many tokens (and no features to hash) are "
+            "materialized on the event loop instead of a worker; 0 turns this off",
+        },
     )
     max_tokens: int = field(
         default=262_144, metadata={"parse": _positive_int, "help": "tokens per request"}

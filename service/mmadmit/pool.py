@@ -15,6 +15,18 @@ already running finishes on its worker and its outcome is discarded. The
 in-flight count (queued + running) drops only when a worker really lets go of
 the request, so "in flight" never hides work still holding memory.
 
+**Small requests run inline.** A request of at most ``inline_max_tokens``
+tokens whose items need no feature hashing is materialized at once, on the
+calling (event loop) thread, and :meth:`~MaterializerPool.submit` returns its
+ticket already finished. Such a request costs the materializer less than the
+loop already spent decoding it (a few hundred microseconds at most), while a
+trip through a worker costs two thread hand-offs and a GIL convoy, which on a
+small host are worth more than the work itself. Bigger requests, and every
+request that hashes feature bytes, go to the workers. Inline requests never
+count as in flight (they are done before ``submit`` returns) and use the CPU
+array ops, which give the same bytes as any worker's. ``inline_max_tokens=0``
+turns this off; a pool with a ``before_run`` test hook never runs inline.
+
 Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
 and numpy/torch array work run in parallel. Each worker owns its
 :class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
@@ -55,6 +67,7 @@ class PoolStats:
     cancelled_queued: int = 0  # removed before a worker took them
     discarded_running: int = 0  # ended early while running; result thrown away
     shutdown_aborted: int = 0
+    inline: int = 0  # admitted and materialized on the calling thread (small requests)
     outcomes: dict[str, int] = field(default_factory=dict)  # by outcome name
 
 
@@ -85,6 +98,10 @@ class Ticket:
     @property
     def done(self) -> bool:
         return self._done.done()
+
+    def result(self) -> Outcome:
+        """The outcome of a ticket that is :attr:`done` (e.g. run inline)."""
+        return self._done.result()
 
     async def outcome(self) -> Outcome:
         """Wait for the one outcome. If the awaiting task is cancelled (a gRPC call
@@ -143,12 +160,17 @@ class MaterializerPool:
         ops_factory: Callable[[int], ArrayOps] | None = None,
         choose_ops: Callable[[Request, ArrayOps], ArrayOps] | None = None,
         before_run: BeforeRun | None = None,
+        inline_max_tokens: int = 0,
     ) -> None:
         if workers < 1 or max_inflight < 1:
             raise ValueError("workers and max_inflight must be positive")
+        if inline_max_tokens < 0:
+            raise ValueError("inline_max_tokens must be >= 0 (0 turns inline runs off)")
         self.materializer = materializer
         self.workers = workers
         self.max_inflight = max_inflight
+        # a before_run hook exists to hold workers: then every request must reach one
+        self.inline_max_tokens = 0 if before_run is not None else inline_max_tokens
         self.stats = PoolStats()
         self._ids = itertools.count(1)
         self._ops_factory = ops_factory
@@ -199,8 +221,24 @@ class MaterializerPool:
     def draining(self) -> bool:
         return self._draining
 
+    def runs_inline(self, req: Request) -> bool:
+        """Whether :meth:`submit` materializes ``req`` at once on the calling thread."""
+        if len(req.input_ids) > self.inline_max_tokens:  # also: 0 turns it off
+            return False
+        mm = req.mm
+        if mm is not None:
+            for item in mm.items:
+                # hashing feature bytes is the one cost that grows past any bound here
+                if item.hash is None and (item.feature is not None or item.feature_shm is not None):
+                    return False
+        return True
+
     def submit(self, req: Request, *, timeout_s: float | None = None) -> Ticket:
-        """Admit ``req`` now or raise ``Overloaded`` / ``ShuttingDown``; never blocks."""
+        """Admit ``req`` now or raise ``Overloaded`` / ``ShuttingDown``; never blocks.
+
+        A small request (:meth:`runs_inline`) comes back with its ticket already
+        finished; ``timeout_s`` cannot expire for it.
+        """
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -209,6 +247,8 @@ class MaterializerPool:
         if self._draining:
             self.stats.rejected_shutting_down += 1
             raise ShuttingDown("the service is shutting down; retry on another replica")
+        if self.runs_inline(req):
+            return self._run_inline(req, loop)
         if len(self._tickets) >= self.max_inflight:
             self.stats.overloaded += 1
             raise Overloaded(
@@ -230,6 +270,15 @@ class MaterializerPool:
         cf = self._executor.submit(self._run_tracked, req)
         ticket._cf = cf
         cf.add_done_callback(lambda f: self._post_done(loop, ticket, f))
+        return ticket
+
+    def _run_inline(self, req: Request, loop: asyncio.AbstractEventLoop) -> Ticket:
+        ticket = Ticket(self, req.rid, loop)
+        ticket._released = True  # never held by a worker, never in flight
+        self.stats.admitted += 1
+        self.stats.inline += 1
+        ticket._finish(self.materializer.run(req, CPU_OPS))  # run() never raises
+        self.stats.completed += 1
         return ticket
 
     def _run_tracked(self, req: Request) -> Outcome:

@@ -99,11 +99,12 @@ def build_pool(
 
     workers = default_workers(config, device == "cuda")
     logger.info(
-        "materializer: %s on %s, %d worker(s), max %d in flight",
+        "materializer: %s on %s, %d worker(s), max %d in flight, inline up to %d tokens",
         profile.family.value,
         device,
         workers,
         config.max_inflight,
+        config.inline_max_tokens,
     )
     return MaterializerPool(
         materializer,
@@ -112,6 +113,7 @@ def build_pool(
         ops_factory=ops_factory,
         choose_ops=choose_ops,
         before_run=before_run,
+        inline_max_tokens=config.inline_max_tokens,
     )
 
 
