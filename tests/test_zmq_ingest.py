@@ -16,11 +16,18 @@ Contract pinned here:
   are retried then counted; forward back-pressure stops intake and loses
   nothing; features of >= 1 MiB leave from the very buffers they arrived in.
 
+Small requests run inline (the pool's ``inline_max_tokens``): the vector,
+concurrency and bad-input tests run both ways and must give the same bytes;
+an ABORT naming a request already answered inline is ignored (forwarded after
+its ADD in forward mode). The intake watchdog is off in every test, so a lost
+``ZMQ_FD`` wake-up shows as a stall; one test loses a wake-up on purpose and
+sees the watchdog recover it.
+
 Everything is real: ``MaterializerPool`` + ``Materializer`` behind
 ``ZmqIngest`` on ``tcp://127.0.0.1:0``, the client library
 (``mmadmit_client.zmq``) or raw DEALER / PULL sockets in front; workers are
-held deterministically with the pool's ``before_run`` hook. Fixtures close
-every socket, context, ingest and pool.
+held deterministically with the pool's ``before_run`` hook (a pool with the
+hook never runs inline). Fixtures close every socket, context, ingest and pool.
 
 Run with: python -m pytest tests/test_zmq_ingest.py -q -p no:cacheprovider
 """
@@ -135,16 +142,25 @@ async def service() -> AsyncIterator[Factory]:
     made: list[Service] = []
 
     async def make(
-        family: str = "qwen3_5", *, workers: int = 2, max_inflight: int = 64, **ingest_kw: Any
+        family: str = "qwen3_5",
+        *,
+        workers: int = 2,
+        max_inflight: int = 64,
+        inline_max_tokens: int = 0,
+        **ingest_kw: Any,
     ) -> Service:
+        """``inline_max_tokens > 0``: small requests run inline, and no gate is
+        installed (a ``before_run`` hook turns inline runs off)."""
         gate = Gate()
         pool = MaterializerPool(
             Materializer(load_profile(str(MODEL_CONFIG[family]))),
             workers=workers,
             max_inflight=max_inflight,
-            before_run=gate,
+            before_run=None if inline_max_tokens else gate,
+            inline_max_tokens=inline_max_tokens,
         )
         ingest_kw.setdefault("max_message_bytes", 64 << 20)
+        ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
         ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
         svc = Service(pool, ingest, "", gate)
         made.append(svc)
@@ -277,11 +293,19 @@ def assert_error_vector(code: str | None, req: Request, v: Vector) -> None:
 # --------------------------------------------------------------------------- vectors
 
 
+INLINE = pytest.mark.parametrize("inline", [0, 16384], ids=["workers", "inline"])
+
+
+def expected_inline(svc: Service, requests: list[Request]) -> int:
+    return sum(svc.pool.runs_inline(r) for r in requests)
+
+
 @needs_vectors
 @pytest.mark.parametrize("name", VECTORS)
-async def test_vector_reply_mode(service: Factory, name: str) -> None:
+@INLINE
+async def test_vector_reply_mode(service: Factory, name: str, inline: int) -> None:
     v = load_vector(name)
-    svc = await service(v.meta["family"])
+    svc = await service(v.meta["family"], inline_max_tokens=inline)
     async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
         outcome = await client.admit(v.frames)  # the captured bytes, unchanged
     assert outcome.rid == request_of(v).rid
@@ -295,13 +319,45 @@ async def test_vector_reply_mode(service: Factory, name: str) -> None:
         for i, sent in enumerate(v.frames[2:], start=2):
             assert outcome.frames[i].bytes == bytes(sent)
     assert svc.ingest.stats.replied == 1
+    assert svc.ingest.stats.inline == svc.pool.stats.inline == expected_inline(svc, [request_of(v)])
+    assert svc.pool.inflight == 0
+
+
+@needs_vectors
+async def test_inline_and_worker_replies_are_the_same_bytes(service: Factory) -> None:
+    """Every vector whose request runs inline gets, byte for byte, the reply a
+    worker gives it."""
+    by_family: dict[str, list[Vector]] = {}
+    for name in VECTORS:
+        v = load_vector(name)
+        by_family.setdefault(v.meta["family"], []).append(v)
+    compared = 0
+    for family, vectors in sorted(by_family.items()):
+        inline = await service(family, inline_max_tokens=1 << 20)
+        workers = await service(family)
+        async with (
+            AsyncZmqClient(inline.endpoint, timeout_s=10) as a,
+            AsyncZmqClient(workers.endpoint, timeout_s=10) as b,
+        ):
+            for v in vectors:
+                got_a, got_b = await a.admit(v.frames), await b.admit(v.frames)
+                assert [f.bytes for f in got_a.frames] == [f.bytes for f in got_b.frames], v.name
+                compared += inline.pool.runs_inline(request_of(v))
+        assert inline.ingest.stats.inline == expected_inline(
+            inline, [request_of(v) for v in vectors]
+        )
+        assert workers.ingest.stats.inline == 0
+    assert compared > 0
 
 
 @needs_vectors
 @pytest.mark.parametrize("family", sorted(MODEL_CONFIG))
-async def test_vectors_forward_mode(service: Factory, zctx: Sockets, family: str) -> None:
+@INLINE
+async def test_vectors_forward_mode(
+    service: Factory, zctx: Sockets, family: str, inline: int
+) -> None:
     pull, address = await pull_at(zctx)
-    svc = await service(family, forward=address)
+    svc = await service(family, forward=address, inline_max_tokens=inline)
     vectors = [load_vector(n) for n in VECTORS if load_vector(n).meta["family"] == family]
     sock = dealer(zctx, svc.endpoint)
     for v in vectors:
@@ -321,12 +377,16 @@ async def test_vectors_forward_mode(service: Factory, zctx: Sockets, family: str
     assert await silent(sock, 0.1)  # senders get no replies in forward mode
     assert svc.ingest.stats.forwarded == len(vectors)
     assert svc.ingest.stats.replied == 0
+    assert svc.ingest.stats.inline == expected_inline(svc, [request_of(v) for v in vectors])
 
 
 @needs_vectors
-async def test_many_concurrent_peers_one_reply_each(service: Factory) -> None:
+@INLINE
+async def test_many_concurrent_peers_one_reply_each(service: Factory, inline: int) -> None:
+    """Also the edge-triggered intake under load: with the watchdog off, a wake-up
+    lost to a reply send would leave a peer waiting (the test times out)."""
     qwen = [load_vector(n) for n in VECTORS if n.startswith("qwen3_5")]
-    svc = await service("qwen3_5", workers=2, max_inflight=512)
+    svc = await service("qwen3_5", workers=2, max_inflight=512, inline_max_tokens=inline)
     peers, per_peer = 8, 25
 
     async def run_peer(p: int) -> list[tuple[str, ZmqOutcome, Vector]]:
@@ -353,6 +413,12 @@ async def test_many_concurrent_peers_one_reply_each(service: Factory) -> None:
     stats = svc.ingest.stats
     assert stats.received == stats.replied == stats.materialized == total
     assert stats.undeliverable == 0 and not stats.aborted_by_code
+    assert stats.inline == sum(
+        svc.pool.runs_inline(request_of(qwen[(p + i) % len(qwen)]))
+        for p in range(peers)
+        for i in range(per_peer)
+    )
+    assert svc.pool.inflight == 0
 
 
 # --------------------------------------------------------------------------- bad input
@@ -403,9 +469,13 @@ BAD = _bad_cases()
 
 @needs_vectors
 @pytest.mark.parametrize("case", sorted(BAD))
-async def test_bad_input_is_aborted_and_service_keeps_serving(service: Factory, case: str) -> None:
+@INLINE
+async def test_bad_input_is_aborted_and_service_keeps_serving(
+    service: Factory, case: str, inline: int
+) -> None:
     build, code, recoverable = BAD[case]
-    svc = await service("qwen3_5", max_message_bytes=200_000)  # image1 is 295 KB
+    # image1 is 295 KB
+    svc = await service("qwen3_5", max_message_bytes=200_000, inline_max_tokens=inline)
     frames = build()
     rid = wire.recover_rid(frames[1]) if recoverable else ""
     async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
@@ -462,6 +532,62 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
     assert svc.ingest.stats.replied == 2
     await sock.send_multipart(frames_of(v, "after"), copy=False)
     assert as_outcome(await recv(sock)).materialized
+
+
+@needs_vectors
+@pytest.mark.parametrize("mode", ["reply", "forward"])
+async def test_abort_of_a_request_answered_inline(
+    service: Factory, zctx: Sockets, mode: str
+) -> None:
+    """An inline request is answered before its ABORT can arrive: the ABORT finds
+    nothing in flight (reply mode: no second reply; forward mode: it follows the
+    ADD downstream, as for any finished request)."""
+    v = load_vector(SMALL)
+    pull, forward = await pull_at(zctx) if mode == "forward" else (None, None)
+    svc = await service("qwen3_5", inline_max_tokens=16384, forward=forward)
+    assert svc.pool.runs_inline(request_of(v))
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "quick"), copy=False)
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["quick"])])
+    if pull is None:
+        assert as_outcome(await recv(sock)).materialized
+        assert await silent(sock)
+    else:
+        kind, req = forwarded(await recv(pull))
+        assert (kind, req.rid, req.validation_error) == ("ADD", "quick", None)
+        assert forwarded(await recv(pull)) == ("ABORT", ["quick"])
+    await until(lambda: svc.ingest.stats.aborts_received == 1)
+    assert svc.ingest.stats.cancelled_by_peer == 0 and svc.ingest.stats.inline == 1
+    assert svc.pool.stats.inline == svc.pool.stats.admitted == svc.pool.stats.completed == 1
+
+
+@needs_vectors
+@pytest.mark.parametrize("watchdog_s", [None, 0.05], ids=["no-watchdog", "watchdog"])
+async def test_watchdog_recovers_a_lost_wake_up(
+    service: Factory, zctx: Sockets, watchdog_s: float | None
+) -> None:
+    """``ZMQ_FD`` is edge-triggered: reading ``EVENTS`` consumes its signal. The
+    test does that behind the ingest's back while a request waits, so the reader
+    never fires: without the watchdog the request stalls, with it it is read."""
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", inline_max_tokens=16384, watchdog_s=watchdog_s)
+    router = svc.ingest._res.router
+    loop, fd = svc.ingest._res.reader
+    await until(lambda: not svc.ingest._read_scheduled)  # the start-up read is done
+    loop.remove_reader(fd)  # deaf for a moment
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "lost"), copy=False)
+    await until(lambda: bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN))  # signal consumed
+    loop.add_reader(fd, svc.ingest._on_readable)
+    if watchdog_s is None:
+        assert await silent(sock, 0.3)  # the lost wake-up is real
+        assert svc.ingest.stats.received == 0
+        svc.ingest._schedule_read()  # release it, so teardown has nothing pending
+        assert as_outcome(await recv(sock)).materialized
+        assert svc.ingest.stats.watchdog_reads == 0
+    else:
+        assert as_outcome(await recv(sock)).materialized
+        assert svc.ingest.stats.watchdog_reads == 1
 
 
 @needs_vectors

@@ -19,10 +19,21 @@ Two modes, one intake (a bound ROUTER; peers connect DEALERs):
 
 How the hard parts work:
 
-* **Cancellation-safe intake** (STYLE 6): the receive loop awaits ``poll`` and
-  only then reads with ``NOBLOCK``, a call that completes synchronously. The
-  only await that can be cancelled is the poll, which holds no message, so
-  stopping the loop never drops one already dequeued from libzmq.
+* **Intake with nothing to cancel** (STYLE 6): the ROUTER is a plain pyzmq
+  socket driven by the event loop's reader on its ``ZMQ_FD`` (what pyzmq's
+  asyncio sockets do inside, without a poller, futures and a task step per
+  wake-up). The reader callback reads with ``NOBLOCK`` while ``EVENTS`` shows
+  input, at most a batch per loop turn. No ``await`` sits between dequeuing a
+  message and handling it, so stopping intake never drops one.
+* **Edge-triggered wake-ups**: ``ZMQ_FD`` signals *changes*, and any call on
+  the socket (a send included) may consume the signal of a message that has
+  arrived. So every read batch ends only when ``EVENTS`` shows no input (or
+  schedules its own continuation), and every send re-checks ``EVENTS`` and
+  schedules a read if input is waiting. A watchdog re-checks once a second
+  and counts what it finds (``stats.watchdog_reads``) as a last resort.
+* **Small requests inline**: the pool materializes a small request at once
+  (:meth:`~mmadmit.pool.MaterializerPool.runs_inline`); its outcome is emitted
+  from the reader callback, with no task and no in-flight entry.
 * **Exactly one reply per ADD**: every path through :meth:`ZmqIngest._handle`
   ends in one of: an immediate abort, or a ticket whose completion task emits
   the outcome. The completion task has a broad guard (``INTERNAL``) and a
@@ -63,13 +74,15 @@ How the hard parts work:
   is never set: libzmq would drop the peer's connection without a reply.
 
 Threading: everything runs on the event loop that called :meth:`ZmqIngest.start`;
-no zmq call here blocks, and materialization runs on the pool's workers.
+no zmq call here blocks, and materialization runs on the pool's workers (or,
+for small requests, inline: see the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable
@@ -89,9 +102,12 @@ logger = logging.getLogger(__name__)
 ADD = bytes([wire.MSG_ADD])
 ABORT = bytes([wire.MSG_ABORT])
 
-# Messages read per poll wake-up before the loop yields to reply tasks; large
-# enough to amortize the poll, small enough to keep latency of replies flat.
+# Messages read per reader wake-up before the loop yields to reply tasks; large
+# enough to amortize the wake-up, small enough to keep latency of replies flat.
 _RECV_BATCH = 64
+# The intake watchdog's period: a lost wake-up (see the module docstring) costs
+# at most this much delay instead of a stalled peer.
+_WATCHDOG_S = 1.0
 # Backoff of reply retries (EAGAIN / EHOSTUNREACH): 1 ms doubling to 100 ms, so a
 # peer that reconnects is served quickly and a gone one costs a few wake-ups.
 _RETRY_FIRST_S = 0.001
@@ -123,6 +139,8 @@ class ZmqIngestStats:
     undeliverable: int = 0  # replies or forwards given up (peer gone, stop deadline)
     forwarded: int = 0  # messages handed to the PUSH (forward mode)
     forwarded_aborts: int = 0  # of which ABORT messages
+    inline: int = 0  # ADDs materialized inline (small requests), no task
+    watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
 
     def count_abort(self, abort: Abort) -> None:
         name = abort.code.value
@@ -171,28 +189,30 @@ class _Forwarder:
         stats: ZmqIngestStats,
         max_pending: int,
         sent_hook: SentHook | None,
+        on_room: Callable[[], None],
     ) -> None:
         self.push = push
         self.stats = stats
         self.max_pending = max_pending
         self.sent_hook = sent_hook
+        self.on_room = on_room  # intake stopped reading for lack of room: resume it
         self.queue: asyncio.Queue[list[Any]] = asyncio.Queue()
-        self.room = asyncio.Event()
-        self.room.set()
+        self.has_room = True
         self.pending = 0  # registered, not yet handed to libzmq
         self._tails: dict[PeerKey, asyncio.Future[None]] = {}
         self._loop = asyncio.get_running_loop()
 
-    # pending bound: the receive loop waits on ``room``
+    # pending bound: intake reads nothing while there is no room
     def add_pending(self) -> None:
         self.pending += 1
         if self.pending >= self.max_pending:
-            self.room.clear()
+            self.has_room = False
 
     def done_pending(self, n: int = 1) -> None:
         self.pending -= n
-        if self.pending < self.max_pending:
-            self.room.set()
+        if not self.has_room and self.pending < self.max_pending:
+            self.has_room = True
+            self.on_room()
 
     # ordering
     def slot(self, keys: list[PeerKey]) -> _Slot:
@@ -275,25 +295,34 @@ class _Resources:
 
     ctx: zmq.asyncio.Context | None
     own_ctx: bool
-    router: zmq.asyncio.Socket | None = None
+    router: zmq.Socket[Any] | None = None  # plain socket: the loop's reader drives it
     push: zmq.asyncio.Socket | None = None
-    recv_task: asyncio.Task[None] | None = None
     sender_task: asyncio.Task[None] | None = None
+    reader: tuple[asyncio.AbstractEventLoop, int] | None = None  # (loop, ZMQ_FD)
+    watchdog: asyncio.TimerHandle | None = None
 
-    @property
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return [t for t in (self.recv_task, self.sender_task) if t is not None]
+    def stop_reading(self) -> None:
+        """Unregister the reader and the watchdog (before the ROUTER closes)."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        if self.reader is not None:
+            loop, fd = self.reader
+            self.reader = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
 
     def close_sockets(self, linger_ms: int) -> None:
+        self.stop_reading()
         for sock in (self.router, self.push):
             if sock is not None and not sock.closed:
                 sock.close(linger=linger_ms)
 
     def close_now(self) -> None:
-        for task in self.tasks:
-            if not task.done():
-                with contextlib.suppress(RuntimeError):  # loop already closed
-                    task.cancel()
+        task = self.sender_task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                task.cancel()
         self.close_sockets(0)
         if self.own_ctx and self.ctx is not None and not self.ctx.closed:
             self.ctx.term()  # sockets are closed with linger 0: returns at once
@@ -302,33 +331,26 @@ class _Resources:
 # --------------------------------------------------------------------------- ingest
 
 
-async def _receive_loop(
-    ref: weakref.ref[ZmqIngest], router: zmq.asyncio.Socket, room: asyncio.Event | None
-) -> None:
-    """Poll, then read without blocking; holds the ingest only while handling.
+# The loop's callbacks hold the ingest weakly, so an ingest that is never
+# stopped can still be collected and its finalizer release the sockets (STYLE 9).
 
-    Cancellation lands on an ``await`` of ``room.wait()`` or ``poll()``, never
-    between dequeuing a message and handling it.
-    """
-    while True:
-        if room is not None and not room.is_set():
-            await room.wait()  # forward back-pressure: read nothing more for now
-        try:
-            events = cast(int, await router.poll())  # POLLIN; pyzmq's stubs say otherwise
-        except zmq.ZMQError as exc:  # closed under us (the ingest was collected)
-            logger.debug("ZMQ receive loop ends: %s", exc)
-            return
-        if not events & _POLLIN:
-            continue
-        ingest = ref()
-        if ingest is None:
-            return
-        try:
-            ingest._read_batch(_RECV_BATCH)
-        except Exception:  # noqa: BLE001 - the service must not go deaf silently
-            logger.exception("ZMQ receive loop failed; intake stopped")
-            raise
-        del ingest
+
+def _on_readable(ref: weakref.ref[ZmqIngest]) -> None:
+    ingest = ref()
+    if ingest is not None:
+        ingest._on_readable()
+
+
+def _on_watchdog(ref: weakref.ref[ZmqIngest]) -> None:
+    ingest = ref()
+    if ingest is not None:
+        ingest._on_watchdog()
+
+
+def _read_soon(ref: weakref.ref[ZmqIngest]) -> None:
+    ingest = ref()
+    if ingest is not None:
+        ingest._schedule_read()
 
 
 class ZmqIngest:
@@ -345,7 +367,8 @@ class ZmqIngest:
 
     ``max_pending_forwards`` bounds forward outputs not yet handed to libzmq
     (default: twice the pool's ``max_inflight``); ``sent_hook`` is a test hook
-    (see :data:`SentHook`).
+    (see :data:`SentHook`); ``watchdog_s`` is the intake watchdog's period
+    (``None``: no watchdog, so that tests see a lost wake-up as a stall).
     """
 
     def __init__(
@@ -359,6 +382,7 @@ class ZmqIngest:
         context: zmq.asyncio.Context | None = None,
         max_pending_forwards: int | None = None,
         sent_hook: SentHook | None = None,
+        watchdog_s: float | None = _WATCHDOG_S,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -386,6 +410,10 @@ class ZmqIngest:
         self._closing = False  # stop() began: no new admissions
         self._stop_task: asyncio.Future[None] | None = None
         self._answered = False  # the message being handled got its outcome path
+        self._watchdog_s = watchdog_s
+        self._ref = weakref.ref(self)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._read_scheduled = False  # a call_soon(_on_readable) is pending
 
     @property
     def mode(self) -> str:
@@ -403,11 +431,12 @@ class ZmqIngest:
         if self._started:
             raise RuntimeError("ZmqIngest.start() may be called only once")
         self._started = True
+        self._loop = loop = asyncio.get_running_loop()
         res = self._res
         try:
             if res.ctx is None:
                 res.ctx = zmq.asyncio.Context()
-            router = res.ctx.socket(zmq.ROUTER)
+            router: zmq.Socket[Any] = zmq.Socket(res.ctx, zmq.ROUTER)
             res.router = router
             # Mandatory routing: an unroutable reply raises instead of vanishing.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -417,7 +446,6 @@ class ZmqIngest:
             except zmq.ZMQError as exc:  # e.g. address in use: an operator error, not a crash
                 raise OSError(exc.errno, f"cannot bind ZMQ {self.listen}: {exc.strerror}") from exc
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            room = None
             if self.forward is not None:
                 push = res.ctx.socket(zmq.PUSH)
                 res.push = push
@@ -432,12 +460,20 @@ class ZmqIngest:
                     raise OSError(
                         exc.errno, f"cannot connect ZMQ forward {self.forward}: {exc.strerror}"
                     ) from exc
-                self._fwd = _Forwarder(push, self.stats, self.max_pending_forwards, self._sent_hook)
-                room = self._fwd.room
+                self._fwd = _Forwarder(
+                    push,
+                    self.stats,
+                    self.max_pending_forwards,
+                    self._sent_hook,
+                    on_room=functools.partial(_read_soon, self._ref),
+                )
                 res.sender_task = asyncio.create_task(self._fwd.run(), name="mmadmit-zmq-forward")
-            res.recv_task = asyncio.create_task(
-                _receive_loop(weakref.ref(self), router, room), name="mmadmit-zmq-recv"
-            )
+            fd = cast(int, router.getsockopt(zmq.FD))
+            loop.add_reader(fd, _on_readable, self._ref)
+            res.reader = (loop, fd)
+            if self._watchdog_s is not None:
+                res.watchdog = loop.call_later(self._watchdog_s, _on_watchdog, self._ref)
+            self._schedule_read()  # a peer may have sent before the reader was registered
         except BaseException:
             self._closing = True
             self._finalizer()  # close whatever was created; stop() is then a no-op
@@ -476,11 +512,7 @@ class ZmqIngest:
         res = self._res
         if not self._finalizer.alive:  # never started, or start() failed: released
             return
-        recv_task = res.recv_task
-        if recv_task is not None:
-            recv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await recv_task
+        res.stop_reading()
         if res.router is not None and not res.router.closed:
             self._read_batch(_FINAL_SWEEP_MAX)  # SHUTTING_DOWN for what is queued
         if self._tasks:
@@ -519,31 +551,67 @@ class ZmqIngest:
 
     # ------------------------------------------------------------------ intake
 
-    def _read_batch(self, limit: int) -> None:
+    def _schedule_read(self) -> None:
+        """Read soon, from the loop (once, however often it is asked)."""
+        if not self._read_scheduled and self._loop is not None and not self._loop.is_closed():
+            self._read_scheduled = True
+            self._loop.call_soon(_on_readable, self._ref)
+
+    def _input_waiting(self) -> bool:
+        router = self._res.router
+        if router is None or router.closed:
+            return False
+        try:
+            return bool(cast(int, router.getsockopt(zmq.EVENTS)) & _POLLIN)
+        except zmq.ZMQError:  # closing
+            return False
+
+    def _on_readable(self) -> None:
+        """The reader callback (ZMQ_FD signalled) and every scheduled read."""
+        self._read_scheduled = False
+        if self._res.reader is None:  # stopped: stop() sweeps what is left
+            return
+        try:
+            if self._read_batch(_RECV_BATCH):
+                self._schedule_read()  # more may wait: after the loop ran other work
+        except Exception:  # noqa: BLE001 - the service must not go deaf silently
+            logger.exception("ZMQ intake failed; reading again on the next wake-up")
+
+    def _on_watchdog(self) -> None:
+        res = self._res
+        if res.reader is None or self._watchdog_s is None or self._loop is None:
+            return  # stopped
+        if not self._read_scheduled and self._input_waiting():
+            # Reading EVENTS consumed the FD's signal: from here a read must be ours.
+            self.stats.watchdog_reads += 1
+            logger.debug("ZMQ intake: input was waiting unseen; reading now")
+            self._schedule_read()
+        res.watchdog = self._loop.call_later(self._watchdog_s, _on_watchdog, self._ref)
+
+    def _read_batch(self, limit: int) -> bool:
+        """Read and handle up to ``limit`` messages; True if input may still wait.
+
+        Returns False once ``EVENTS`` shows no input (the FD will signal the
+        next arrival), or while forward mode has no room (``on_room`` resumes).
+        """
         router = self._res.router
         assert router is not None
-        room = self._fwd.room if self._fwd is not None else None
+        fwd = self._fwd
         for _ in range(limit):
-            if room is not None and not room.is_set():
-                return
+            if fwd is not None and not fwd.has_room:
+                return False
             # Ask first instead of letting recv raise zmq.Again: a raised Again
-            # stays in the resolved future with a traceback of this frame, a cycle
-            # that kept the previous message alive until the cyclic GC ran.
-            if not cast(int, router.getsockopt(zmq.EVENTS)) & _POLLIN:
-                return
-            # NOBLOCK: the returned future is already resolved (pyzmq short-circuits
-            # non-blocking calls), so no message can be lost to a cancellation.
-            fut = cast(
-                "asyncio.Future[list[zmq.Frame]]",
-                router.recv_multipart(flags=zmq.NOBLOCK, copy=False),
-            )
+            # keeps a traceback of this frame, a cycle that kept the previous
+            # message alive until the cyclic GC ran.
             try:
-                frames = fut.result()
+                if not cast(int, router.getsockopt(zmq.EVENTS)) & _POLLIN:
+                    return False
+                frames = cast(list[zmq.Frame], router.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
-                return
+                return False
             except zmq.ZMQError as exc:  # the socket is closing
                 logger.debug("ZMQ receive stopped: %s", exc)
-                return
+                return False
             self._answered = False
             try:
                 self._handle(frames)
@@ -557,6 +625,7 @@ class ZmqIngest:
                         self._abort_now(frames[0], None, rid, abort_from_exception(exc))
                     except Exception:  # noqa: BLE001 - already logged above; keep reading
                         logger.exception("rid=%s: could not answer INTERNAL either", rid)
+        return True
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         self.stats.received += 1
@@ -633,6 +702,15 @@ class ZmqIngest:
             ticket = self.pool.submit(request)
         except AdmissionError as exc:  # Overloaded, ShuttingDown
             self._abort_now(identity, request, request.rid, exc.to_abort())
+            return
+        if ticket.done:  # materialized inline: emit now, no task, never in flight
+            self.stats.inline += 1
+            frames = self._outcome_frames(request, ticket.result())
+            self._answered = True
+            if self._fwd is not None:
+                self._forward_now(frames, [key])
+            else:
+                self._reply_now([identity, *frames], request.rid)
             return
         self._inflight[key] = ticket
         slot = None
@@ -768,12 +846,19 @@ class ZmqIngest:
         if router is None or router.closed:
             return zmq.ZMQError(zmq.ENOTSOCK)
         # NOBLOCK always: on a mandatory ROUTER a blocking send to a full peer
-        # would block the loop. pyzmq returns a resolved future for it.
-        fut = cast("asyncio.Future[Any]", router.send_multipart(msg, flags=zmq.NOBLOCK, copy=False))
-        exc = fut.exception()
-        if exc is None:
+        # would block the loop.
+        try:
+            router.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            error: BaseException | None = exc.with_traceback(None)  # no frame cycle
+        else:
+            error = None
             self.stats.replied += 1
-        return exc
+        # The send may have consumed ZMQ_FD's signal of a message that arrived
+        # meanwhile (edge-triggered): then nobody would read it. Check.
+        if not self._read_scheduled and self._input_waiting():
+            self._schedule_read()
+        return error
 
     def _reply_now(self, msg: list[Any], rid: str) -> None:
         """Send from the receive loop; only a send that must be retried gets a task."""
