@@ -7,7 +7,8 @@ placeholders after the 2x2 merge), a bfloat16 feature [1024, 1176] inline
 (2.4 MB) and a supplied content hash, i.e. a typical SMG frontend request.
 
 The server runs in a subprocess (the real ``GrpcServer`` over a real
-``MaterializerPool``, uvloop when installed), the load generator here. On the
+``MaterializerPool`` built from the ``mmadmit serve`` defaults, uvloop when
+installed), the load generator here. On the
 same server, through ``extra_handlers``, a trivial echo service takes the very
 same request bytes without parsing them and answers a fixed reply as large
 as the real ``AdmitResponse`` (the strictest baseline: identical bytes in both
@@ -111,10 +112,9 @@ def _rid_field(rid: str) -> bytes:
 
 
 async def serve(model: str, reply_bytes: int, workers: int) -> None:
+    from mmadmit.config import build_config
     from mmadmit.grpc_server import GrpcServer
-    from mmadmit.materializer import Materializer
-    from mmadmit.pool import MaterializerPool
-    from mmadmit.profile import load_profile
+    from mmadmit.server import build_pool
 
     reply = b"\x0a" + _varint(reply_bytes) + b"\x00" * reply_bytes  # any bytes of that size
 
@@ -132,8 +132,10 @@ async def serve(model: str, reply_bytes: int, workers: int) -> None:
             "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
         },
     )
-    profile = load_profile(model)
-    pool = MaterializerPool(Materializer(profile), workers=workers, max_inflight=64)
+    # the `mmadmit serve` defaults (inline runs included); MMADMIT_* variables apply
+    config = build_config({"model": model, "device": "cpu", "workers": workers})
+    profile = config.load_profile()
+    pool = build_pool(config, profile)
     server = GrpcServer(
         pool,
         profile,
