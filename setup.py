@@ -131,6 +131,7 @@ setup(
         Extension(
             "mmadmit._intcodec",
             sources=["service/mmadmit/_intcodec.c"],
+            depends=["service/mmadmit/_native.h"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),

@@ -54,6 +54,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_native.h"
+
 #define MAX_ARRAY_COUNT 0xFFFFFFFFULL /* array32 */
 
 /* ------------------------------------------------------------------------ */
@@ -933,10 +935,10 @@ intcodec_decode_into(PyObject *Py_UNUSED(module), PyObject *const *args,
         return NULL;
     }
     if (rc == 0) {
-        Py_BEGIN_ALLOW_THREADS
+        MM_BEGIN_ALLOW_THREADS_IF(count >= MM_GIL_MIN_ELEMENTS)
         rc = decode_body((const uint8_t *)in.buf, in.len, hlen, count,
                          (int64_t *)out.buf, &e);
-        Py_END_ALLOW_THREADS
+        MM_END_ALLOW_THREADS_IF
     }
     PyBuffer_Release(&out);
     PyBuffer_Release(&in);
@@ -981,10 +983,10 @@ intcodec_encode(PyObject *Py_UNUSED(module), PyObject *values)
     }
     uint8_t *const start = (uint8_t *)PyBytes_AS_STRING(result);
     uint8_t *o;
-    Py_BEGIN_ALLOW_THREADS
+    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
     o = write_header(start, n);
     o = write_ints(o, v, n);
-    Py_END_ALLOW_THREADS
+    MM_END_ALLOW_THREADS_IF
     PyBuffer_Release(&in);
 
     if (_PyBytes_Resize(&result, o - start) < 0) {
@@ -1105,9 +1107,9 @@ intcodec_split(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
                 codec_err ce = {0};
                 Py_ssize_t q = pos + hlen;
                 int drc;
-                Py_BEGIN_ALLOW_THREADS
+                MM_BEGIN_ALLOW_THREADS_IF((Py_ssize_t)count >= MM_GIL_MIN_ELEMENTS)
                 drc = decode_run(p, len, &q, (Py_ssize_t)count, (int64_t *)out.buf, &ce);
-                Py_END_ALLOW_THREADS
+                MM_END_ALLOW_THREADS_IF
                 PyBuffer_Release(&out);
                 if (drc == 0) {
                     PyList_SetItem(ints, k, arr);  /* steals arr, drops the None */

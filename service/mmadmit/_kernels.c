@@ -171,9 +171,9 @@ kernels_mrope_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     int64_t delta;
-    Py_BEGIN_ALLOW_THREADS
+    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
     delta = fill_positions(out, n, k, start, frames, rows, cols, t_off, t_index);
-    Py_END_ALLOW_THREADS
+    MM_END_ALLOW_THREADS_IF
     release_all(b, 7);
     return PyLong_FromLongLong(delta);
 }
@@ -240,9 +240,9 @@ kernels_spans_check(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t na
     }
     const int64_t *ids = b[0].buf, *a = b[1].buf, *z = b[2].buf, *want = b[3].buf;
     Py_ssize_t k = b[1].len / 8, bad = -1;
-    Py_BEGIN_ALLOW_THREADS
+    MM_BEGIN_ALLOW_THREADS_IF(b[0].len / 8 >= MM_GIL_MIN_ELEMENTS)
     bad = first_bad_span(ids, a, z, want, k);
-    Py_END_ALLOW_THREADS
+    MM_END_ALLOW_THREADS_IF
     release_all(b, 4);
     return PyLong_FromSsize_t(bad);
 }
@@ -262,9 +262,9 @@ kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
     int64_t *out = b[0].buf;
     const int64_t *a = b[1].buf, *z = b[2].buf, *v = b[3].buf;
     Py_ssize_t k = b[1].len / 8;
-    Py_BEGIN_ALLOW_THREADS
+    MM_BEGIN_ALLOW_THREADS_IF(b[0].len / 8 >= MM_GIL_MIN_ELEMENTS)
     fill_spans(out, a, z, v, k);
-    Py_END_ALLOW_THREADS
+    MM_END_ALLOW_THREADS_IF
     release_all(b, 4);
     Py_RETURN_NONE;
 }

@@ -1,6 +1,6 @@
 /*
- * Shared by the C extensions of mmadmit that share the materializer's arrays
- * (_kernels.c, _planner.c): the int64 buffer check and the SIMD clone marker.
+ * Shared by mmadmit's C extensions (_kernels.c, _planner.c, _intcodec.c): the
+ * int64 buffer check, the SIMD clone marker and the conditional GIL release.
  */
 #ifndef MMADMIT_NATIVE_H
 #define MMADMIT_NATIVE_H
@@ -13,6 +13,19 @@
 #else
 #define MM_VECTORIZE
 #endif
+
+/* Release the GIL only around long work. A thread that lets the GIL go for a
+ * few microseconds of work must then win it back from a busy event loop or
+ * worker, which under contention costs far more than the work (a convoy). */
+#define MM_GIL_MIN_ELEMENTS ((Py_ssize_t)1 << 16)
+#define MM_BEGIN_ALLOW_THREADS_IF(cond) \
+    {                                   \
+        PyThreadState *mm_save_ = (cond) ? PyEval_SaveThread() : NULL;
+#define MM_END_ALLOW_THREADS_IF        \
+    if (mm_save_ != NULL) {            \
+        PyEval_RestoreThread(mm_save_); \
+    }                                  \
+    }
 
 /* Is this a native-endian signed 64-bit int buffer? */
 static inline int

@@ -757,14 +757,14 @@ planner_plan(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
             }
         }
         int bad = 0;
-        Py_BEGIN_ALLOW_THREADS
+        MM_BEGIN_ALLOW_THREADS_IF(ib.len / 8 >= MM_GIL_MIN_ELEMENTS)
         for (Py_ssize_t k = 0; rc == 0 && k < S && !bad; k++) {
             int64_t want = ph[mods[sp[k].owner]];
             if (want < 0 || !all_equal(ids, sp[k].start, sp[k].stop, want)) {
                 bad = 1;
             }
         }
-        Py_END_ALLOW_THREADS
+        MM_END_ALLOW_THREADS_IF
         if (bad) {
             rc = 1;
         }
@@ -863,7 +863,7 @@ planner_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
     }
     const int64_t *p = b.buf;
     Py_ssize_t n = b.len / 8, bad = -1;
-    Py_BEGIN_ALLOW_THREADS
+    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
     int64_t mn = 0, mx = 0;
     if (n > 0) {
         min_max(p, n, &mn, &mx); /* one vectorized pass; locate only on failure */
@@ -876,7 +876,7 @@ planner_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
             }
         }
     }
-    Py_END_ALLOW_THREADS
+    MM_END_ALLOW_THREADS_IF
     PyBuffer_Release(&b);
     return PyLong_FromSsize_t(bad);
 }
