@@ -10,11 +10,12 @@ from one client process in the same run:
 * ``codec``: decodes every ADD with ``wire.decode_message`` and re-encodes it
   with ``wire.encode_request`` on the event loop, without materializing (its
   ``input_ids`` are encoded, not re-emitted verbatim, as in a real reply);
-* ``codec+pos``: the codec passthrough whose reply also carries a ``[3, N]``
-  int64 aux frame, the size of the positions every materialized M-RoPE reply
-  must carry (24 bytes a token: 3 MiB at 128K). A diagnostic, not a target:
-  it separates what the larger reply costs the sockets from what mmadmit's
-  own work costs;
+* ``codec+reply``: the codec passthrough whose reply also carries what every
+  materialized M-RoPE reply must add (WIRE.md): ``input_ids_unpadded`` (the
+  received bytes, re-emitted as mmadmit does) and a ``[3, N]`` int64 positions
+  frame (24 bytes a token: 3 MiB at 128K). Not a target: the floor of this
+  reply on these sockets with no work done, which separates what the larger
+  reply costs from what mmadmit's own work costs;
 * ``mmadmit``: the real ``ZmqIngest`` + ``MaterializerPool`` (Qwen3.5 profile),
   built from the ``mmadmit serve`` defaults (so requests of at most
   ``--inline-max-tokens`` run inline; ``MMADMIT_*`` variables apply);
@@ -133,7 +134,7 @@ async def _serve_echo_or_codec(kind: str) -> None:
     router.bind("tcp://127.0.0.1:0")
     print("READY", router.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     status = bytes([wire.STATUS_MATERIALIZED])
-    positions: dict[int, np.ndarray] = {}  # codec+pos: one [3, N] frame per N, reused
+    positions: dict[int, np.ndarray] = {}  # codec+reply: one [3, N] frame per N, reused
     try:
         while True:
             frames = await router.recv_multipart(copy=False)
@@ -146,11 +147,15 @@ async def _serve_echo_or_codec(kind: str) -> None:
                 # The codec re-emits a token array it decoded verbatim while the
                 # request still holds it; a materialized reply carries new
                 # (substituted) ids, so the baseline encodes its ids too.
+                if kind == "codec+reply":
+                    req.input_ids_unpadded = req.input_ids  # re-emitted: received bytes
                 req.input_ids = req.input_ids.copy()
                 out = [frames[0], status, *wire.encode_request(req)]
-                if kind == "codec+pos":
+                if kind == "codec+reply":
                     n = len(req.input_ids)
-                    out.append(positions.setdefault(n, np.zeros((3, n), np.int64)))
+                    if n not in positions:
+                        positions[n] = np.zeros((3, n), np.int64)
+                    out.append(positions[n])
             await router.send_multipart(out, copy=False)
     finally:
         router.close(linger=0)
@@ -331,7 +336,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--serve",
-        choices=["echo", "codec", "codec+pos", "mmadmit", "mmadmit-workers"],
+        choices=["echo", "codec", "codec+reply", "mmadmit", "mmadmit-workers"],
         help=argparse.SUPPRESS,
     )
     parser.add_argument("--workers", type=int, default=2, help="mmadmit materializer workers")
@@ -345,8 +350,8 @@ def main() -> None:
     scale = 0.25 if args.quick else 1.0
     # name -> (template, rounds, n latency per round, n throughput per round, concurrency)
     workloads = {
-        "8K tokens": (token_request("t", 8192, 32), 5, 40, 80, 8),
-        "128K tokens": (token_request("t", 131072, 64), 5, 8, 12, 4),
+        "8K tokens": (token_request("t", 8192, 32), 7, 40, 80, 8),
+        "128K tokens": (token_request("t", 131072, 64), 7, 12, 12, 4),
         "100 MiB features": (feature_request("t", 100 << 20), 5, 2, 4, 2),
     }
     for name, (req, *_rest) in workloads.items():
@@ -357,7 +362,7 @@ def main() -> None:
             "on the wire",
             flush=True,
         )
-    kinds = ("echo", "codec", "codec+pos", "mmadmit", "mmadmit-workers")
+    kinds = ("echo", "codec", "codec+reply", "mmadmit", "mmadmit-workers")
     servers = []
     results: dict[tuple[str, str], Cell] = {}
     started = time.perf_counter()
@@ -410,10 +415,10 @@ def main() -> None:
         ("mmadmit", "128K tokens", "codec", "target"),
         ("mmadmit", "100 MiB features", "echo", "target"),
         # what the spec-fixed reply (positions + unpadded ids) costs with no work at all
-        ("codec+pos", "8K tokens", "codec", "floor"),
-        ("codec+pos", "128K tokens", "codec", "floor"),
-        ("mmadmit", "8K tokens", "codec+pos", "diagnostic"),
-        ("mmadmit", "128K tokens", "codec+pos", "diagnostic"),
+        ("codec+reply", "8K tokens", "codec", "floor"),
+        ("codec+reply", "128K tokens", "codec", "floor"),
+        ("mmadmit", "8K tokens", "codec+reply", "diagnostic"),
+        ("mmadmit", "128K tokens", "codec+reply", "diagnostic"),
         ("mmadmit-workers", "8K tokens", "codec", "diagnostic"),
         ("mmadmit-workers", "128K tokens", "codec", "diagnostic"),
     ]
