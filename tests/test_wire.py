@@ -212,7 +212,7 @@ def test_vector_frame_counts(name: str) -> None:
         added = 1 if vec.arrays["mrope_positions"].astype(np.int64).nbytes >= 256 else 0
     assert len(reply) == len(vec.frames) + added
     for k, frame in enumerate(vec.frames[2:]):
-        assert reply[2 + k] is req.extra.aux[k]  # kept, same buffer, same index
+        assert reply[2 + k] is frame  # kept: the very object it came in, same index
         assert bytes(reply[2 + k]) == bytes(frame)
 
 
@@ -785,9 +785,9 @@ def test_zero_copy_feature(kind: str) -> None:
     assert out.request.mm.items[0].pad_value == 1_000_000 + want % 715_494_549
 
     reply = wire.encode_materialized(out)
-    same = [f for f in reply[2:] if f is data]
-    assert same, "the reply must carry the received buffer object itself"
-    assert _address(reply[2]) == frame_addr
+    same = [f for f in reply[2:] if f is frame]
+    assert same, "the reply must carry the very object the feature arrived in"
+    assert _address(reply[2] if kind != "zmq_frame" else reply[2].buffer) == frame_addr
     # the payload points the feature at that frame
     elems = msgspec.msgpack.decode(reply[1], ext_hook=lambda c, d: (c, bytes(d)))
     assert elems[22][0][0][4][2] == 1
@@ -811,7 +811,7 @@ def test_zero_copy_survives_plain_reencode() -> None:
     )
     req = wire.decode_request(payload(ids, mm_inputs=m), [frame])
     frames = wire.encode_request(req)
-    assert frames[1] is req.mm.items[0].feature.data
+    assert frames[1] is frame  # the object it arrived in
     assert _address(frames[1]) == _address(frame)
 
 
@@ -837,7 +837,7 @@ def test_carried_positions_in_aux_keep_their_index() -> None:
     assert out.request.mm.mrope_position_delta_scalar == -3
     reply = wire.encode_materialized(out)
     assert len(reply) == 4
-    assert reply[2] is req.extra.aux[0]
+    assert reply[2] is frames_in[0]  # the object it arrived in
     elems = msgspec.msgpack.decode(reply[1], ext_hook=lambda c, d: (c, bytes(d)))
     assert elems[22][3] == ["int64", [3, 11], 1]
     assert elems[22][5] == -3

@@ -26,10 +26,12 @@ How it stays fast and loses nothing:
   legal item, or a malformed one) goes through the general per-item path,
   which alone decides what is accepted and words the errors.
 * Tensors are views: inline data (ext code 3, < 256 bytes) or a ``memoryview``
-  on the received aux frame. Re-encoding hands the *same* buffer objects back
-  as frames, so feature bytes are never copied by mmadmit. Ownership: the
-  received frames are kept alive by the views referencing them; a buffer given
-  to the transport for sending is never written afterwards.
+  on the received aux frame. Re-encoding hands back, for every received aux
+  frame still referenced, the very object it arrived in (a ``zmq.Frame``:
+  libzmq then shares the received message instead of wrapping a Python
+  buffer), so feature bytes are never copied by mmadmit. Ownership: the
+  received frames are kept alive by the request referencing them; a buffer
+  given to the transport for sending is never written afterwards.
 * Every element that is not a token array is decoded by a decoder whose
   ext hook refuses every extension type but 3 (tensor data): pickle (1) and
   cloudpickle (2) are never accepted anywhere in a message.
@@ -179,6 +181,7 @@ class WireExtra:
     aux: list[memoryview]
     feature_aux: set[int] = field(default_factory=set)  # aux indices used by features only
     ints: list[tuple[np.ndarray, msgspec.Raw]] = field(default_factory=list)
+    sources: list[Any] = field(default_factory=list)  # the objects ``aux`` views came in
 
 
 @dataclass
@@ -648,6 +651,7 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
         aux=aux,
         feature_aux={k for k, role in reader.used.items() if role == "feature"},
         ints=decoded,
+        sources=list(aux_frames),
     )
     return Request(
         rid=rid,
@@ -837,7 +841,11 @@ def encode_request(
     out[F_VALIDATION_ERROR] = (
         validation_error if validation_error is not None else req.validation_error
     )
-    return [_ENC.encode(out), *writer.frames]
+    frames = writer.frames
+    for i, (view, source) in enumerate(zip(extra.aux, extra.sources, strict=False)):
+        if frames[i] is view:  # still the received frame (not blanked): send its object
+            frames[i] = source
+    return [_ENC.encode(out), *frames]
 
 
 def minimal_abort_payload(rid: str, abort: Abort) -> bytes:
