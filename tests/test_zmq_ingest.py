@@ -755,20 +755,29 @@ async def test_reply_to_gone_peer_is_retried_then_undeliverable(
 
 
 @needs_vectors
+@INLINE
 async def test_forward_back_pressure_stops_intake_and_drops_nothing(
-    service: Factory, zctx: Sockets
+    service: Factory, zctx: Sockets, inline: int
 ) -> None:
     probe, address = await pull_at(zctx)  # reserve a port, then free it: nobody listens
     probe.close(linger=0)
     v = load_vector(SMALL)
-    svc = await service("qwen3_5", forward=address, max_pending_forwards=3)
+    svc = await service(
+        "qwen3_5", forward=address, max_pending_forwards=3, inline_max_tokens=inline
+    )
     sock = dealer(zctx, svc.endpoint)
     n = 20
-    for i in range(n):
+    for i in range(3):
         await sock.send_multipart(frames_of(v, f"bp-{i}"), copy=False)
     await until(lambda: svc.ingest.stats.received == 3)
+    woken = svc.ingest.stats.wakeups
+    late = dealer(zctx, svc.endpoint)  # a peer connecting signals the ROUTER too
+    for i in range(3, n):  # these arrive while intake waits for room
+        await (sock if i % 2 else late).send_multipart(frames_of(v, f"bp-{i}"), copy=False)
     await asyncio.sleep(0.3)
     assert svc.ingest.stats.received == 3  # intake waits for the downstream
+    # ... without spinning: the waiting input does not wake the loop on every turn
+    assert svc.ingest.stats.wakeups - woken < 50
     pull, _ = await pull_at(zctx, address)  # the scheduler appears
     rids = []
     for _ in range(n):

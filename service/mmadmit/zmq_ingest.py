@@ -140,6 +140,7 @@ class ZmqIngestStats:
     forwarded: int = 0  # messages handed to the PUSH (forward mode)
     forwarded_aborts: int = 0  # of which ABORT messages
     inline: int = 0  # ADDs materialized inline (small requests), no task
+    wakeups: int = 0  # intake callbacks run (ZMQ_FD signalled, or a scheduled read)
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
 
     def count_abort(self, abort: Abort) -> None:
@@ -571,6 +572,7 @@ class ZmqIngest:
         self._read_scheduled = False
         if self._res.reader is None:  # stopped: stop() sweeps what is left
             return
+        self.stats.wakeups += 1
         try:
             if self._read_batch(_RECV_BATCH):
                 self._schedule_read()  # more may wait: after the loop ran other work
@@ -599,6 +601,9 @@ class ZmqIngest:
         fwd = self._fwd
         for _ in range(limit):
             if fwd is not None and not fwd.has_room:
+                # Read EVENTS anyway: it takes down ZMQ_FD's signal, which would
+                # otherwise wake the loop on every turn while we wait for room.
+                self._input_waiting()
                 return False
             # Ask first instead of letting recv raise zmq.Again: a raised Again
             # keeps a traceback of this frame, a cycle that kept the previous
