@@ -119,8 +119,10 @@ class Service:
 
 
 @contextlib.asynccontextmanager
-async def running(**settings: Any) -> AsyncIterator[Service]:
-    """The real server on ephemeral ports, a hold hook, one client per transport."""
+async def running(*, hook: bool = True, **settings: Any) -> AsyncIterator[Service]:
+    """The real server on ephemeral ports, a hold hook, one client per transport.
+
+    ``hook=False``: no hook, so small requests run inline as in production."""
     hold = Hold()
     config = build_config(
         {
@@ -135,7 +137,7 @@ async def running(**settings: Any) -> AsyncIterator[Service]:
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(hold.release)  # whatever fails, never leave a worker blocked
-        handle = await start_server(config, stack, before_run=hold)
+        handle = await start_server(config, stack, before_run=hold if hook else None)
         stack.callback(hold.release)  # LIFO: released before the transports and pool stop
         grpc_client = await stack.enter_async_context(
             AsyncAdmissionClient(handle.addresses["grpc"])
@@ -438,6 +440,43 @@ async def test_metrics_endpoint_paths() -> None:
         for path in ("/", "/metric", "/metrics/x", "/healthz"):
             assert (await http_get(address, path))[0] == 404, path
         assert (await http_get(address, "/metrics", method="POST"))[0] == 405
+
+
+async def test_small_requests_run_inline_on_both_transports() -> None:
+    """With the serve defaults, a small request with its hash supplied is answered
+    inline on either transport; one whose feature must be hashed goes to a worker.
+    Both give what the worker path gives."""
+
+    def hashed(rid: str) -> Request:
+        req = small_request(rid)
+        assert req.mm is not None
+        req.mm.items[0].hash = 0x0123_4567_89AB_CDEF
+        req.mm.items[0].feature = None
+        return req
+
+    async with running(hook=False, workers=1) as svc:
+        assert svc.pool.inline_max_tokens == 16384  # the serve default
+        inline_z = await svc.zmq.admit(hashed("in-z"))
+        ids = np.full(40, 100, np.int64)
+        ids[10:26] = QWEN35_IMAGE
+        item = build_item(
+            "image",
+            offsets=[(10, 25)],
+            image_grid_thw=[1, 8, 8],
+            content_hash=0x0123_4567_89AB_CDEF,
+        )
+        inline_g = await svc.grpc.admit(build_request("in-g", ids, [item]), timeout=10)
+        m = await scrape(svc)
+        assert m["mmadmit_inline_total"] == 3  # warm-up + 2
+        assert m["mmadmit_zmq_inline"] == 1
+        hashed_z = await svc.zmq.admit(small_request("to-hash"))
+        assert (await scrape(svc))["mmadmit_inline_total"] == 3  # hashing: a worker's
+    assert inline_z.materialized and hashed_z.materialized
+    assert isinstance(inline_g, Materialized)
+    async with running(hook=True, workers=1) as ref:  # the hook turns inline off
+        worker_z = await ref.zmq.admit(hashed("in-z"))
+        assert ref.pool.stats.inline == 0
+    assert [f.bytes for f in inline_z.frames] == [f.bytes for f in worker_z.frames]
 
 
 # --------------------------------------------------------------------------- after the loop

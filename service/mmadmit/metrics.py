@@ -51,6 +51,9 @@ def render(handle: ServerHandle) -> str:
         _line("mmadmit_cancelled_queued_total", stats.cancelled_queued),
         "# TYPE mmadmit_discarded_running_total counter",
         _line("mmadmit_discarded_running_total", stats.discarded_running),
+        "# HELP mmadmit_inline_total Admitted requests materialized inline (--inline-max-tokens).",
+        "# TYPE mmadmit_inline_total counter",
+        _line("mmadmit_inline_total", stats.inline),
         "# HELP mmadmit_outcomes_total Terminal outcomes of admitted requests by code.",
         "# TYPE mmadmit_outcomes_total counter",
     ]
