@@ -28,10 +28,11 @@ array ops, which give the same bytes as any worker's. ``inline_max_tokens=0``
 turns this off; a pool with a ``before_run`` test hook never runs inline.
 
 Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
-and numpy/torch array work run in parallel. Each worker owns its
-:class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
+and numpy/torch/C array work on large arrays run in parallel. Each worker owns
+its :class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
 :class:`~mmadmit.devices.TorchArrayOps` bound to that worker's own stream.
-The event loop only awaits futures; it never materializes nor waits on a device.
+The event loop awaits futures; it materializes only the small inline requests
+(on the CPU), never hashes features and never waits on a device.
 """
 
 from __future__ import annotations
