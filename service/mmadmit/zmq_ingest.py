@@ -336,22 +336,11 @@ class _Resources:
 # stopped can still be collected and its finalizer release the sockets (STYLE 9).
 
 
-def _on_readable(ref: weakref.ref[ZmqIngest]) -> None:
+def _weakly(ref: weakref.ref[ZmqIngest], method: Callable[[ZmqIngest], None]) -> None:
+    """Call ``method`` on the ingest if it still exists."""
     ingest = ref()
     if ingest is not None:
-        ingest._on_readable()
-
-
-def _on_watchdog(ref: weakref.ref[ZmqIngest]) -> None:
-    ingest = ref()
-    if ingest is not None:
-        ingest._on_watchdog()
-
-
-def _read_soon(ref: weakref.ref[ZmqIngest]) -> None:
-    ingest = ref()
-    if ingest is not None:
-        ingest._schedule_read()
+        method(ingest)
 
 
 class ZmqIngest:
@@ -466,14 +455,16 @@ class ZmqIngest:
                     self.stats,
                     self.max_pending_forwards,
                     self._sent_hook,
-                    on_room=functools.partial(_read_soon, self._ref),
+                    on_room=functools.partial(_weakly, self._ref, ZmqIngest._schedule_read),
                 )
                 res.sender_task = asyncio.create_task(self._fwd.run(), name="mmadmit-zmq-forward")
             fd = cast(int, router.getsockopt(zmq.FD))
-            loop.add_reader(fd, _on_readable, self._ref)
+            loop.add_reader(fd, _weakly, self._ref, ZmqIngest._on_readable)
             res.reader = (loop, fd)
             if self._watchdog_s is not None:
-                res.watchdog = loop.call_later(self._watchdog_s, _on_watchdog, self._ref)
+                res.watchdog = loop.call_later(
+                    self._watchdog_s, _weakly, self._ref, ZmqIngest._on_watchdog
+                )
             self._schedule_read()  # a peer may have sent before the reader was registered
         except BaseException:
             self._closing = True
@@ -556,7 +547,7 @@ class ZmqIngest:
         """Read soon, from the loop (once, however often it is asked)."""
         if not self._read_scheduled and self._loop is not None and not self._loop.is_closed():
             self._read_scheduled = True
-            self._loop.call_soon(_on_readable, self._ref)
+            self._loop.call_soon(_weakly, self._ref, ZmqIngest._on_readable)
 
     def _input_waiting(self) -> bool:
         router = self._res.router
@@ -588,7 +579,9 @@ class ZmqIngest:
             self.stats.watchdog_reads += 1
             logger.debug("ZMQ intake: input was waiting unseen; reading now")
             self._schedule_read()
-        res.watchdog = self._loop.call_later(self._watchdog_s, _on_watchdog, self._ref)
+        res.watchdog = self._loop.call_later(
+            self._watchdog_s, _weakly, self._ref, ZmqIngest._on_watchdog
+        )
 
     def _read_batch(self, limit: int) -> bool:
         """Read and handle up to ``limit`` messages; True if input may still wait.
@@ -710,12 +703,7 @@ class ZmqIngest:
             return
         if ticket.done:  # materialized inline: emit now, no task, never in flight
             self.stats.inline += 1
-            frames = self._outcome_frames(request, ticket.result())
-            self._answered = True
-            if self._fwd is not None:
-                self._forward_now(frames, [key])
-            else:
-                self._reply_now([identity, *frames], request.rid)
+            self._emit_now(identity, request.rid, self._outcome_frames(request, ticket.result()))
             return
         self._inflight[key] = ticket
         slot = None
@@ -769,11 +757,20 @@ class ZmqIngest:
         self._answered = True
         self.stats.count_abort(abort)
         if self._fwd is not None:
-            self._forward_now(
-                [ADD, *self._forward_abort_frames(request, rid, abort)], [(identity.bytes, rid)]
-            )
+            frames = [ADD, *self._forward_abort_frames(request, rid, abort)]
         else:
-            self._reply_now([identity, *wire.encode_aborted(request, abort, rid)], rid)
+            frames = wire.encode_aborted(request, abort, rid)
+        self._emit_now(identity, rid, frames)
+
+    def _emit_now(self, identity: zmq.Frame, rid: str, frames: list[Any]) -> None:
+        """Send an outcome decided in the receive path (no task): ``frames`` are
+        ``[status, payload, *aux]`` in reply mode, ``[ADD, payload, *aux]`` in
+        forward mode."""
+        self._answered = True
+        if self._fwd is not None:
+            self._forward_now(frames, [(identity.bytes, rid)])
+        else:
+            self._reply_now([identity, *frames], rid)
 
     @staticmethod
     def _forward_abort_frames(request: Request | None, rid: str, abort: Abort) -> list[Any]:
