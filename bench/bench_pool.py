@@ -62,7 +62,7 @@ from mmadmit_client.grpc import build_item, build_request  # noqa: E402
 from mmadmit_client.zmq import AsyncZmqClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO.parent / "shared" / "vectors" / "configs" / "qwen3_5.json"
+DEFAULT_MODEL = REPO / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
 READY_RE = re.compile(r"^mmadmit ready grpc=(\S+) zmq=(\S+) metrics=(\S+)$")
 ADMIT = "/mmadmit.v1.Admission/Admit"
 MESSAGE_LIMIT = 1 << 30

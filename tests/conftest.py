@@ -1,7 +1,8 @@
 """Shared test helpers: where the wire vectors live and how to load them.
 
-``VECTORS`` is ``$MMADMIT_VECTORS`` or ``<repo>/../shared/vectors`` (CI clones
-the repository with ``shared/`` beside it). Helpers here are plain functions
+``VECTORS`` is ``$MMADMIT_VECTORS`` or ``tests/data/vectors``, the copy of the
+reference vectors the repository carries (see its ``README.md`` for provenance), so
+a clone with nothing beside it runs the whole suite. Helpers here are plain functions
 (importable as ``from conftest import ...`` because pytest puts ``tests/`` on
 ``sys.path``) plus thin fixtures around them.
 """
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
-VECTORS = Path(os.environ.get("MMADMIT_VECTORS") or (REPO_ROOT.parent / "shared" / "vectors"))
+VECTORS = Path(os.environ.get("MMADMIT_VECTORS") or (TESTS_DIR / "data" / "vectors"))
 CONFIGS = VECTORS / "configs"
 
 FAMILY_CONFIG = {

@@ -3,7 +3,7 @@
 For each family this builds the transformers class that owns ``get_rope_index``
 from its default config on the ``meta`` device (no weights, no download), with
 the token ids and vision geometry of the public checkpoint overridden from
-``shared/vectors/configs/`` (transformers 5.x defaults differ: Qwen2.5-VL
+``tests/data/vectors/configs/`` (transformers 5.x defaults differ: Qwen2.5-VL
 ``tokens_per_second`` is 4 instead of 2, the Qwen3-Omni thinker defaults are
 Qwen2.5-Omni's, without ``vision_start_token_id``). Models are built once per
 process.
@@ -52,10 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 
-# Same location rule as conftest.py: $MMADMIT_VECTORS, else <repo>/../shared/vectors.
+# Same location rule as conftest.py: $MMADMIT_VECTORS, else tests/data/vectors.
 _VECTORS = Path(
-    os.environ.get("MMADMIT_VECTORS")
-    or Path(__file__).resolve().parent.parent.parent / "shared" / "vectors"
+    os.environ.get("MMADMIT_VECTORS") or Path(__file__).resolve().parent / "data" / "vectors"
 )
 CONFIG_DIR = _VECTORS / "configs"
 
