@@ -541,10 +541,10 @@ class AsyncAdmissionClient(_StateMixin):
             resp = await stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason))
         return resp.success
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
         stub = self.stub
         with map_grpc_errors("GetModelInfo"):
-            info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         return model_info_from_proto(info)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
@@ -640,10 +640,10 @@ class AdmissionClient(_StateMixin):
             resp = stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason))
         return resp.success
 
-    def model_info(self) -> ModelInfo:
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
         stub = self.stub
         with map_grpc_errors("GetModelInfo"):
-            info = stub.GetModelInfo(pb.GetModelInfoRequest())
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         return model_info_from_proto(info)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:

@@ -146,6 +146,7 @@ class AsyncZmqClient:
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self.connected = False  # a connection to the server exists right now
+        self._connected_event = asyncio.Event()  # set while ``connected``
         self._pending: dict[str, collections.deque[asyncio.Future[ZmqOutcome]]] = {}
         self.unmatched_replies = 0  # replies no pending request was waiting for
 
@@ -193,8 +194,26 @@ class AsyncZmqClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._connected_event.set()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
+                self._connected_event.clear()
+
+    async def wait_connected(self, timeout_s: float | None = None) -> None:
+        """Return once a connection to the server exists; :class:`ServerUnavailable`
+        when none is made within ``timeout_s`` (default: the client's ``timeout_s``).
+
+        A short connect check before sending: without it, a request to an address
+        where nothing listens waits out its whole request timeout. (A TCP connection
+        counts as soon as it is made, before the ZMTP greeting.)
+        """
+        self._check_open()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await self._connected_event.wait()
+        except TimeoutError as exc:
+            raise ServerUnavailable(f"no connection to {self.address} within {timeout}s") from exc
 
     async def aclose(self) -> None:
         """Close (idempotent); requests still waiting fail with ClientStateError."""
@@ -371,6 +390,9 @@ class ZmqClient:
 
     def abort(self, *rids: str) -> None:
         self._call(self._client.abort(*rids))
+
+    def wait_connected(self, timeout_s: float | None = None) -> None:
+        self._call(self._client.wait_connected(timeout_s))
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = self._loop
