@@ -115,6 +115,7 @@ async def serve(model: str, reply_bytes: int, workers: int) -> None:
     from mmadmit.config import build_config
     from mmadmit.grpc_server import GrpcServer
     from mmadmit.server import build_pool
+    from mmadmit.telemetry import Telemetry
 
     reply = b"\x0a" + _varint(reply_bytes) + b"\x00" * reply_bytes  # any bytes of that size
 
@@ -135,13 +136,15 @@ async def serve(model: str, reply_bytes: int, workers: int) -> None:
     # the `mmadmit serve` defaults (inline runs included); MMADMIT_* variables apply
     config = build_config({"model": model, "device": "cpu", "workers": workers})
     profile = config.load_profile()
-    pool = build_pool(config, profile)
+    telemetry = Telemetry(profile.family.value)  # metrics as `mmadmit serve` keeps them
+    pool = build_pool(config, profile, telemetry=telemetry)
     server = GrpcServer(
         pool,
         profile,
         listen="127.0.0.1:0",
         max_message_bytes=MESSAGE_LIMIT,
         extra_handlers=[echo_handler],
+        telemetry=telemetry,
     )
     address = await server.start()
     await server.set_serving()

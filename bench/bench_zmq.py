@@ -165,6 +165,7 @@ async def _serve_echo_or_codec(kind: str) -> None:
 async def _serve_mmadmit(workers: int, inline: bool) -> None:
     from mmadmit.config import build_config
     from mmadmit.server import build_pool
+    from mmadmit.telemetry import Telemetry
     from mmadmit.zmq_ingest import ZmqIngest
 
     settings: dict[str, Any] = {
@@ -176,8 +177,12 @@ async def _serve_mmadmit(workers: int, inline: bool) -> None:
     if not inline:
         settings["inline_max_tokens"] = 0
     config = build_config(settings)  # flags as given, MMADMIT_* for the rest
-    pool = build_pool(config, config.load_profile())
-    ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 30)
+    profile = config.load_profile()
+    telemetry = Telemetry(profile.family.value)  # metrics as `mmadmit serve` keeps them
+    pool = build_pool(config, profile, telemetry=telemetry)
+    ingest = ZmqIngest(
+        pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 30, telemetry=telemetry
+    )
     endpoint = await ingest.start()
     print("READY", endpoint, flush=True)
     stop = asyncio.Event()

@@ -428,7 +428,10 @@ async def test_metrics_endpoint_paths() -> None:
         address = svc.handle.addresses["metrics"]
         assert (await svc.zmq.admit(small_request("m-z"))).materialized
         assert isinstance(await svc.grpc.admit(admit_request("m-g"), timeout=10), Materialized)
-        status, body = await http_get(address, "/metrics?name[]=x")
+        status, body = await http_get(address, "/metrics?name[]=mmadmit_inflight")
+        assert status == 200  # prometheus_client's name filter
+        assert "mmadmit_inflight 0.0" in body and "mmadmit_outcomes" not in body
+        status, body = await http_get(address, "/metrics")
         assert status == 200
         assert "# TYPE mmadmit_inflight gauge" in body
         assert "# TYPE mmadmit_outcomes_total counter" in body

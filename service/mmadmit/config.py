@@ -23,6 +23,7 @@ from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
 ENV_PREFIX = "MMADMIT_"
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 OFF = "off"
 
 
@@ -177,6 +178,21 @@ class ServeConfig:
     log_level: LogLevel = field(
         default="info",
         metadata={"parse": _choice(("debug", "info", "warning", "error")), "help": "log level"},
+    )
+    log_format: LogFormat = field(
+        default="text",
+        metadata={
+            "parse": _choice(("text", "json")),
+            "help": "text, or json: one JSON object per line (outcomes, start-up, ready, drain)",
+        },
+    )
+    log_outcomes: bool = field(
+        default=True,
+        metadata={
+            "parse": _bool,
+            "help": "one info line per terminal outcome (rid, transport, outcome, code, tokens, "
+            "items, latency); off to silence them",
+        },
     )
 
     @property

@@ -35,10 +35,11 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ._proto import admission_pb2
-from .pbwire import parse_admit_request
+from .pbwire import StrippedRequest, parse_admit_request
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .servicer import AdmissionServicer, ServicerStats
+from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,30 @@ def clamp_message_bytes(max_message_bytes: int) -> int:
 
 def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodHandler]:
     """The method handlers of ``mmadmit.v1.Admission`` (the generated ones but for the
-    request deserializer of ``Admit`` and ``AdmitStream``)."""
+    request deserializer of ``Admit`` and ``AdmitStream``, and byte counting on both)."""
     pb = admission_pb2
+    stats = servicer.stats
+    serialize = pb.AdmitResponse.SerializeToString
+
+    def deserialize_admit(data: bytes) -> pb.AdmitRequest | StrippedRequest:
+        stats.received_bytes += len(data)
+        return parse_admit_request(data)
+
+    def serialize_admit(response: pb.AdmitResponse) -> bytes:
+        data = serialize(response)
+        stats.sent_bytes += len(data)
+        return data
+
     return {
         "Admit": grpc.unary_unary_rpc_method_handler(
             servicer.Admit,
-            request_deserializer=parse_admit_request,
-            response_serializer=pb.AdmitResponse.SerializeToString,
+            request_deserializer=deserialize_admit,
+            response_serializer=serialize_admit,
         ),
         "AdmitStream": grpc.stream_stream_rpc_method_handler(
             servicer.AdmitStream,
-            request_deserializer=parse_admit_request,
-            response_serializer=pb.AdmitResponse.SerializeToString,
+            request_deserializer=deserialize_admit,
+            response_serializer=serialize_admit,
         ),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.Abort,
@@ -125,8 +138,9 @@ class GrpcServer:
         listen: str,
         max_message_bytes: int,
         extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+        telemetry: Telemetry | None = None,
     ) -> None:
-        self.servicer = AdmissionServicer(pool, profile)
+        self.servicer = AdmissionServicer(pool, profile, telemetry)
         self.health = health_aio.HealthServicer()
         self.listen = listen
         self.max_message_bytes = clamp_message_bytes(max_message_bytes)

@@ -1,127 +1,94 @@
-"""Prometheus ``/metrics`` over plain HTTP/1.1 (``--metrics-listen``).
+"""Prometheus ``/metrics`` over HTTP (``--metrics-listen``), served by ``prometheus_client``.
 
-Deliberately small: an ``asyncio`` stream server that answers ``GET /metrics``
-with the text exposition format and closes the connection. It reads the
-pool's counters and the transports' ``stats`` objects when they have them; it
-holds no state of its own.
+The exposition is ``prometheus_client``'s own (text format, gzip and
+``name[]`` filtering included) for the server's registry
+(:class:`~mmadmit.telemetry.Telemetry`), served from a daemon thread by the
+library's threading WSGI server. Only ``GET /metrics`` is answered;
+any other path is 404 and any other method 405, so a stray probe never looks
+like a scrape. Scrapes never touch the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-if TYPE_CHECKING:
-    from .server import ServerHandle
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 logger = logging.getLogger(__name__)
 
-_MAX_REQUEST_BYTES = 8192
+_StartResponse = Callable[..., Any]
 
 
-def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
-    if labels:
-        inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        return f"{name}{{{inner}}} {value}"
-    return f"{name} {value}"
+class _ThreadingWSGIServerV6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6  # an IPv6 literal in --metrics-listen
 
 
-def render(handle: ServerHandle) -> str:
-    pool = handle.pool
-    stats = pool.stats
-    out = [
-        "# HELP mmadmit_inflight Requests admitted and not yet released by a worker.",
-        "# TYPE mmadmit_inflight gauge",
-        _line("mmadmit_inflight", pool.inflight),
-        "# HELP mmadmit_queue_depth Admitted requests waiting for a worker.",
-        "# TYPE mmadmit_queue_depth gauge",
-        _line("mmadmit_queue_depth", pool.queued),
-        "# TYPE mmadmit_running gauge",
-        _line("mmadmit_running", pool.running),
-        "# TYPE mmadmit_max_inflight gauge",
-        _line("mmadmit_max_inflight", pool.max_inflight),
-        "# TYPE mmadmit_draining gauge",
-        _line("mmadmit_draining", int(pool.draining)),
-        "# HELP mmadmit_admitted_total Requests admitted to the pool.",
-        "# TYPE mmadmit_admitted_total counter",
-        _line("mmadmit_admitted_total", stats.admitted),
-        "# TYPE mmadmit_cancelled_queued_total counter",
-        _line("mmadmit_cancelled_queued_total", stats.cancelled_queued),
-        "# TYPE mmadmit_discarded_running_total counter",
-        _line("mmadmit_discarded_running_total", stats.discarded_running),
-        "# HELP mmadmit_inline_total Admitted requests materialized inline (--inline-max-tokens).",
-        "# TYPE mmadmit_inline_total counter",
-        _line("mmadmit_inline_total", stats.inline),
-        "# HELP mmadmit_outcomes_total Terminal outcomes of admitted requests by code.",
-        "# TYPE mmadmit_outcomes_total counter",
-    ]
-    outcomes = dict(stats.outcomes)
-    outcomes["OVERLOADED"] = outcomes.get("OVERLOADED", 0) + stats.overloaded
-    outcomes["SHUTTING_DOWN"] = outcomes.get("SHUTTING_DOWN", 0) + stats.rejected_shutting_down
-    out += [_line("mmadmit_outcomes_total", v, {"outcome": k}) for k, v in sorted(outcomes.items())]
-    for transport in ("grpc", "zmq"):
-        obj = getattr(handle, transport)
-        for name, value in _numeric_stats(getattr(obj, "stats", None)).items():
-            out.append(_line(f"mmadmit_{transport}_{name}", value))
-    return "\n".join(out) + "\n"
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # one line per scrape would drown the service's own log
 
 
-def _numeric_stats(stats: Any) -> dict[str, float]:
-    if stats is None:
-        return {}
-    items = vars(stats).items() if hasattr(stats, "__dict__") else []
-    return {k: v for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def metrics_app(registry: CollectorRegistry) -> Callable[[dict[str, Any], _StartResponse], Any]:
+    """A WSGI app: ``/metrics`` from ``registry``; 404 elsewhere, 405 for other methods."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"see /metrics\n"]
+        if environ.get("REQUEST_METHOD") != "GET":
+            start_response("405 Method Not Allowed", [("Allow", "GET")])
+            return [b"only GET\n"]
+        return exposition(environ, start_response)  # type: ignore[no-any-return]
+
+    return app
 
 
 class MetricsServer:
-    def __init__(self, handle: ServerHandle, *, listen: str) -> None:
-        self.handle = handle
+    """``/metrics`` of one registry on ``HOST:PORT`` (port 0: ephemeral)."""
+
+    def __init__(self, registry: CollectorRegistry, *, listen: str) -> None:
+        self.registry = registry
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
-        self._server: asyncio.base_events.Server | None = None
+        self._httpd: ThreadingWSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        sock = self._server.sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        """Bind and serve; return the bound ``HOST:PORT``. Raises ``OSError`` on bind."""
+        server_class = _ThreadingWSGIServerV6 if ":" in self.host else ThreadingWSGIServer
+        try:
+            httpd = make_server(
+                self.host, self.port, metrics_app(self.registry), server_class, _QuietHandler
+            )
+        except OSError as exc:  # e.g. address in use: name the address, as the others do
+            raise OSError(
+                exc.errno, f"cannot bind metrics to {self.host}:{self.port}: {exc.strerror}"
+            ) from exc
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, args=(0.1,), name="mmadmit-metrics", daemon=True
+        )
+        self._thread.start()
+        host, port = str(httpd.server_address[0]), httpd.server_address[1]
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        logger.info("metrics on http://%s/metrics", address)
+        return address
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            if len(head) > _MAX_REQUEST_BYTES:
-                raise ValueError("request head too large")
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            if method != "GET":
-                status, body = "405 Method Not Allowed", "only GET\n"
-            elif path.split("?")[0] != "/metrics":
-                status, body = "404 Not Found", "see /metrics\n"
-            else:
-                status, body = "200 OK", render(self.handle)
-            data = body.encode()
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                + data
-            )
-            await writer.drain()
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            TimeoutError,
-            ValueError,
-            ConnectionError,
-        ):
-            pass  # a broken scrape is the scraper's problem; never the service's
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.wait_closed()
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        # shutdown() waits for serve_forever to notice (its poll interval): not on the loop
+        await asyncio.to_thread(httpd.shutdown)
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(1.0)

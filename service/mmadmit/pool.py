@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 # A test hook run on the worker thread before each request (tests hold workers
 # with it to make queueing deterministic); None in production.
 BeforeRun = Callable[[Request], None]
+# Told (tokens, seconds, inline) after every materializer run, on the thread that
+# ran it (telemetry's histogram); None when nobody listens.
+RunObserver = Callable[[int, float, bool], None]
 
 
 @dataclass
@@ -162,6 +165,7 @@ class MaterializerPool:
         choose_ops: Callable[[Request, ArrayOps], ArrayOps] | None = None,
         before_run: BeforeRun | None = None,
         inline_max_tokens: int = 0,
+        observe_run: RunObserver | None = None,
     ) -> None:
         if workers < 1 or max_inflight < 1:
             raise ValueError("workers and max_inflight must be positive")
@@ -177,6 +181,7 @@ class MaterializerPool:
         self._ops_factory = ops_factory
         self._choose_ops = choose_ops
         self._before_run = before_run
+        self._observe_run = observe_run
         self._local = threading.local()
         self._worker_ids = itertools.count()
         self._tickets: dict[int, Ticket] = {}
@@ -201,7 +206,16 @@ class MaterializerPool:
             ops = self._choose_ops(req, ops)
         if self._before_run is not None:
             self._before_run(req)
-        return self.materializer.run(req, ops)
+        return self._timed_run(req, ops, False)
+
+    def _timed_run(self, req: Request, ops: ArrayOps, inline: bool) -> Outcome:
+        observe = self._observe_run
+        if observe is None:
+            return self.materializer.run(req, ops)
+        t0 = time.perf_counter()
+        outcome = self.materializer.run(req, ops)
+        observe(len(req.input_ids), time.perf_counter() - t0, inline)
+        return outcome
 
     # ------------------------------------------------------------------ admission
 
@@ -278,7 +292,7 @@ class MaterializerPool:
         ticket._released = True  # never held by a worker, never in flight
         self.stats.admitted += 1
         self.stats.inline += 1
-        ticket._finish(self.materializer.run(req, CPU_OPS))  # run() never raises
+        ticket._finish(self._timed_run(req, CPU_OPS, True))  # run() never raises
         self.stats.completed += 1
         return ticket
 

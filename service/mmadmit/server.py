@@ -33,15 +33,18 @@ import numpy as np
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
+from .logs import configure_logging, fields, json_line
 from .materializer import CPU_OPS, ArrayOps, Materializer
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
 from .runtime import tune_allocator
+from .telemetry import StatsCollector, Telemetry
 
 logger = logging.getLogger("mmadmit.server")
 
 EXIT_FORCED = 1
+_TRANSPORT_NAMES = ("grpc", "zmq", "metrics")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ServerHandle:
     config: ServeConfig
     profile: ModelProfile
     pool: MaterializerPool
+    telemetry: Telemetry
     addresses: dict[str, str] = field(default_factory=dict)
     grpc: Any = None
     zmq: Any = None
@@ -58,7 +62,7 @@ class ServerHandle:
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def ready_line(self) -> str:
-        parts = [f"{name}={self.addresses.get(name, OFF)}" for name in ("grpc", "zmq", "metrics")]
+        parts = [f"{name}={self.addresses.get(name, OFF)}" for name in _TRANSPORT_NAMES]
         return "mmadmit ready " + " ".join(parts)
 
 
@@ -83,7 +87,11 @@ def warmup_request(profile: ModelProfile) -> Request:
 
 
 def build_pool(
-    config: ServeConfig, profile: ModelProfile, *, before_run: BeforeRun | None = None
+    config: ServeConfig,
+    profile: ModelProfile,
+    *,
+    before_run: BeforeRun | None = None,
+    telemetry: Telemetry | None = None,
 ) -> MaterializerPool:
     device = resolve_device(config.device)
     materializer = Materializer(profile, config.limits)
@@ -105,6 +113,14 @@ def build_pool(
         workers,
         config.max_inflight,
         config.inline_max_tokens,
+        extra=fields(
+            "starting",
+            family=profile.family.value,
+            device=device,
+            workers=workers,
+            max_inflight=config.max_inflight,
+            inline_max_tokens=config.inline_max_tokens,
+        ),
     )
     return MaterializerPool(
         materializer,
@@ -114,6 +130,7 @@ def build_pool(
         choose_ops=choose_ops,
         before_run=before_run,
         inline_max_tokens=config.inline_max_tokens,
+        observe_run=telemetry.materialize_time if telemetry is not None else None,
     )
 
 
@@ -125,15 +142,20 @@ async def start_server(
 ) -> ServerHandle:
     """Bind everything, warm up, turn SERVING; resources are pushed onto ``stack``."""
     profile = config.load_profile()
-    pool = build_pool(config, profile, before_run=before_run)
+    telemetry = Telemetry(profile.family.value, log_outcomes=config.log_outcomes)
+    pool = build_pool(config, profile, before_run=before_run, telemetry=telemetry)
     stack.callback(pool.close)
-    handle = ServerHandle(config=config, profile=profile, pool=pool)
+    handle = ServerHandle(config=config, profile=profile, pool=pool, telemetry=telemetry)
 
     if config.grpc_listen != OFF:
         from .grpc_server import GrpcServer
 
         grpc_server = GrpcServer(
-            pool, profile, listen=config.grpc_listen, max_message_bytes=config.max_message_bytes
+            pool,
+            profile,
+            listen=config.grpc_listen,
+            max_message_bytes=config.max_message_bytes,
+            telemetry=telemetry,
         )
         stack.push_async_callback(grpc_server.stop, 0.0)
         handle.addresses["grpc"] = await grpc_server.start()
@@ -146,14 +168,19 @@ async def start_server(
             listen=config.zmq_listen,
             forward=config.zmq_forward,
             max_message_bytes=config.max_message_bytes,
+            telemetry=telemetry,
         )
         stack.push_async_callback(ingest.stop, 0.0)
         handle.addresses["zmq"] = await ingest.start()
         handle.zmq = ingest
+    transports = {name: obj for name, obj in (("grpc", handle.grpc), ("zmq", handle.zmq)) if obj}
+    device = resolve_device(config.device)
+    build = {"family": profile.family.value, "device": device, "role": profile.role}
+    telemetry.registry.register(StatsCollector(pool, transports, build))
     if config.metrics_listen != OFF:
         from .metrics import MetricsServer
 
-        metrics = MetricsServer(handle, listen=config.metrics_listen)
+        metrics = MetricsServer(telemetry.registry, listen=config.metrics_listen)
         stack.push_async_callback(metrics.stop)
         handle.addresses["metrics"] = await metrics.start()
         handle.metrics = metrics
@@ -173,6 +200,7 @@ async def shutdown(handle: ServerHandle) -> None:
         "[shutdown] draining: up to %.1fs for %d request(s) in flight",
         config.drain_timeout,
         handle.pool.inflight,
+        extra=fields("drain", timeout_s=config.drain_timeout, inflight=handle.pool.inflight),
     )
     if handle.grpc is not None:
         handle.grpc.enter_drain()
@@ -182,7 +210,13 @@ async def shutdown(handle: ServerHandle) -> None:
         await handle.zmq.stop(config.drain_timeout)
     if handle.grpc is not None:
         await handle.grpc.stop(1.0)
-    logger.info("[shutdown] done")
+    stats = handle.pool.stats
+    logger.info(
+        "[shutdown] done: %d admitted, %d ended SHUTTING_DOWN by the drain deadline",
+        stats.admitted,
+        stats.shutdown_aborted,
+        extra=fields("stopped", admitted=stats.admitted, shutdown_aborted=stats.shutdown_aborted),
+    )
 
 
 async def serve(
@@ -197,8 +231,14 @@ async def serve(
         loop = asyncio.get_running_loop()
         if install_signals:
             _install_signal_handlers(loop, handle.stop_event)
-        print(handle.ready_line(), file=sys.stderr, flush=True)
-        logger.info("ready: %s", handle.ready_line())
+        line = handle.ready_line()
+        ready = fields("ready", **{k: handle.addresses.get(k, OFF) for k in _TRANSPORT_NAMES})
+        if config.log_format == "json":
+            # the ready line is this JSON object (its message is the text line), at any level
+            print(json_line(logger.name, line, ready), file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+            logger.info("ready: %s", line, extra=ready)
         if on_ready is not None:
             result = on_ready(handle)
             if asyncio.iscoroutine(result):
@@ -220,17 +260,9 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Even
         loop.add_signal_handler(sig, on_signal, sig)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-
-
 def run(config: ServeConfig) -> int:
     """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     tune_allocator()
     try:
         import uvloop

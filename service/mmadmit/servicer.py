@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -73,6 +74,7 @@ from .model import Item, Materialized, Modality, MultimodalInputs, Request, ShmH
 from .pbwire import StrippedRequest, packed_uint32_field, resolve_inline
 from .pool import MaterializerPool, Ticket
 from .profile import ModelProfile
+from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ class ServicerStats:
     calls_cancelled: int = 0  # requests whose call was cancelled or expired: nothing sent
     aborts_requested: int = 0  # Abort RPCs that cancelled a request
     internal_errors: int = 0  # unexpected exceptions answered INTERNAL
+    received_bytes: int = 0  # bytes of AdmitRequest messages received
+    sent_bytes: int = 0  # bytes of AdmitResponse messages serialized for sending
 
 
 # --------------------------------------------------------------------------- proto -> model
@@ -440,9 +444,12 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
     flight is refused ``INVALID_REQUEST``.
     """
 
-    def __init__(self, pool: MaterializerPool, profile: ModelProfile) -> None:
+    def __init__(
+        self, pool: MaterializerPool, profile: ModelProfile, telemetry: Telemetry | None = None
+    ) -> None:
         self._pool = pool
         self._profile = profile
+        self.telemetry = telemetry
         self._inflight: dict[str, Ticket] = {}
         self.stats = ServicerStats()
 
@@ -462,8 +469,10 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             msg, payloads = request.msg, request.payloads
         else:
             msg, payloads = request, None
+        t0 = time.perf_counter()
         rid = msg.request_id
         self.stats.requests += 1
+        req: Request | None = None
         try:
             req = request_from_proto(msg, self._profile, payloads)
             if rid in self._inflight:
@@ -482,21 +491,34 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
                 logger.debug("rid=%s: aborted %s: %s", rid, outcome.code.value, outcome.message)
             else:
                 logger.debug("rid=%s: materialized (%s)", rid, outcome.rule.value)
-            return response_from_outcome(rid, outcome, echo_features=msg.echo_features)
+            response = response_from_outcome(rid, outcome, echo_features=msg.echo_features)
+            self._observe(rid, req, outcome, t0)
+            return response
         except AdmissionError as exc:
             logger.debug("rid=%s: aborted %s: %s", rid, exc.code.value, exc.message)
-            return abort_response(rid, exc.to_abort())
+            abort = exc.to_abort()
+            self._observe(rid, req, abort, t0)
+            return abort_response(rid, abort)
         except grpc.aio.AbortError:
             raise  # the call was already ended with a status; never wrap it again
         except asyncio.CancelledError:
             # The client cancelled or its deadline passed: it can receive nothing more.
             self.stats.calls_cancelled += 1
             logger.info("rid=%s: call cancelled or past its deadline; its work is cancelled", rid)
+            self._observe(rid, req, Abort(AbortCode.CANCELLED, "the call went away"), t0)
             raise
         except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
             self.stats.internal_errors += 1
             logger.exception("rid=%s: unexpected error while admitting", rid)
-            return abort_response(rid, abort_from_exception(exc))
+            abort = abort_from_exception(exc)
+            self._observe(rid, req, abort, t0)
+            return abort_response(rid, abort)
+
+    def _observe(
+        self, rid: str, req: Request | None, outcome: Materialized | Abort, t0: float
+    ) -> None:
+        if self.telemetry is not None:
+            self.telemetry.outcome("grpc", rid, req, outcome, t0)
 
     # ------------------------------------------------------------------ RPCs
 

@@ -84,6 +84,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ from . import wire
 from .errors import Abort, AbortCode, AdmissionError, abort_from_exception
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
+from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ class ZmqIngestStats:
     inline: int = 0  # ADDs materialized inline (small requests), no task
     wakeups: int = 0  # intake callbacks run (ZMQ_FD signalled, or a scheduled read)
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
+    received_bytes: int = 0  # bytes of every message read (all frames but the identity)
+    sent_bytes: int = 0  # bytes of every reply or forward handed to libzmq
 
     def count_abort(self, abort: Abort) -> None:
         name = abort.code.value
@@ -266,6 +270,7 @@ class _Forwarder:
                 )
             else:
                 self.stats.forwarded += 1
+                self.stats.sent_bytes += sum(_sizes(msg))
                 if msg[0] == ABORT:
                     self.stats.forwarded_aborts += 1
             self.done_pending()
@@ -373,6 +378,7 @@ class ZmqIngest:
         max_pending_forwards: int | None = None,
         sent_hook: SentHook | None = None,
         watchdog_s: float | None = _WATCHDOG_S,
+        telemetry: Telemetry | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -389,6 +395,7 @@ class ZmqIngest:
         if self.max_pending_forwards < 1:
             raise ValueError("max_pending_forwards must be positive")
         self.stats = ZmqIngestStats()
+        self.telemetry = telemetry
         self.endpoint: str | None = None
         self._sent_hook = sent_hook
         self._res = _Resources(ctx=context, own_ctx=context is None)
@@ -620,15 +627,19 @@ class ZmqIngest:
                 if not self._answered and len(frames) > 1 and frames[1].bytes != ABORT:
                     rid = wire.recover_rid(frames[2]) if len(frames) > 2 else ""
                     try:
-                        self._abort_now(frames[0], None, rid, abort_from_exception(exc))
+                        self._abort_now(
+                            frames[0], None, rid, abort_from_exception(exc), time.perf_counter()
+                        )
                     except Exception:  # noqa: BLE001 - already logged above; keep reading
                         logger.exception("rid=%s: could not answer INTERNAL either", rid)
         return True
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
+        t0 = time.perf_counter()
         self.stats.received += 1
         identity, body = frames[0], frames[1:]
         total = sum(_sizes(body))
+        self.stats.received_bytes += total
         kind = body[0].bytes if body else b""
         if kind == ABORT and len(body) >= 2:
             self._on_abort(identity, body, total)
@@ -651,6 +662,7 @@ class ZmqIngest:
                     f"message of {total} bytes exceeds the limit of {self.max_message_bytes} "
                     "bytes (--max-message-bytes)",
                 ),
+                t0,
             )
             return
         try:
@@ -664,7 +676,7 @@ class ZmqIngest:
                 _sizes(body),
                 exc.message,
             )
-            self._abort_now(identity, None, exc.rid, exc.to_abort())
+            self._abort_now(identity, None, exc.rid, exc.to_abort(), t0)
             return
         request = msg.request
         assert request is not None  # an ABORT type byte was dispatched above
@@ -683,6 +695,7 @@ class ZmqIngest:
                     AbortCode.INVALID_REQUEST,
                     f"request id {request.rid!r} is already in flight from this peer",
                 ),
+                t0,
             )
             return
         if self._closing:
@@ -694,16 +707,18 @@ class ZmqIngest:
                     AbortCode.SHUTTING_DOWN,
                     "the service is shutting down; retry on another replica",
                 ),
+                t0,
             )
             return
         try:
             ticket = self.pool.submit(request)
         except AdmissionError as exc:  # Overloaded, ShuttingDown
-            self._abort_now(identity, request, request.rid, exc.to_abort())
+            self._abort_now(identity, request, request.rid, exc.to_abort(), t0)
             return
         if ticket.done:  # materialized inline: emit now, no task, never in flight
             self.stats.inline += 1
-            self._emit_now(identity, request.rid, self._outcome_frames(request, ticket.result()))
+            frames_out = self._outcome_frames(request, ticket.result(), t0)
+            self._emit_now(identity, request.rid, frames_out)
             return
         self._inflight[key] = ticket
         slot = None
@@ -711,7 +726,7 @@ class ZmqIngest:
             self._fwd.add_pending()
             slot = self._fwd.slot([key])
         self._answered = True
-        self._spawn(self._complete(identity, key, request, ticket, slot))
+        self._spawn(self._complete(identity, key, request, ticket, slot, t0))
 
     def _on_abort(self, identity: zmq.Frame, body: list[zmq.Frame], total: int) -> None:
         peer = identity.bytes
@@ -751,11 +766,13 @@ class ZmqIngest:
         task.add_done_callback(self._tasks.discard)
 
     def _abort_now(
-        self, identity: zmq.Frame, request: Request | None, rid: str, abort: Abort
+        self, identity: zmq.Frame, request: Request | None, rid: str, abort: Abort, t0: float
     ) -> None:
         """An ADD answered without reaching the pool (malformed, dup, refused)."""
         self._answered = True
         self.stats.count_abort(abort)
+        if self.telemetry is not None:
+            self.telemetry.outcome("zmq", rid, request, abort, t0)
         if self._fwd is not None:
             frames = [ADD, *self._forward_abort_frames(request, rid, abort)]
         else:
@@ -780,17 +797,27 @@ class ZmqIngest:
             request, validation_error=abort.as_validation_error(), drop_features=True
         )
 
-    def _outcome_frames(self, request: Request, outcome: Materialized | Abort) -> list[Any]:
-        """``[type/status, payload, *aux]`` for the outcome in this mode; counts it."""
+    def _outcome_frames(
+        self, request: Request, outcome: Materialized | Abort, t0: float
+    ) -> list[Any]:
+        """``[type/status, payload, *aux]`` for the outcome in this mode; counts it
+        once encoded (an encoding failure is answered, and counted, as INTERNAL)."""
+        fwd = self._fwd is not None
         if isinstance(outcome, Materialized):
+            if fwd:
+                frames = [ADD, *wire.encode_request(outcome.request)]
+            else:
+                frames = wire.encode_materialized(outcome)
             self.stats.materialized += 1
-            if self._fwd is not None:
-                return [ADD, *wire.encode_request(outcome.request)]
-            return wire.encode_materialized(outcome)
-        self.stats.count_abort(outcome)
-        if self._fwd is not None:
-            return [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
-        return wire.encode_aborted(request, outcome)
+        else:
+            if fwd:
+                frames = [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
+            else:
+                frames = wire.encode_aborted(request, outcome)
+            self.stats.count_abort(outcome)
+        if self.telemetry is not None:
+            self.telemetry.outcome("zmq", request.rid, request, outcome, t0)
+        return frames
 
     async def _complete(
         self,
@@ -799,6 +826,7 @@ class ZmqIngest:
         request: Request,
         ticket: Ticket,
         slot: _Slot | None,
+        t0: float,
     ) -> None:
         """Await one ticket's outcome and emit it: exactly one output per ADD."""
         rid = request.rid
@@ -815,11 +843,13 @@ class ZmqIngest:
                 if self._inflight.get(key) is ticket:
                     del self._inflight[key]
             try:
-                frames = self._outcome_frames(request, outcome)
+                frames = self._outcome_frames(request, outcome, t0)
             except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer
                 logger.exception("rid=%s: encoding the outcome failed", rid)
                 abort = abort_from_exception(exc)
                 self.stats.count_abort(abort)
+                if self.telemetry is not None:
+                    self.telemetry.outcome("zmq", rid, request, abort, t0)
                 frames = (
                     [ADD, wire.minimal_abort_payload(rid, abort)]
                     if self._fwd is not None
@@ -856,6 +886,7 @@ class ZmqIngest:
         else:
             error = None
             self.stats.replied += 1
+            self.stats.sent_bytes += sum(_sizes(msg[1:]))
         # The send may have consumed ZMQ_FD's signal of a message that arrived
         # meanwhile (edge-triggered): then nobody would read it. Check.
         if not self._read_scheduled and self._input_waiting():

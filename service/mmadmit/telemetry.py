@@ -1,0 +1,349 @@
+"""What the service tells its operators: Prometheus series and one log line per outcome.
+
+Scope: the one :class:`Telemetry` object of a server, shared by both
+transports and the pool. Each transport calls :meth:`Telemetry.outcome` once
+for every request it ends (materialized or aborted, admitted or refused before
+admission); the pool reports how long each materializer run took. Everything
+else (in-flight, queue depth, draining, bytes received and sent, the pool's and
+transports' own counters) is read from their ``stats`` objects when
+``/metrics`` is scraped (:class:`StatsCollector`), so it costs the request
+path nothing but a plain integer add.
+
+Non-goals: the HTTP endpoint (``metrics.py``), and deciding outcomes: this
+module only observes them.
+
+Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
+
+    requests_total{transport,outcome,code}          one per terminal outcome
+    request_duration_seconds{transport,family,tokens}   receipt -> outcome sent
+    materialize_duration_seconds{family,tokens,path}    one materializer run
+    received_bytes_total{transport}, sent_bytes_total{transport}
+    feature_hashed_bytes_total{transport}           feature bytes we hashed
+    admissions_total{path}                          inline | worker
+    undeliverable_replies_total{transport}          outcomes nobody received
+
+Cost on the request path: label children are resolved once and cached, so an
+outcome is a dict lookup, a counter increment and a histogram observation
+(about 2 microseconds), plus the log line when outcome logging is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .errors import Abort
+from .model import Materialized, Request
+
+if TYPE_CHECKING:
+    from .pool import MaterializerPool
+
+outcome_logger = logging.getLogger("mmadmit.outcome")
+
+TRANSPORTS = ("grpc", "zmq")
+
+# Token-count buckets of the latency histograms: (upper bound inclusive, label).
+_TOKEN_BUCKETS: tuple[tuple[int, str], ...] = (
+    (1024, "0-1K"),
+    (8192, "1K-8K"),
+    (32768, "8K-32K"),
+    (131072, "32K-128K"),
+)
+_TOKEN_BUCKET_MAX = "128K+"
+
+# Seconds: 100 us (a small inline request) to 10 s (a drain-length wait).
+LATENCY_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+def token_bucket(tokens: int) -> str:
+    """The ``tokens`` label of a request of ``tokens`` tokens."""
+    for bound, label in _TOKEN_BUCKETS:
+        if tokens <= bound:
+            return label
+    return _TOKEN_BUCKET_MAX
+
+
+def hashed_feature_bytes(request: Request, outcome: Materialized) -> int:
+    """Feature bytes the materializer hashed for ``request`` (items that came without
+    a hash and left with one); 0 when nothing was hashed."""
+    mm, done = request.mm, outcome.request.mm
+    if mm is None or done is None:
+        return 0
+    total = 0
+    for before, after in zip(mm.items, done.items, strict=False):
+        if before.hash is None and after.hash is not None and before.feature is not None:
+            total += before.feature.nbytes
+    return total
+
+
+def request_size(request: Request | None) -> tuple[int, int]:
+    """(tokens, items) of a decoded request; (0, 0) when it never decoded."""
+    if request is None:
+        return 0, 0
+    mm = request.mm
+    return len(request.input_ids), (len(mm.items) if mm is not None else 0)
+
+
+class Telemetry:
+    """The service's Prometheus series (on its own registry) and the outcome log.
+
+    Safe to call from any thread (``prometheus_client`` locks its values; the
+    child cache is filled under a lock). One per server: tests run several
+    servers in one process, each with its own registry.
+    """
+
+    def __init__(
+        self,
+        family: str,
+        *,
+        registry: CollectorRegistry | None = None,
+        log_outcomes: bool = True,
+    ) -> None:
+        self.family = family
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.log_outcomes = log_outcomes
+        reg = self.registry
+        self._requests = Counter(
+            "mmadmit_requests",
+            "Terminal outcomes by transport: outcome is materialized or aborted, code the "
+            "abort code (OK when materialized).",
+            ["transport", "outcome", "code"],
+            registry=reg,
+        )
+        self._latency = Histogram(
+            "mmadmit_request_duration_seconds",
+            "End to end, from the request's receipt to its outcome handed to the transport.",
+            ["transport", "family", "tokens"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self._materialize = Histogram(
+            "mmadmit_materialize_duration_seconds",
+            "One materializer run (validation, hashing, pad values, positions, substitution).",
+            ["family", "tokens", "path"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self._hashed = Counter(
+            "mmadmit_feature_hashed_bytes",
+            "Feature bytes hashed because the request carried no content hash.",
+            ["transport"],
+            registry=reg,
+        )
+        self._lock = threading.Lock()
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self._hashed_by = {t: self._hashed.labels(t) for t in TRANSPORTS}
+        for t in TRANSPORTS:  # so that a scrape shows every transport from the start
+            self._requests.labels(t, "materialized", "OK")
+
+    # ------------------------------------------------------------------ children
+
+    def _child(self, key: tuple[Any, ...]) -> Any:
+        child = self._children.get(key)
+        if child is None:
+            with self._lock:
+                child = self._children.get(key)
+                if child is None:
+                    metric, *labels = key
+                    child = metric.labels(*labels)
+                    self._children[key] = child
+        return child
+
+    # ------------------------------------------------------------------ observations
+
+    def materialize_time(self, tokens: int, seconds: float, inline: bool) -> None:
+        """One materializer run (the pool calls this, on whichever thread ran it)."""
+        path = "inline" if inline else "worker"
+        self._child((self._materialize, self.family, token_bucket(tokens), path)).observe(seconds)
+
+    def outcome(
+        self,
+        transport: str,
+        rid: str,
+        request: Request | None,
+        outcome: Materialized | Abort,
+        started: float,
+    ) -> None:
+        """Count and log one terminal outcome; ``started`` is the receipt's
+        ``time.perf_counter()``."""
+        latency_s = time.perf_counter() - started
+        tokens, items = request_size(request)
+        if isinstance(outcome, Abort):
+            kind, code = "aborted", outcome.code.value
+        else:
+            kind, code = "materialized", "OK"
+            if request is not None:
+                hashed = hashed_feature_bytes(request, outcome)
+                if hashed:
+                    self._hashed_by[transport].inc(hashed)
+        bucket = token_bucket(tokens)
+        self._child((self._requests, transport, kind, code)).inc()
+        self._child((self._latency, transport, self.family, bucket)).observe(latency_s)
+        if self.log_outcomes and outcome_logger.isEnabledFor(logging.INFO):
+            outcome_logger.info(
+                "rid=%s transport=%s outcome=%s code=%s tokens=%d items=%d latency_ms=%.3f",
+                rid,
+                transport,
+                kind,
+                code,
+                tokens,
+                items,
+                latency_s * 1000,
+                extra={
+                    "fields": {
+                        "event": "outcome",
+                        "rid": rid,
+                        "transport": transport,
+                        "outcome": kind,
+                        "code": code,
+                        "tokens": tokens,
+                        "items": items,
+                        "latency_ms": round(latency_s * 1000, 3),
+                    }
+                },
+            )
+
+
+# --------------------------------------------------------------------------- scrape-time
+
+
+def _numeric(stats: Any) -> dict[str, float]:
+    if stats is None or not hasattr(stats, "__dict__"):
+        return {}
+    return {
+        k: v
+        for k, v in list(vars(stats).items())
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+class StatsCollector(Collector):
+    """The pool's gauges and the counters the pool and transports keep, read at scrape
+    time (the scrape runs on the metrics thread; it only reads plain ints and copies
+    dicts, both atomic under the GIL)."""
+
+    def __init__(self, pool: MaterializerPool, transports: dict[str, Any], build: dict[str, str]):
+        self.pool = pool
+        self.transports = transports  # name -> object with a ``stats`` dataclass, or None
+        self.build = build
+
+    def collect(self) -> Iterator[Metric]:
+        pool, stats = self.pool, self.pool.stats
+        yield _gauge(
+            "mmadmit_inflight", "Requests admitted and not yet released by a worker.", pool.inflight
+        )
+        yield _gauge("mmadmit_queue_depth", "Admitted requests waiting for a worker.", pool.queued)
+        yield _gauge("mmadmit_running", "Requests a worker is materializing now.", pool.running)
+        yield _gauge("mmadmit_max_inflight", "The --max-inflight limit.", pool.max_inflight)
+        yield _gauge(
+            "mmadmit_draining", "1 once shutdown began (new requests refused).", int(pool.draining)
+        )
+        yield _counter("mmadmit_admitted", "Requests admitted to the pool.", stats.admitted)
+        yield _counter(
+            "mmadmit_cancelled_queued",
+            "Admitted requests removed from the queue before a worker took them.",
+            stats.cancelled_queued,
+        )
+        yield _counter(
+            "mmadmit_discarded_running",
+            "Requests ended early while running; their result was thrown away.",
+            stats.discarded_running,
+        )
+        yield _counter(
+            "mmadmit_inline",
+            "Admitted requests materialized inline (--inline-max-tokens).",
+            stats.inline,
+        )
+        admissions = CounterMetricFamily(
+            "mmadmit_admissions", "Admitted requests by where they ran.", labels=["path"]
+        )
+        admissions.add_metric(["inline"], stats.inline)
+        admissions.add_metric(["worker"], stats.admitted - stats.inline)
+        yield admissions
+        outcomes = dict(stats.outcomes)
+        outcomes["OVERLOADED"] = outcomes.get("OVERLOADED", 0) + stats.overloaded
+        outcomes["SHUTTING_DOWN"] = outcomes.get("SHUTTING_DOWN", 0) + stats.rejected_shutting_down
+        family = CounterMetricFamily(
+            "mmadmit_outcomes",
+            "Outcomes of the pool (admitted requests, and admissions refused) by code.",
+            labels=["outcome"],
+        )
+        for name, value in sorted(outcomes.items()):
+            family.add_metric([name], value)
+        yield family
+        undeliverable = CounterMetricFamily(
+            "mmadmit_undeliverable_replies",
+            "Outcomes that reached nobody: ZMQ replies or forwards given up, gRPC calls "
+            "cancelled or past their deadline before their answer.",
+            labels=["transport"],
+        )
+        for name, obj in self.transports.items():
+            numeric = _numeric(getattr(obj, "stats", None))
+            lost: float = numeric.get("undeliverable", numeric.get("calls_cancelled", 0))
+            undeliverable.add_metric([name], lost)
+            for key, count in numeric.items():  # every transport counter, as before
+                yield _untyped(f"mmadmit_{name}_{key}", count)
+        yield undeliverable
+        for metric, attr, doc in (
+            ("mmadmit_received_bytes", "received_bytes", "Bytes of request messages received."),
+            ("mmadmit_sent_bytes", "sent_bytes", "Bytes of outcome messages handed to the socket."),
+        ):
+            family = CounterMetricFamily(metric, doc, labels=["transport"])
+            for name, obj in self.transports.items():
+                family.add_metric([name], _numeric(getattr(obj, "stats", None)).get(attr, 0))
+            yield family
+        info = GaugeMetricFamily(
+            "mmadmit_build_info",
+            "The running profile and device (value 1).",
+            labels=sorted(self.build),
+        )
+        info.add_metric([self.build[k] for k in sorted(self.build)], 1)
+        yield info
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _untyped(name: str, value: float) -> Metric:
+    metric = Metric(name, f"Transport counter {name}.", "untyped")
+    metric.add_sample(name, {}, value)
+    return metric
+
+
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "StatsCollector",
+    "Telemetry",
+    "hashed_feature_bytes",
+    "request_size",
+    "token_bucket",
+]
