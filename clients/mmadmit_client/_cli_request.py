@@ -187,8 +187,10 @@ def _check_keys(
 def _int(value: Any, path: str, w: _Where, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise w.fail(path, f"must be an integer, got {json.dumps(value)}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise w.fail(path, f"{value} is outside [{lo}, {hi}]")
+    if lo is not None and value < lo:
+        raise w.fail(path, f"{value} is below {lo}")
+    if hi is not None and value > hi:
+        raise w.fail(path, f"{value} is above {hi}")
     return value
 
 

@@ -129,8 +129,8 @@ class GrpcTransport(CliTransport):
         await self.client.open()
         try:
             await self.client.health(timeout=self.options.connect_timeout_s)
-        except (ServerUnavailable, RequestTimeout) as exc:
-            raise ServerUnavailable(f"{self.target.text}: unreachable ({exc})") from exc
+        except RequestTimeout as exc:  # nothing answered within the connect timeout
+            raise ServerUnavailable(str(exc)) from exc
 
     async def aclose(self) -> None:
         await self.client.aclose()

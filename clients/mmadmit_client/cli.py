@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Command-line client of the mmadmit admission service (gRPC and ZMQ).",
-        epilog="exit status: 0 materialized / SERVING, 1 aborted / not SERVING, "
-        "2 unusable arguments, 3 unreachable",
+        epilog="exit status: 0 materialized (health: SERVING; bench: every request got an "
+        "outcome), 1 aborted (health: not SERVING; bench: requests without an outcome), "
+        "2 unusable arguments or request file, 3 unreachable or no outcome",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -155,11 +156,24 @@ def _grpc_address(text: str) -> str:
     return target.address
 
 
+def _probe_timeout(exc: Exception) -> Exception:
+    """A probe that got no answer within ``--timeout``: the server is unreachable."""
+    from ._exceptions import ServerUnavailable
+
+    err = ServerUnavailable(str(exc))
+    err.__cause__ = exc
+    return err
+
+
 def cmd_health(args: argparse.Namespace) -> int:
+    from ._exceptions import RequestTimeout
     from .grpc import AdmissionClient
 
     with AdmissionClient(_grpc_address(args.target)) as client:
-        status = client.health(args.service, timeout=args.timeout)
+        try:
+            status = client.health(args.service, timeout=args.timeout)
+        except RequestTimeout as exc:
+            raise _probe_timeout(exc) from exc
     if status == "SERVING":
         if not args.quiet:
             print(status)
@@ -171,10 +185,14 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_model_info(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from ._exceptions import RequestTimeout
     from .grpc import AdmissionClient
 
     with AdmissionClient(_grpc_address(args.target)) as client:
-        info = client.model_info(timeout=args.timeout)
+        try:
+            info = client.model_info(timeout=args.timeout)
+        except RequestTimeout as exc:
+            raise _probe_timeout(exc) from exc
     doc = dataclasses.asdict(info)
     doc["architectures"] = list(info.architectures)
     if args.json:
@@ -213,8 +231,7 @@ async def _admit(args: argparse.Namespace) -> int:
         from mmadmit.frames import pack_frames
 
         blob = pack_frames(result.reply_frames)
-        with open(args.out, "wb") as fh:
-            fh.write(blob)
+        _write(args.out, blob)
         print(
             f"reply written to {args.out} ({len(result.reply_frames)} frames, {len(blob)} bytes)",
             file=sys.stderr,
@@ -224,6 +241,16 @@ async def _admit(args: argparse.Namespace) -> int:
     else:
         _render_result(result, target.text)
     return EXIT_OK if result.materialized else EXIT_ABORTED
+
+
+def _write(path: str, blob: bytes) -> None:
+    from ._cli_request import UsageError
+
+    try:
+        with open(path, "wb") as fh:
+            fh.write(blob)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _render_result(result: Any, target: str) -> None:
@@ -273,7 +300,7 @@ async def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ._bench import BenchSettings, render_report, require_matplotlib, run_bench, write_plot
-    from ._cli_request import load_request_file
+    from ._cli_request import UsageError, load_request_file
     from ._cli_transport import open_transport, parse_target
 
     if args.plot:
@@ -294,7 +321,10 @@ async def _bench(args: argparse.Namespace) -> int:
     async with transport:
         report = await run_bench(transport, files, settings, stderr_console=Console(stderr=True))
     if args.plot:
-        write_plot(report, args.plot)
+        try:
+            write_plot(report, args.plot)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.plot}: {exc.strerror or exc}") from exc
         print(f"plot written to {args.plot}", file=sys.stderr)
     if args.json:
         doc = report.to_json()
@@ -318,14 +348,16 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ._cli_request import UsageError
-    from ._exceptions import ClientError
+    from ._exceptions import ClientError, ServerUnavailable
 
     try:
         return _run(args)
     except UsageError as exc:
         return _fail(f"error: {exc}", EXIT_USAGE)
-    except ClientError as exc:  # unreachable, timed out, broken answer: no outcome
-        return _fail(f"{type(exc).__name__}: {exc}", EXIT_UNREACHABLE)
+    except ServerUnavailable as exc:
+        return _fail(f"{args.target}: unreachable: {exc}", EXIT_UNREACHABLE)
+    except ClientError as exc:  # timed out, transport failure, broken answer: no outcome
+        return _fail(f"{args.target}: no outcome: {type(exc).__name__}: {exc}", EXIT_UNREACHABLE)
     except KeyboardInterrupt:
         return 130
 
