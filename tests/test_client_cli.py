@@ -452,7 +452,7 @@ async def test_exit_codes_unusable_and_unreachable(servers: Servers, tmp_path: P
     unreachable = [
         ("admit", f"grpc://127.0.0.1:{dead}", ex),
         ("admit", f"tcp://127.0.0.1:{dead}", ex, "--timeout", "0.5"),
-        ("admit", f"ipc://{tmp_path}/nothing.sock", ex, "--timeout", "0.5"),
+        ("admit", f"ipc:///tmp/mmadmit-cli-test-{os.getpid()}.sock", ex, "--timeout", "0.5"),
         ("health", f"grpc://127.0.0.1:{dead}"),
         ("model-info", f"grpc://127.0.0.1:{dead}"),
         ("bench", f"tcp://127.0.0.1:{dead}", ex, "--requests", "2", "--timeout", "0.5"),

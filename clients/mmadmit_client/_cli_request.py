@@ -35,7 +35,7 @@ import dataclasses
 import json
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -516,6 +516,8 @@ def request_to_proto(req: Request) -> Any:
     items = []
     mrope = None
     if mm is not None:
+        # the wire's per-request overrides become each item's placeholder_token_id
+        override = {int(Modality.IMAGE): mm.im_token_id, int(Modality.VIDEO): mm.video_token_id}
         for i, it in enumerate(mm.items):
             name = MODALITY_NAMES.get(it.modality)
             if name is None:
@@ -534,7 +536,6 @@ def request_to_proto(req: Request) -> Any:
                     s.nbytes or 0,
                     s.owner_id or "",
                 )
-            override = {int(Modality.IMAGE): mm.im_token_id, int(Modality.VIDEO): mm.video_token_id}
             if it.hash is not None and not 0 <= it.hash <= _UINT64_MAX:
                 raise UsageError(f"item {i}: hash {it.hash} is not an unsigned 64-bit integer")
             if it.pad_value is not None and not 0 <= it.pad_value <= _UINT32_MAX:
@@ -758,12 +759,3 @@ def reply_frames_from_grpc(outcome: Any, sent: Request) -> list[Any]:
     req = dataclasses.replace(sent, input_ids=ids, input_ids_unpadded=unpadded, mm=mm)
     rule = Rule.UPSTREAM if outcome.passthrough else Rule.NORMAL
     return wire.encode_materialized(ModelMaterialized(req, rule))
-
-
-def frames_as_bytes(frames: Sequence[Any]) -> list[bytes]:
-    return [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in frames]
-
-
-def summarize_frames(frames: Sequence[Any]) -> Mapping[str, int]:
-    sizes = [memoryview(f).nbytes for f in frames]
-    return {"frames": len(sizes), "bytes": sum(sizes)}

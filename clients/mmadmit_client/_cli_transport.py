@@ -17,6 +17,7 @@ nothing answers), over ZMQ the socket monitor's first connection
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -145,8 +146,6 @@ class GrpcTransport(CliTransport):
         latency_ms = (time.perf_counter() - t0) * 1e3
         sent = loaded.decoded()
         if rid is not None and rid != sent.rid:
-            import dataclasses
-
             sent = dataclasses.replace(sent, rid=rid)
         return result_from_grpc(outcome, sent, latency_ms)
 
