@@ -42,3 +42,25 @@ protos: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info service/mmadmit/_proto service/mmadmit/*.so
+
+# Containers (deploy/README.md). compose-smoke builds the image, brings
+# docker-compose.yml up, admits a vector over gRPC and ZMQ from the host and
+# checks the drain on stop; without podman or docker it prints SKIP and passes.
+# Offline (no registry, no index): make compose-smoke OFFLINE=1 (as root: it
+# debootstraps the base images and fills a wheelhouse when they are missing).
+.PHONY: compose-smoke compose-base compose-wheelhouse compose-wheelhouse-clean deploy-validate
+
+compose-smoke: setup
+	scripts/compose_smoke.sh
+
+compose-base:
+	scripts/compose_base.sh
+
+compose-wheelhouse:
+	scripts/compose_wheelhouse.sh deploy/wheelhouse
+
+compose-wheelhouse-clean:
+	rm -f deploy/wheelhouse/*.whl
+
+deploy-validate: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
