@@ -53,6 +53,7 @@ from mmadmit_client import RequestTimeout
 from mmadmit_client.grpc import (
     Aborted,
     AsyncAdmissionClient,
+    LoadBalancing,
     Materialized,
     build_item,
     build_request,
@@ -549,3 +550,28 @@ async def test_admitted_requests_are_freed_by_refcount_not_left_to_the_cyclic_gc
             gc.set_debug(0)
             gc.garbage.clear()
         assert leaked == [], f"{len(leaked)} objects freed only by the cyclic GC: {leaked[:8]}"
+
+
+# --------------------------------------------------------------------------- scale-out
+
+
+async def test_round_robin_client_spreads_calls_over_replicas() -> None:
+    """Two replicas behind one target, as a headless Service resolves: ``round_robin``
+    sends calls to both; gRPC's default ``pick_first`` sends every call to one."""
+    async with running(hook=False) as a, running(hook=False) as b:
+        ports = [svc.handle.addresses["grpc"].rpartition(":")[2] for svc in (a, b)]
+        target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        counts = []
+        policies: tuple[LoadBalancing, ...] = ("round_robin", "pick_first")
+        for policy in policies:
+            before = [svc.handle.grpc.stats.requests for svc in (a, b)]
+            async with AsyncAdmissionClient(target, load_balancing=policy) as client:
+                await client.health(timeout=10)  # connected
+                for i in range(10):
+                    out = await client.admit(admit_request(f"{policy}-{i}"), timeout=10)
+                    assert isinstance(out, Materialized)
+            after = [svc.handle.grpc.stats.requests for svc in (a, b)]
+            counts.append([n - m for n, m in zip(after, before, strict=True)])
+        # round_robin alternates over the ready subchannels (one may connect a call late)
+        assert min(counts[0]) >= 3 and sum(counts[0]) == 10, counts
+        assert sorted(counts[1]) == [0, 10], counts

@@ -33,10 +33,11 @@ the server's default). A message over a limit fails its whole call; on
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -427,12 +428,31 @@ def map_grpc_errors(what: str) -> Iterator[None]:
         raise TransportError(message) from exc
 
 
-def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+LoadBalancing = Literal["pick_first", "round_robin"]
+
+
+def _channel_options(
+    max_message_bytes: int,
+    load_balancing: LoadBalancing | None = None,
+    extra: Sequence[tuple[str, Any]] = (),
+) -> list[tuple[str, Any]]:
+    """Channel options: message limits, the load-balancing policy, then ``extra``.
+
+    ``round_robin`` spreads calls over every address the target resolves to
+    (a headless Kubernetes Service ``dns:///mmadmit.NS.svc:50051``, or
+    ``ipv4:HOST:PORT,HOST:PORT``); gRPC's default, ``pick_first``, sends every
+    call to one replica.
+    """
     limit = min(max_message_bytes, _GRPC_MAX_MESSAGE_BYTES)
-    return [
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
     ]
+    if load_balancing is not None:
+        config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
+        options.append(("grpc.service_config", json.dumps(config)))
+    options.extend(extra)
+    return options
 
 
 _HEALTH_NAMES = {v: k for k, v in health_pb2.HealthCheckResponse.ServingStatus.items()}
@@ -465,9 +485,17 @@ class _StateMixin:
 class AsyncAdmissionClient(_StateMixin):
     """``grpc.aio`` client; use it on one event loop, inside ``async with``."""
 
-    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        load_balancing: LoadBalancing | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.target = target
         self.max_message_bytes = max_message_bytes
+        self._options = _channel_options(max_message_bytes, load_balancing, channel_options)
         self._state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.AdmissionStub | None = None
@@ -479,9 +507,7 @@ class AsyncAdmissionClient(_StateMixin):
 
     async def open(self) -> None:
         self._begin_open()
-        self._channel = grpc.aio.insecure_channel(
-            self.target, options=_channel_options(self.max_message_bytes)
-        )
+        self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.AdmissionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._state = ClientState.OPENED
@@ -571,9 +597,17 @@ class AsyncAdmissionClient(_StateMixin):
 class AdmissionClient(_StateMixin):
     """Blocking client with the methods of :class:`AsyncAdmissionClient`; use inside ``with``."""
 
-    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        load_balancing: LoadBalancing | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.target = target
         self.max_message_bytes = max_message_bytes
+        self._options = _channel_options(max_message_bytes, load_balancing, channel_options)
         self._state = ClientState.UNOPENED
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.AdmissionStub | None = None
@@ -585,9 +619,7 @@ class AdmissionClient(_StateMixin):
 
     def open(self) -> None:
         self._begin_open()
-        self._channel = grpc.insecure_channel(
-            self.target, options=_channel_options(self.max_message_bytes)
-        )
+        self._channel = grpc.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.AdmissionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._state = ClientState.OPENED
