@@ -112,6 +112,27 @@ def vector_loader():
     return load_vector
 
 
+@pytest.fixture(params=["native", "fallback"])
+def native_mode(request: pytest.FixtureRequest) -> Any:
+    """Run a test twice: C extensions on, then Python fallbacks only (``--native off``).
+
+    The vector and transport tests use it (``pytestmark``), so the suite proves
+    both ways serve every vector and transport case. In-process servers started
+    in the test get the same setting (their config's ``native``; see
+    ``test_admission_both_transports.running``).
+    """
+    from mmadmit import intcodec, kernels, native, pbwire, planner  # noqa: F401 (register)
+
+    on = request.param == "native"
+    if on and not any(native.built().values()):
+        pytest.skip("no C extension is built: the fallback run covers it")
+    native.set_enabled(on)
+    try:
+        yield on
+    finally:
+        native.set_enabled(True)
+
+
 async def http_get(address: str, path: str = "/metrics", method: str = "GET") -> tuple[int, str]:
     """One plain HTTP/1.1 request to the metrics endpoint: (status, body)."""
     host, _, port = address.rpartition(":")

@@ -42,7 +42,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from conftest import CONFIGS, http_get
-from mmadmit import wire
+from mmadmit import native, wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.config import build_config
 from mmadmit.grpc_server import ADMISSION_SERVICE
@@ -66,6 +66,7 @@ QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
 pytestmark = [
     pytest.mark.skipif(not MODEL.is_file(), reason=f"no model config at {MODEL}"),
     pytest.mark.timeout(60),
+    pytest.mark.usefixtures("native_mode"),  # every case with native code on and off
 ]
 
 
@@ -132,6 +133,7 @@ async def running(*, hook: bool = True, **settings: Any) -> AsyncIterator[Servic
             "grpc_listen": "127.0.0.1:0",
             "zmq_listen": "tcp://127.0.0.1:0",
             "metrics_listen": "127.0.0.1:0",
+            "native": "on" if native.enabled() else "off",  # as the native_mode fixture set
             **settings,
         },
         environ={},

@@ -62,6 +62,8 @@ MODEL_CONFIG = {
     "llama": CONFIGS / "llama.json",
 }
 VECTORS = vector_names()
+# every case with native code on and off (conftest.native_mode)
+pytestmark = pytest.mark.usefixtures("native_mode")
 needs_vectors = pytest.mark.skipif(not VECTORS, reason="no wire vectors (set MMADMIT_VECTORS)")
 
 

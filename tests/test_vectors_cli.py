@@ -61,9 +61,12 @@ def _split(raw: bytes | memoryview | msgspec.Raw) -> list[bytes]:
     return [bytes(r) for r in _SPLIT.decode(raw)]
 
 
-@pytest.fixture(scope="module")
-def replies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Run the command once per vector (module scope keeps the suite fast)."""
+@pytest.fixture(scope="module", params=["on", "off"], ids=["native", "fallback"])
+def replies(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple]:
+    """Run the command once per vector (module scope keeps the suite fast), with native
+    code on and with ``--native off`` (the Python fallbacks only): the same replies."""
     out: dict[str, tuple] = {}
     if not NAMES:
         return out
@@ -71,7 +74,15 @@ def replies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     for name in NAMES:
         vec = load_vector(name)
         dst = tmp / f"{name}.reply"
-        proc = _run("materialize", "--model", str(vec.config), str(vec.frames_path), str(dst))
+        proc = _run(
+            "materialize",
+            "--model",
+            str(vec.config),
+            "--native",
+            request.param,
+            str(vec.frames_path),
+            str(dst),
+        )
         out[name] = (vec, proc, dst)
     return out
 

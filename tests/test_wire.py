@@ -21,6 +21,8 @@ ENC = msgspec.msgpack.Encoder()
 SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 NAMES = vector_names()
+# every case with native code on and off (conftest.native_mode)
+pytestmark = pytest.mark.usefixtures("native_mode")
 needs_vectors = pytest.mark.skipif(not NAMES, reason=f"no vectors at {VECTORS}")
 
 # Qwen3.5 ids (public checkpoint)

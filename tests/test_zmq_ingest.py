@@ -56,7 +56,8 @@ from mmadmit.zmq_ingest import ZmqIngest
 from mmadmit_client import ClientStateError, RequestTimeout, ServerUnavailable
 from mmadmit_client.zmq import AsyncZmqClient, ClientState, ZmqClient, ZmqOutcome
 
-pytestmark = pytest.mark.timeout(30)
+# every case with native code on and off (conftest.native_mode)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("native_mode")]
 
 VECTORS = vector_names()
 needs_vectors = pytest.mark.skipif(not VECTORS, reason="no wire vectors (set MMADMIT_VECTORS)")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import wire
+from . import native, wire
 from .config import add_config_arguments, build_config
 from .errors import Abort, AbortCode, ConfigError
 from .frames import pack_frames, parse_frames
@@ -25,7 +25,7 @@ EXIT_OK = 0
 EXIT_ABORTED = 1
 EXIT_USAGE = 2
 
-_MODEL_FIELDS = ("model", "role", "language_model_only", "max_model_len")
+_MODEL_FIELDS = ("model", "role", "language_model_only", "max_model_len", "native")
 
 
 def replay(materializer: Materializer, frames: Sequence[Any]) -> tuple[list[Any], Abort | None]:
@@ -63,6 +63,7 @@ def _write_output(path: str, data: bytes) -> None:
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
     config = build_config({k: getattr(args, k) for k in _MODEL_FIELDS})
+    native.set_enabled(config.native)
     materializer = Materializer(config.load_profile(), config.limits)
     try:
         frames = parse_frames(_read_input(args.input))

@@ -194,6 +194,14 @@ class ServeConfig:
             "items, latency); off to silence them",
         },
     )
+    native: bool = field(
+        default=True,
+        metadata={
+            "parse": _bool,
+            "help": "use the optional C extensions on request bytes (on), or only their "
+            "Python fallbacks (off: no native code parses untrusted input)",
+        },
+    )
 
     @property
     def limits(self) -> Limits:

@@ -16,7 +16,7 @@ included:
   native ones. Encoding is ``msgspec`` on ``values.tolist()``.
 
 ``HAVE_NATIVE`` says which one :func:`decode_int_array` and
-:func:`encode_int_array` use.
+:func:`encode_int_array` use (:mod:`mmadmit.native` can switch the native one off).
 
 Splitting (for the wire codec): :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
@@ -47,10 +47,14 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from mmadmit import native
+
 try:
-    from mmadmit import _intcodec  # type: ignore[attr-defined]
+    from mmadmit import _intcodec as _BUILT  # type: ignore[attr-defined]
 except ImportError:  # not built (no compiler at install time): use the fallback
-    _intcodec = None
+    _BUILT = None
+
+_intcodec: Any = _BUILT  # the extension; the _*_impl below say which one runs
 
 __all__ = [
     "HAVE_NATIVE",
@@ -490,15 +494,30 @@ def _encode_py(values: npt.NDArray[np.int64]) -> bytes:
 
 # --------------------------------------------------------------------------
 
-if HAVE_NATIVE:
-    _decode_impl = _decode_native
-    _encode_impl = _encode_native
-    _split_impl = _split_native
-    _spans_impl = _spans_native
-    _rows_impl = _rows_native
-else:
-    _decode_impl = _decode_py
-    _encode_impl = _encode_py
-    _split_impl = _split_py
-    _spans_impl = _spans_py
-    _rows_impl = _rows_py
+_decode_impl = _decode_py
+_encode_impl = _encode_py
+_split_impl = _split_py
+_spans_impl = _spans_py
+_rows_impl = _rows_py
+
+
+def _use_native(on: bool) -> bool:
+    """Point the public functions at the extension (when built and ``on``) or the fallback."""
+    global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
+    HAVE_NATIVE = on and _BUILT is not None
+    if HAVE_NATIVE:
+        _decode_impl = _decode_native
+        _encode_impl = _encode_native
+        _split_impl = _split_native
+        _spans_impl = _spans_native
+        _rows_impl = _rows_native
+    else:
+        _decode_impl = _decode_py
+        _encode_impl = _encode_py
+        _split_impl = _split_py
+        _spans_impl = _spans_py
+        _rows_impl = _rows_py
+    return HAVE_NATIVE
+
+
+native.register(__name__, _use_native)

@@ -1,5 +1,6 @@
 """Fused per-token loops of the CPU path: the C extension ``_kernels`` when built,
-else the numpy implementations (identical results; tests compare them).
+else (or with native code switched off, :mod:`mmadmit.native`) the numpy
+implementations (identical results; tests compare them).
 
 The numpy versions need several full passes and temporaries per step, which is
 what dominates a 128K-token request; the C loops write each element once and
@@ -8,16 +9,29 @@ run without the GIL (so workers scale across cores).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from . import mrope
+from . import mrope, native
 
 try:
-    from . import _kernels  # type: ignore[attr-defined]
+    from . import _kernels as _BUILT  # type: ignore[attr-defined]
 except ImportError:  # no compiler at install time: numpy fallback
-    _kernels = None
+    _BUILT = None
 
+_kernels: Any = _BUILT  # the active extension; None: numpy (native.set_enabled)
 HAVE_NATIVE = _kernels is not None
+
+
+def _use_native(on: bool) -> bool:
+    global _kernels, HAVE_NATIVE
+    _kernels = _BUILT if on else None
+    HAVE_NATIVE = _kernels is not None
+    return HAVE_NATIVE
+
+
+native.register(__name__, _use_native)
 
 
 def _i64(a: np.ndarray) -> np.ndarray:

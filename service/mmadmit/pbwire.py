@@ -48,7 +48,7 @@ replaced.
 
 Two implementations of each function with the same results: the optional C
 extension ``mmadmit._pbwire`` and the Python/numpy fallback here
-(``HAVE_NATIVE`` says which one runs).
+(``HAVE_NATIVE`` says which one runs; :mod:`mmadmit.native` switches it).
 """
 
 from __future__ import annotations
@@ -59,12 +59,15 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from . import native
 from ._proto import admission_pb2 as pb
 
 try:
-    from mmadmit import _pbwire  # type: ignore[attr-defined]
+    from mmadmit import _pbwire as _BUILT  # type: ignore[attr-defined]
 except ImportError:  # not built (no compiler at install time): use the fallback
-    _pbwire = None
+    _BUILT = None
+
+_pbwire: Any = _BUILT  # the active extension; None: the fallback (native.set_enabled)
 
 __all__ = [
     "HAVE_NATIVE",
@@ -78,6 +81,16 @@ __all__ = [
 ]
 
 HAVE_NATIVE: bool = _pbwire is not None
+
+
+def _use_native(on: bool) -> bool:
+    global _pbwire, HAVE_NATIVE
+    _pbwire = _BUILT if on else None
+    HAVE_NATIVE = _pbwire is not None
+    return HAVE_NATIVE
+
+
+native.register(__name__, _use_native)
 
 # Inline payloads at least this large are stripped (smaller ones cost less to
 # copy than to track).

@@ -9,8 +9,8 @@ does not take (a shared-memory feature, an int16 grid, float64 seconds, ...).
 So the accelerator never decides an abort and never words a message; tests
 compare it with the Python path on valid and on mutated requests.
 
-Without the extension every call answers ``None`` and the Python path does
-everything.
+Without the extension (or with native code switched off, :mod:`mmadmit.native`)
+every call answers ``None`` and the Python path does everything.
 """
 
 from __future__ import annotations
@@ -21,17 +21,29 @@ from typing import Any
 
 import numpy as np
 
+from . import native
 from .dtypes import parse_dtype
 from .model import Item, Modality, Tensor
 from .mrope import GRID_KEYS, RunPlan, _f32, time_keys
 from .profile import Family, ModelProfile
 
 try:
-    from . import _planner  # type: ignore[attr-defined]
+    from . import _planner as _BUILT  # type: ignore[attr-defined]
 except ImportError:  # no compiler at install time: the Python path does it all
-    _planner = None
+    _BUILT = None
 
+_planner: Any = _BUILT  # the active extension; None: the Python path (native.set_enabled)
 HAVE_NATIVE = _planner is not None
+
+
+def _use_native(on: bool) -> bool:
+    global _planner, HAVE_NATIVE
+    _planner = _BUILT if on else None
+    HAVE_NATIVE = _planner is not None
+    return HAVE_NATIVE
+
+
+native.register(__name__, _use_native)
 
 # The C side knows these keys by name; keep them in step with mrope.
 assert GRID_KEYS[Modality.IMAGE] == "image_grid_thw"

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import native
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
@@ -107,12 +108,14 @@ def build_pool(
 
     workers = default_workers(config, device == "cuda")
     logger.info(
-        "materializer: %s on %s, %d worker(s), max %d in flight, inline up to %d tokens",
+        "materializer: %s on %s, %d worker(s), max %d in flight, inline up to %d tokens, "
+        "native code %s",
         profile.family.value,
         device,
         workers,
         config.max_inflight,
         config.inline_max_tokens,
+        "on" if config.native else "off",
         extra=fields(
             "starting",
             family=profile.family.value,
@@ -120,6 +123,7 @@ def build_pool(
             workers=workers,
             max_inflight=config.max_inflight,
             inline_max_tokens=config.inline_max_tokens,
+            native=config.native,
         ),
     )
     return MaterializerPool(
@@ -141,6 +145,7 @@ async def start_server(
     before_run: BeforeRun | None = None,
 ) -> ServerHandle:
     """Bind everything, warm up, turn SERVING; resources are pushed onto ``stack``."""
+    native.set_enabled(config.native)  # before anything reads a request
     profile = config.load_profile()
     telemetry = Telemetry(profile.family.value, log_outcomes=config.log_outcomes)
     pool = build_pool(config, profile, before_run=before_run, telemetry=telemetry)
