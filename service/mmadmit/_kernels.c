@@ -146,7 +146,13 @@ kernels_mrope_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
         err = "run arrays must have equal lengths";
     }
     int64_t n = total / 3, prev_end = 0;
-    /* Validate every run before writing anything. */
+    /* Validate every run before writing anything, and replay the position
+     * arithmetic of fill_positions (per run and per frame, never per token)
+     * so no value it computes can overflow int64: temporal indices come from
+     * the caller, and a huge one made origin + t overflow (signed overflow is
+     * undefined behaviour). Products are checked by division: n is bounded
+     * only by the output buffer. */
+    int64_t pos = 0, tok = 0;
     for (Py_ssize_t r = 0; err == NULL && r < k; r++) {
         if (frames[r] < 1 || rows[r] < 1 || cols[r] < 1) {
             err = "run dimensions must be positive";
@@ -154,15 +160,37 @@ kernels_mrope_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
         else if (start[r] < prev_end) {
             err = "runs must be sorted by start and disjoint";
         }
-        else if (frames[r] > n || rows[r] > n || cols[r] > n
-                 || frames[r] * rows[r] > n || frames[r] * rows[r] * cols[r] > n - start[r]) {
+        else if (start[r] > n || frames[r] > n || rows[r] > n / frames[r]
+                 || cols[r] > (n - start[r]) / (frames[r] * rows[r])) {
             err = "a run extends past the end of the prompt";
         }
         else if (t_off[r] < 0 || t_off[r] > nt - frames[r]) {
             err = "t_off/frames out of range of t_index";
         }
         else {
-            prev_end = start[r] + frames[r] * rows[r] * cols[r];
+            /* invariant: 0 <= tok <= start[r] <= n and 0 <= pos <= INT64_MAX - n */
+            int64_t origin = pos + (start[r] - tok);
+            int64_t reach = rows[r] - 1 > cols[r] - 1 ? rows[r] - 1 : cols[r] - 1;
+            const int64_t *tr = t_index + t_off[r];
+            for (int64_t f = 0; f < frames[r]; f++) {
+                if (tr[f] < 0) {
+                    err = "t_index values must be non-negative";
+                    break;
+                }
+                reach = tr[f] > reach ? tr[f] : reach;
+            }
+            /* every position of the run and after it stays <= INT64_MAX */
+            if (err == NULL && origin > INT64_MAX - n - 1 - reach) {
+                err = "positions overflow int64";
+            }
+            if (err == NULL) {
+                int64_t extent = tr[frames[r] - 1];
+                extent = rows[r] - 1 > extent ? rows[r] - 1 : extent;
+                extent = cols[r] - 1 > extent ? cols[r] - 1 : extent;
+                pos = origin + extent + 1;
+                tok = start[r] + frames[r] * rows[r] * cols[r];
+                prev_end = tok;
+            }
         }
     }
     if (err != NULL) {

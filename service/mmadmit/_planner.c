@@ -311,7 +311,12 @@ read_grid(PyObject *obj, const ctx_t *c, int64_t **rows, Py_ssize_t *nrows)
         return 1;
     }
     int is64 = t.dtype == c->dt_int64, is32 = t.dtype == c->dt_int32;
-    if (!(is64 || is32) || t.nbytes != r * 3 * (is64 ? 8 : 4)) {
+    /* The byte length is checked by division: r comes from the shape, which a
+     * caller may set to anything, so r * 3 * width could overflow (a forged
+     * shape [2**61, 3] once passed a multiplied check and sized the malloc
+     * below too small). */
+    Py_ssize_t width = is64 ? 8 : 4;
+    if (!(is64 || is32) || t.nbytes % (3 * width) != 0 || r != t.nbytes / (3 * width)) {
         return 1;
     }
     int64_t *out = malloc((size_t)r * 3 * sizeof(int64_t));
@@ -351,7 +356,7 @@ read_seconds(PyObject *side, const ctx_t *c, Py_ssize_t nrows, float *out)
         if (rc != 0) {
             return rc;
         }
-        if (t.dtype != c->dt_float32 || t.nbytes % 4 != 0 || t.numel * 4 != t.nbytes) {
+        if (t.dtype != c->dt_float32 || t.nbytes % 4 != 0 || t.numel != t.nbytes / 4) {
             return 1;
         }
         Py_ssize_t count = t.nbytes / 4;
@@ -374,6 +379,11 @@ read_seconds(PyObject *side, const ctx_t *c, Py_ssize_t nrows, float *out)
     return 0;
 }
 
+/* The temporal index of frame k (k >= 0), or -1 when it is not below
+ * MAX_TEMPORAL_INDEX (mrope.MAX_TEMPORAL_INDEX: the Python path words that
+ * abort). Checked before the conversion: a float at or above 2**63 (or NaN)
+ * converted to int64 is undefined behaviour. */
+#define MAX_TEMPORAL_INDEX 1099511627776.0f /* 2**40 */
 static int64_t
 temporal_index(const ctx_t *c, int64_t k, float seconds)
 {
@@ -383,14 +393,18 @@ temporal_index(const ctx_t *c, int64_t k, float seconds)
     case 1:
         a = kf * seconds;
         b = a * c->tps;
-        return (int64_t)b;
+        break;
     case 2:
         a = seconds * c->pps;
         b = kf * a;
-        return (int64_t)b;
+        break;
     default:
         return k;
     }
+    if (!(b >= 0.0f && b < MAX_TEMPORAL_INDEX)) {
+        return -1;
+    }
+    return (int64_t)b;
 }
 
 /* All of p[a:z] equal to want (no early exit: the loop vectorizes). */
@@ -589,7 +603,10 @@ plan_item(PyObject *item, Py_ssize_t idx, const ctx_t *c, int64_t n, int need_pa
             || t > n) {
             goto done;
         }
-        expected += split ? t : 1;
+        expected += split ? t : 1; /* t <= n and expected <= nspans: no overflow */
+        if (expected > nspans) {
+            goto done;
+        }
     }
     if (expected != nspans) {
         goto done;
@@ -611,12 +628,15 @@ plan_item(PyObject *item, Py_ssize_t idx, const ctx_t *c, int64_t n, int need_pa
     for (Py_ssize_t r = 0; r < nrows; r++) {
         int64_t t = grid[3 * r], hh = grid[3 * r + 1] / merge, ww = grid[3 * r + 2] / merge;
         int64_t units = split ? t : 1, unit_t = split ? 1 : t;
-        if (hh > n || ww > n || hh * ww > n) {
+        /* Products by division: n is only bounded by the ids buffer. */
+        if (hh > n || ww > n || hh > n / ww) {
             goto done;
         }
+        int64_t cells = hh * ww; /* <= n */
         for (int64_t u = 0; u < units; u++, k++) {
             int64_t a = off[2 * k], b = off[2 * k + 1];
-            if (b - a + 1 != unit_t * hh * ww) { /* unit_t <= n, hh*ww <= n: no overflow */
+            int64_t len = b - a + 1; /* 1 <= len <= n */
+            if (len % cells != 0 || len / cells != unit_t) {
                 goto done;
             }
             if (vec_push(&runs_v[0], a) < 0 || vec_push(&runs_v[1], unit_t) < 0
@@ -628,6 +648,9 @@ plan_item(PyObject *item, Py_ssize_t idx, const ctx_t *c, int64_t n, int need_pa
             }
             for (int64_t fr = 0; fr < unit_t; fr++) {
                 int64_t tv = (is_video && !split) ? temporal_index(c, fr, seconds[r]) : 0;
+                if (tv < 0) {
+                    goto done;
+                }
                 if (vec_push(t_index, tv) < 0) {
                     PyErr_NoMemory();
                     rc = -1;
@@ -699,10 +722,25 @@ planner_plan(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
     if (parse_ctx(args[2], &c) < 0) {
         return NULL;
     }
-    int64_t ph[4] = {-1, PyLong_AsLongLong(args[3]), PyLong_AsLongLong(args[4]),
-                     PyLong_AsLongLong(args[5])};
+    /* A placeholder id comes from the request (im_token_id / video_token_id
+     * overrides) and may be any msgpack int: one outside int64 matches no
+     * token, so it is "not sure" (the Python path words the abort), never an
+     * OverflowError (which the materializer would turn into INTERNAL). */
+    int64_t ph[4] = {-1, -1, -1, -1};
+    for (int k = 1; k <= 3; k++) {
+        if (!PyLong_Check(args[2 + k])) {
+            PyErr_SetString(PyExc_TypeError, "placeholder ids must be ints");
+            return NULL;
+        }
+        int ovf = 0;
+        long long v = PyLong_AsLongLongAndOverflow(args[2 + k], &ovf);
+        if (v == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        ph[k] = ovf ? -2 : v; /* -2: out of range, makes the pass answer None */
+    }
     int need_pad = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred()) {
+    if (need_pad < 0) {
         return NULL;
     }
     Py_buffer ib;

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 Outcome = Materialized | Abort
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -452,6 +454,9 @@ class Materializer:
             else _scalar_of(mm.mrope_position_delta, "mrope_position_delta")
         )
         scalar = mm.mrope_position_delta_scalar
+        if scalar is not None and not _INT64_MIN <= scalar <= _INT64_MAX:
+            # any msgpack int on the wire; it is stored as an int64 tensor
+            raise InvalidRequest(f"mrope_position_delta_scalar {scalar} is outside int64")
         if tensor_delta is not None and scalar is not None and tensor_delta != scalar:
             raise InvalidRequest(
                 f"mrope_position_delta {tensor_delta} disagrees with mrope_position_delta_scalar "
@@ -555,15 +560,22 @@ class Materializer:
         """Every token of a span is its modality's placeholder (rule 5)."""
         if not len(spans.start):
             return
-        want = np.asarray([-1 if e is None else e for e in expected_ids], np.int64)[spans.owner]
+        # A request's placeholder override may be any msgpack int; one outside int64
+        # (like a missing id) matches no token: ids were checked to be in [0, vocab).
+        per_item = [
+            -1 if e is None or not _INT64_MIN <= e <= _INT64_MAX else e for e in expected_ids
+        ]
+        want = np.asarray(per_item, np.int64)[spans.owner]
         k = kernels.first_mismatch(original, spans.start, spans.stop, want)
         if k >= 0:
             a, b = int(spans.start[k]), int(spans.stop[k])
             off = int(np.flatnonzero(original[a:b] != want[k])[0])
+            owner = int(spans.owner[k])
+            shown = expected_ids[owner]
             raise InvalidRequest(
                 f"{spans.describe(k)} holds token {int(original[a + off])} at {a + off}; every "
-                f"token in a {modalities[int(spans.owner[k])]} span must be the placeholder "
-                f"{int(want[k])}"
+                f"token in a {modalities[owner]} span must be the placeholder "
+                f"{-1 if shown is None else shown}"
             )
 
     def _fast_plan(

@@ -104,6 +104,11 @@ def _grid_rows(
 
 _F32 = struct.Struct("<f")
 MAX_SECONDS_PER_ROW = 1e6  # far beyond any video; keeps float32 products finite
+# Temporal indices at or above this are refused (a profile's tokens_per_second or
+# position_id_per_seconds times MAX_SECONDS_PER_ROW can exceed int64): far beyond
+# any video, and low enough that positions never overflow int64. _planner.c
+# leaves such a video to this path, which words the abort.
+MAX_TEMPORAL_INDEX = 2**40
 
 
 def _f32(x: float) -> float:
@@ -236,7 +241,14 @@ def plan_runs(profile: ModelProfile, items: Sequence[Item]) -> RunPlan:
                 t_off.append(len(t_index))
                 if is_video and not split:
                     assert seconds is not None
-                    t_index.extend(_temporal_index(profile, unit_t, seconds[row_i]))
+                    tv = _temporal_index(profile, unit_t, seconds[row_i])
+                    if not 0 <= tv[-1] < MAX_TEMPORAL_INDEX:  # monotone: the last is extreme
+                        raise InvalidRequest(
+                            f"item {idx}: grid row {row_i} gives frame {unit_t - 1} the temporal "
+                            f"index {tv[-1]}, outside [0, {MAX_TEMPORAL_INDEX}) (seconds per grid "
+                            f"row {seconds[row_i]:g})"
+                        )
+                    t_index.extend(tv)
                 else:
                     t_index.extend([0] * unit_t)
                 k += 1

@@ -207,8 +207,13 @@ class _NotFast(Exception):
     """The typed fast path does not take this input; the general path decides."""
 
 
-class _FastTensor(msgspec.Struct, array_like=True, gc=False):
-    """A tensor ``[dtype, shape, data]`` as the typed item decoder takes it."""
+class _FastTensor(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """A tensor ``[dtype, shape, data]`` as the typed item decoder takes it.
+
+    Exactly three elements, as :meth:`_TensorReader.tensor` demands: an
+    array-like struct otherwise skips trailing elements, and the fast path
+    accepted ``[dtype, shape, data, extra]`` that the general path refuses.
+    """
 
     dtype: str
     shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]

@@ -1,0 +1,257 @@
+"""Every crash or native/Python divergence the fuzz targets found, as a fixed test.
+
+Each case is the smallest input that showed the fault (RELIABILITY.md lists
+when and how each was found, and its root-cause fix). The native entry points
+are called directly where the fault was in one; the whole path runs with
+native code on and off where the fault was visible from the network. The
+saved fuzzer inputs (``fuzz/corpus/*/regress-*``) are replayed by
+``tests/test_fuzz_smoke.py``.
+
+Run with: python -m pytest tests/test_fuzz_regressions.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from mmadmit import kernels, native, planner, wire
+from mmadmit.dtypes import parse_dtype
+from mmadmit.errors import Abort, AbortCode
+from mmadmit.materializer import Materializer
+from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
+from mmadmit.profile import load_profile
+
+Ext = msgspec.msgpack.Ext
+ENC = msgspec.msgpack.Encoder()
+TAG = "TokenizedGenerateReqInput"
+IMG, VID = 248056, 248057  # Qwen3.5 image / video placeholders
+
+needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_planner not built")
+needs_kernels = pytest.mark.skipif(kernels._BUILT is None, reason="_kernels not built")
+
+
+def both_ways(m: Materializer, req: Request) -> list[Materialized | Abort]:
+    """The outcome with native code on, then off (the fallback is the reference)."""
+    out = []
+    for on in (True, False):
+        native.set_enabled(on)
+        try:
+            out.append(m.run(req))
+        finally:
+            native.set_enabled(True)
+    return out
+
+
+def _summary(o: Materialized | Abort) -> Any:
+    if isinstance(o, Abort):
+        return (o.code, o.message)
+    r = o.request
+    return (r.input_ids.tolist(), [(it.hash, it.pad_value) for it in r.mm.items] if r.mm else None)
+
+
+def _image_request(grid: Tensor, **mm: Any) -> Request:
+    ids = np.array([1, 2, *([IMG] * 4), 3], np.int64)
+    item = Item(1, hash=7, offsets=np.array([[2, 5]], np.int64), side={"image_grid_thw": grid})
+    return Request("r", ids, mm=MultimodalInputs(items=[item], **mm))
+
+
+# ------------------------------------------------------------ 1. planner grid reader
+
+
+@needs_planner
+def test_forged_grid_shape_is_not_trusted_by_the_planner() -> None:
+    """A grid whose shape claims 2**61 + 1 rows over 24 bytes: ``r * 3 * 8`` wrapped to 24,
+    the byte check passed and the row buffer was allocated 24 bytes for 3 * r values."""
+    data = np.array([1, 4, 4], np.int64).data.cast("B")
+    for rows in (2**61 + 1, 2**62 + 1, 2**63 - 1):
+        forged = Tensor(parse_dtype("int64"), (rows, 3), data)
+        req = _image_request(forged)
+        m = Materializer(load_profile("qwen3_5"))
+        assert req.mm is not None and m._ctx is not None
+        ph = (IMG, VID, -1)
+        assert planner._BUILT.plan(req.mm.items, req.input_ids, m._ctx, *ph, False) is None
+        assert planner._BUILT.check_tensors(req.mm.items, m._ctx, 8, 2**62) is False
+        a, b = both_ways(m, req)
+        assert isinstance(a, Abort) and a == b and a.code is AbortCode.INVALID_REQUEST
+
+
+@needs_planner
+def test_forged_seconds_shape_is_not_trusted_by_the_planner() -> None:
+    """``numel * 4`` of a timing tensor overflowed the same way (numel up to 2**63 - 1)."""
+    m = Materializer(load_profile("qwen2_5_vl"))
+    ids = np.array([1, *([151656] * 8), 2], np.int64)
+    secs = Tensor(parse_dtype("float32"), (2**62 + 1,), np.ones(1, np.float32).data.cast("B"))
+    grid = Tensor.from_numpy(np.array([[2, 4, 4]], np.int64))
+    item = Item(2, hash=3, offsets=np.array([[1, 8]], np.int64),
+                side={"video_grid_thw": grid, "second_per_grid_ts": secs})  # fmt: skip
+    req = Request("r", ids, mm=MultimodalInputs(items=[item]))
+    assert m._ctx is not None
+    assert planner._BUILT.plan([item], ids, m._ctx, 151655, 151656, -1, False) is None
+    a, b = both_ways(m, req)
+    assert isinstance(a, Abort) and a == b and a.code is AbortCode.INVALID_REQUEST
+
+
+# ------------------------------------------------ 2. placeholder override outside int64
+
+
+def _wire_image_message(im_token_id: int, video_only: bool = False) -> list[bytes]:
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 4, 4], np.int64).tobytes())]
+    modality, key, tok = (2, "video_grid_thw", VID) if video_only else (1, "image_grid_thw", IMG)
+    ids = [11, 12, *([tok] * 4), 13]
+    item = [modality, 9, None, [[2, 5]], None, None, {key: grid}, None, None, None]
+    mm = [[item], im_token_id, None, None, None, None, None]
+    elems: list[Any] = [TAG, "rid-big", None, None, ids, [], False, -1, 0, None]
+    elems += [False, None, None, None, False, 0.5, None, None, None, None, None, None, mm, None]
+    return [b"\x00", ENC.encode(elems)]
+
+
+@pytest.mark.parametrize("override", [2**63, 2**63 + 5, 2**64 - 1, -(2**63) - 1])
+def test_placeholder_override_outside_int64_is_invalid_request_not_internal(override: int) -> None:
+    """``im_token_id`` is any msgpack int; the native planner's conversion raised
+    OverflowError, which the materializer reported as ``INTERNAL`` (reachable from the
+    network); the Python path then also failed to build its int64 comparison array."""
+    m = Materializer(load_profile("qwen3_5"))
+    if override >= 0:  # msgpack has no int below -2**63
+        req = wire.decode_message(_wire_image_message(override)).request
+        assert req is not None and req.mm is not None and req.mm.im_token_id == override
+    else:
+        req = _image_request(Tensor.from_numpy(np.array([[1, 4, 4]], np.int64)))
+        assert req.mm is not None
+        req.mm.im_token_id = override
+    a, b = both_ways(m, req)
+    assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST, a
+    assert a == b
+    assert f"must be the placeholder {override}" in a.message
+
+
+def test_placeholder_override_outside_int64_unused_still_materializes() -> None:
+    """An override for a modality the request does not use changes nothing."""
+    m = Materializer(load_profile("qwen3_5"))
+    req = wire.decode_message(_wire_image_message(2**64 - 1, video_only=True)).request
+    assert req is not None
+    a, b = both_ways(m, req)
+    assert isinstance(a, Materialized) and _summary(a) == _summary(b)
+
+
+@pytest.mark.parametrize("scalar", [2**63, 2**64 - 1])
+def test_delta_scalar_outside_int64_is_invalid_request_not_internal(scalar: int) -> None:
+    """Found by the planner target: a carried ``mrope_position_delta_scalar`` beyond int64
+    (with positions and no delta tensor) failed building the int64 delta tensor."""
+    m = Materializer(load_profile("qwen3_5"))
+    req = _image_request(Tensor.from_numpy(np.array([[1, 4, 4]], np.int64)))
+    assert req.mm is not None
+    req.mm.mrope_positions = Tensor.from_numpy(np.tile(np.arange(7, dtype=np.int64), (3, 1)))
+    req.mm.mrope_position_delta_scalar = scalar
+    a, b = both_ways(m, req)
+    assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST and a == b
+    decode = Materializer(load_profile("qwen3_5", role="decode", language_model_only=True))
+    a, b = both_ways(decode, req)
+    assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST and a == b
+
+
+# ---------------------------------------------------------- 3. M-RoPE fill kernel
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "t_index, message",
+    [
+        ([2**63 - 1], "overflow"),
+        ([2**63 - 4], "overflow"),
+        ([0, 2**63 - 2], "overflow"),
+        ([-1], "non-negative"),
+        ([-(2**63)], "non-negative"),
+    ],
+)
+def test_mrope_fill_refuses_time_indices_that_overflow(t_index: list[int], message: str) -> None:
+    """``origin + t_index[f]`` was computed for any caller-supplied t_index (signed
+    overflow: undefined behaviour). The kernel now replays the position arithmetic per
+    run before writing and refuses what would leave int64."""
+    frames = len(t_index)
+    a = lambda *v: np.array(v, np.int64)  # noqa: E731
+    out = np.full((3, 2 + frames), -7, np.int64)
+    with pytest.raises(ValueError, match=message):
+        kernels._BUILT.mrope_fill(out, a(1), a(frames), a(1), a(1), a(0), a(*t_index))
+    assert (out == -7).all()  # nothing written
+
+
+@needs_kernels
+def test_mrope_fill_refuses_positions_that_overflow_across_runs() -> None:
+    """Each run's time index fits; their sum does not."""
+    a = lambda *v: np.array(v, np.int64)  # noqa: E731
+    out = np.zeros((3, 3), np.int64)
+    big = 2**62
+    delta = kernels._BUILT.mrope_fill(out, a(0), a(1), a(1), a(1), a(0), a(big))
+    assert out[0].tolist() == [big, big + 1, big + 2] and delta == big  # one run is fine
+    with pytest.raises(ValueError, match="overflow"):
+        kernels._BUILT.mrope_fill(out, a(0, 1), a(1, 1), a(1, 1), a(1, 1), a(0, 1), a(big, big))
+
+
+@needs_kernels
+def test_mrope_fill_refuses_run_products_that_overflow() -> None:
+    """Run sizes are compared by division: frames * rows * cols cannot wrap."""
+    a = lambda *v: np.array(v, np.int64)  # noqa: E731
+    out = np.zeros((3, 8), np.int64)
+    big = 2**32 + 1
+    with pytest.raises(ValueError, match="past the end"):
+        kernels._BUILT.mrope_fill(out, a(0), a(1), a(big), a(big), a(0), a(0))
+
+
+def test_temporal_index_beyond_bound_is_invalid_request_not_internal() -> None:
+    """A profile whose tokens_per_second puts a frame's temporal index beyond 2**40 (or
+    int64) aborts ``INVALID_REQUEST`` on both paths instead of overflowing."""
+    profile = dataclasses.replace(load_profile("qwen2_5_vl"), tokens_per_second=1e30)
+    m = Materializer(profile)
+    ids = np.array([1, *([151656] * 8), 2], np.int64)
+    grid = Tensor.from_numpy(np.array([[2, 4, 4]], np.int64))
+    item = Item(2, hash=3, offsets=np.array([[1, 8]], np.int64), side={"video_grid_thw": grid})
+    a, b = both_ways(m, Request("r", ids, mm=MultimodalInputs(items=[item])))
+    assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST and a == b
+    assert "temporal index" in a.message
+
+
+# ------------------------------------------------ 4. fast item decoder, tensor arity
+
+
+def _refuse(*_: Any) -> Any:
+    raise wire._NotFast
+
+
+@pytest.mark.parametrize("where", ["feature", "grid"])
+def test_fast_item_decoder_refuses_a_tensor_with_trailing_elements(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[dtype, shape, data, extra]``: the typed fast decoder skipped the extra element
+    (an array-like struct ignores trailing fields) where the general path refuses it."""
+    grid: list[Any] = ["int64", [1, 3], Ext(3, np.array([1, 4, 4], np.int64).tobytes())]
+    feature: list[Any] = ["float32", [2], Ext(3, bytes(8))]
+    if where == "feature":
+        feature.append(0)
+    else:
+        grid.append(None)
+    ids = [11, 12, *([IMG] * 4), 13]
+    item = [1, None, None, [[2, 5]], feature, None, {"image_grid_thw": grid}, None, None, None]
+    mm = [[item], None, None, None, None, None, None]
+    elems: list[Any] = [TAG, "rid-t", None, None, ids, [], False, -1, 0, None]
+    elems += [False, None, None, None, False, 0.5, None, None, None, None, None, None, mm, None]
+    frames = [b"\x00", ENC.encode(elems)]
+    m = Materializer(load_profile("qwen3_5"))
+
+    def outcome() -> Any:
+        try:
+            req = wire.decode_message(frames).request
+        except wire.WireError as exc:
+            return ("wire", exc.message)
+        assert req is not None
+        return _summary(m.run(req))
+
+    fast = outcome()
+    monkeypatch.setattr(wire, "_decode_mm_fast", _refuse)
+    general = outcome()
+    assert fast == general
+    if where == "feature":
+        assert fast == ("wire", "item 0 feature must be a tensor [dtype, shape, data]")
