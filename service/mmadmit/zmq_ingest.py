@@ -207,7 +207,11 @@ class ZmqIngest:
     (see :data:`SentHook`); ``watchdog_s`` is the intake watchdog's period
     (``None``: no watchdog, so that tests see a lost wake-up as a stall);
     ``transport`` names the outcomes in telemetry; ``stats`` may be a subclass
-    of :class:`ZmqIngestStats` its owner extends (engine mode).
+    of :class:`ZmqIngestStats` its owner extends (engine mode). Forward mode
+    only: ``on_forward(rid)`` is told of every ADD output registered for the
+    downstream; with ``passthrough`` a message whose type byte is neither ADD
+    nor ABORT (a utility call of a newer frontend) is forwarded unchanged, in
+    order, instead of being answered as malformed.
     """
 
     def __init__(
@@ -225,6 +229,8 @@ class ZmqIngest:
         telemetry: Telemetry | None = None,
         transport: str = "zmq",
         stats: ZmqIngestStats | None = None,
+        on_forward: Callable[[str], None] | None = None,
+        passthrough: bool = False,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -258,6 +264,8 @@ class ZmqIngest:
         self._stop_task: asyncio.Future[None] | None = None
         self._answered = False  # the message being handled got its outcome path
         self._watchdog_s = watchdog_s
+        self._on_forward = on_forward
+        self._passthrough = passthrough and forward is not None
 
     @property
     def mode(self) -> str:
@@ -500,6 +508,11 @@ class ZmqIngest:
         if kind == ABORT and len(body) >= 2:
             self._on_abort(identity, body, total)
             return
+        if self._passthrough and kind and kind != ADD and kind != ABORT:
+            self._answered = True
+            logger.debug("forwarding a message of type %s unchanged", kind.hex())
+            self._forward_now(list(body), [])
+            return
         if total > self.max_message_bytes:
             rid = wire.recover_rid(body[1]) if len(body) >= 2 else ""
             logger.warning(
@@ -641,6 +654,8 @@ class ZmqIngest:
         forward mode."""
         self._answered = True
         if self._fwd is not None:
+            if self._on_forward is not None:
+                self._on_forward(rid)
             self._forward_now(frames, [(identity.bytes, rid)])
         else:
             self._reply_now([identity, *frames], rid)
@@ -713,6 +728,8 @@ class ZmqIngest:
                 )
             if self._fwd is not None:
                 assert slot is not None
+                if self._on_forward is not None:
+                    self._on_forward(rid)
                 await self._fwd.enqueue(frames, slot)
                 handed_off = True
             else:
