@@ -48,6 +48,20 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also rejects NaN
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _engine_index(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 0xFFFF:
+        raise ValueError("must be 0..65535 (the engine identity is 2 bytes)")
+    return value
+
+
 def _bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -117,6 +131,38 @@ class ServeConfig:
     )
     zmq_forward: str | None = field(
         default=None, metadata={"parse": _zmq_addr, "help": "PUSH endpoint for forward mode"}
+    )
+    smg_handshake: str | None = field(
+        default=None,
+        metadata={
+            "parse": _zmq_addr,
+            "help": "engine mode: SMG's handshake endpoint to connect to as an engine "
+            "(needs --engine-handshake-listen)",
+        },
+    )
+    engine_handshake_listen: str | None = field(
+        default=None,
+        metadata={
+            "parse": _zmq_addr,
+            "help": "engine mode: the handshake endpoint to bind for the scheduler; its input "
+            "and output sockets are bound on the same host, ephemeral ports (needs "
+            "--smg-handshake)",
+        },
+    )
+    engine_index: int = field(
+        default=0,
+        metadata={
+            "parse": _engine_index,
+            "help": "engine mode: the engine index presented to SMG; must equal the "
+            "scheduler's own (0..65535)",
+        },
+    )
+    handshake_timeout: float = field(
+        default=600.0,
+        metadata={
+            "parse": _positive_float,
+            "help": "engine mode: seconds to wait for each handshake step (progress every 30 s)",
+        },
     )
     metrics_listen: str = field(
         default="127.0.0.1:9464",
@@ -204,6 +250,14 @@ class ServeConfig:
     )
 
     @property
+    def engine_mode(self) -> bool:
+        """Both engine-mode addresses are set (:func:`build_config` checks the pair)."""
+        return self.smg_handshake not in (None, OFF) and self.engine_handshake_listen not in (
+            None,
+            OFF,
+        )
+
+    @property
     def limits(self) -> Limits:
         return Limits(
             max_tokens=self.max_tokens,
@@ -277,7 +331,26 @@ def build_config(
     config = ServeConfig(**values)
     if config.zmq_forward is not None and config.zmq_listen == OFF:
         raise ConfigError("--zmq-forward needs --zmq-listen (forward mode takes requests from it)")
+    _check_engine_mode(config)
     return config
+
+
+def _check_engine_mode(config: ServeConfig) -> None:
+    """Engine mode: both handshake addresses or neither, and never with --zmq-forward."""
+    smg = config.smg_handshake not in (None, OFF)
+    listen = config.engine_handshake_listen not in (None, OFF)
+    if smg != listen:
+        given, missing = (
+            ("--smg-handshake", "--engine-handshake-listen")
+            if smg
+            else ("--engine-handshake-listen", "--smg-handshake")
+        )
+        raise ConfigError(f"engine mode: {given} needs {missing} too")
+    if smg and config.zmq_forward is not None:
+        raise ConfigError(
+            "engine mode (--smg-handshake) excludes --zmq-forward: requests from SMG go to the "
+            "scheduler that connects to --engine-handshake-listen"
+        )
 
 
 def default_workers(config: ServeConfig, cuda: bool) -> int:

@@ -14,6 +14,19 @@ request ``SHUTTING_DOWN`` at once; in-flight work gets ``--drain-timeout``
 seconds, then what remains ends ``SHUTTING_DOWN``; the transports send their
 last replies and stop; the process exits 0. A second signal exits at once with
 status 1.
+
+Engine mode (``--smg-handshake`` with ``--engine-handshake-listen``,
+:mod:`mmadmit.engine_mode`): the scheduler-facing sockets are bound with the
+other transports (a line ``mmadmit engine-handshake ADDRESS`` tells where,
+before anything waits), then the warm-up, then both handshakes, scheduler
+first; only then health turns SERVING and the ready line, which then ends with
+`` engine=ADDRESS`` (the bound scheduler handshake address), is printed. A
+malformed handshake message exits 2, a handshake step that times out exits 3.
+When the scheduler goes away the relay sends ENGINE_CORE_DEAD upstream, health
+turns NOT_SERVING and the process exits 3 after the usual (short) shutdown. On
+a signal the drain also waits, within ``--drain-timeout``, until every request
+forwarded to the scheduler has a finished output; then ENGINE_CORE_DEAD goes
+upstream and the process exits 0.
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ from .telemetry import StatsCollector, Telemetry
 logger = logging.getLogger("mmadmit.server")
 
 EXIT_FORCED = 1
+EXIT_HANDSHAKE = 2  # a malformed engine handshake message: a deployment problem
+EXIT_SCHEDULER_GONE = 3  # engine mode: the scheduler went away (or never came)
 _TRANSPORT_NAMES = ("grpc", "zmq", "metrics")
 
 
@@ -60,10 +75,20 @@ class ServerHandle:
     grpc: Any = None
     zmq: Any = None
     metrics: Any = None
+    engine: Any = None  # engine_mode.EngineRelay in engine mode
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
+
+    def ready_fields(self) -> dict[str, str]:
+        """The ready line's ``name=address`` pairs: the three transports, then
+        ``engine`` in engine mode only (so the usual line is unchanged)."""
+        out = {name: self.addresses.get(name, OFF) for name in _TRANSPORT_NAMES}
+        if "engine" in self.addresses:
+            out["engine"] = self.addresses["engine"]
+        return out
 
     def ready_line(self) -> str:
-        parts = [f"{name}={self.addresses.get(name, OFF)}" for name in _TRANSPORT_NAMES]
+        parts = [f"{name}={address}" for name, address in self.ready_fields().items()]
         return "mmadmit ready " + " ".join(parts)
 
 
@@ -143,14 +168,21 @@ async def start_server(
     stack: contextlib.AsyncExitStack,
     *,
     before_run: BeforeRun | None = None,
+    stop_event: asyncio.Event | None = None,
 ) -> ServerHandle:
-    """Bind everything, warm up, turn SERVING; resources are pushed onto ``stack``."""
+    """Bind everything, warm up, turn SERVING; resources are pushed onto ``stack``.
+
+    In engine mode health stays NOT_SERVING: :func:`serve` turns it SERVING once
+    both handshakes are done (:func:`engine_handshake`).
+    """
     native.set_enabled(config.native)  # before anything reads a request
     profile = config.load_profile()
     telemetry = Telemetry(profile.family.value, log_outcomes=config.log_outcomes)
     pool = build_pool(config, profile, before_run=before_run, telemetry=telemetry)
     stack.callback(pool.close)
     handle = ServerHandle(config=config, profile=profile, pool=pool, telemetry=telemetry)
+    if stop_event is not None:
+        handle.stop_event = stop_event
 
     if config.grpc_listen != OFF:
         from .grpc_server import GrpcServer
@@ -178,7 +210,33 @@ async def start_server(
         stack.push_async_callback(ingest.stop, 0.0)
         handle.addresses["zmq"] = await ingest.start()
         handle.zmq = ingest
-    transports = {name: obj for name, obj in (("grpc", handle.grpc), ("zmq", handle.zmq)) if obj}
+    if config.engine_mode:
+        from .engine_mode import EngineRelay
+
+        assert config.smg_handshake is not None and config.engine_handshake_listen is not None
+        relay = EngineRelay(
+            pool,
+            smg_handshake=config.smg_handshake,
+            listen=config.engine_handshake_listen,
+            engine_index=config.engine_index,
+            handshake_timeout_s=config.handshake_timeout,
+            max_message_bytes=config.max_message_bytes,
+            telemetry=telemetry,
+            on_gone=lambda why: _scheduler_gone(handle, why),
+        )
+        stack.push_async_callback(relay.stop, 0.0)
+        handle.addresses["engine"] = await relay.bind()
+        handle.engine = relay
+        _print_line(
+            config,
+            f"mmadmit engine-handshake {handle.addresses['engine']}",
+            fields("engine_listen", handshake=handle.addresses["engine"]),
+        )
+    transports = {
+        name: obj
+        for name, obj in (("grpc", handle.grpc), ("zmq", handle.zmq), ("engine", handle.engine))
+        if obj
+    }
     device = resolve_device(config.device)
     build = {"family": profile.family.value, "device": device, "role": profile.role}
     telemetry.registry.register(StatsCollector(pool, transports, build))
@@ -193,14 +251,71 @@ async def start_server(
     outcome = await pool.materialize(warmup_request(profile))
     if not isinstance(outcome, Materialized):
         raise RuntimeError(f"warm-up request failed: {outcome}")
-    if handle.grpc is not None:
+    if handle.grpc is not None and handle.engine is None:
         handle.grpc.set_serving()
     return handle
+
+
+def _print_line(config: ServeConfig, line: str, extra: dict[str, Any]) -> None:
+    """A machine-readable line on stderr at any log level (a JSON object in json format)."""
+    if config.log_format == "json":
+        print(json_line(logger.name, line, extra), file=sys.stderr, flush=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _scheduler_gone(handle: ServerHandle, why: str) -> None:
+    """Engine mode: the relay lost the scheduler (and told SMG): NOT_SERVING, exit 3."""
+    if handle.exit_code == 0:
+        handle.exit_code = EXIT_SCHEDULER_GONE
+    if handle.grpc is not None:
+        handle.grpc.enter_drain()
+    logger.error(
+        "the scheduler went away (%s): shutting down, exit status %d",
+        why,
+        EXIT_SCHEDULER_GONE,
+        extra=fields("scheduler_gone", reason=why),
+    )
+    handle.stop_event.set()
+
+
+async def engine_handshake(handle: ServerHandle) -> int | None:
+    """Complete both engine handshakes, or return the exit status that ends the run.
+
+    None: done (health may turn SERVING). Otherwise: 0 for a signal during the
+    handshake, 2 for a malformed handshake message, 3 for a step that timed out
+    or a scheduler that went away meanwhile.
+    """
+    from .handshake import HandshakeError, HandshakeTimeout
+
+    relay = handle.engine
+    task = asyncio.ensure_future(relay.handshake())
+    stopped = asyncio.ensure_future(handle.stop_event.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return handle.exit_code
+    try:
+        task.result()
+    except HandshakeError as exc:
+        logger.error("engine handshake failed: %s", exc, extra=fields("handshake_failed"))
+        print(f"mmadmit: engine handshake failed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_HANDSHAKE
+    except HandshakeTimeout as exc:
+        logger.error("engine handshake timed out: %s", exc, extra=fields("handshake_timeout"))
+        print(f"mmadmit: engine handshake timed out: {exc}", file=sys.stderr, flush=True)
+        return EXIT_SCHEDULER_GONE
+    return handle.exit_code or None
 
 
 async def shutdown(handle: ServerHandle) -> None:
     """Drain in the fixed order of the module docstring (idempotent enough to call once)."""
     config = handle.config
+    deadline = asyncio.get_running_loop().time() + config.drain_timeout
     logger.info(
         "[shutdown] draining: up to %.1fs for %d request(s) in flight",
         config.drain_timeout,
@@ -211,6 +326,12 @@ async def shutdown(handle: ServerHandle) -> None:
         handle.grpc.enter_drain()
     handle.pool.begin_drain()
     await handle.pool.drain(config.drain_timeout)
+    if handle.engine is not None:
+        from .engine_mode import DEAD_LINGER_S
+
+        if handle.engine.ready:
+            await handle.engine.drain(deadline)  # outputs flow until forwarded work finished
+        await handle.engine.stop(DEAD_LINGER_S)  # then ENGINE_CORE_DEAD upstream
     if handle.zmq is not None:
         await handle.zmq.stop(config.drain_timeout)
     if handle.grpc is not None:
@@ -232,12 +353,21 @@ async def serve(
 ) -> int:
     """Run until a signal (or ``handle.stop_event``); return the exit status."""
     async with contextlib.AsyncExitStack() as stack:
-        handle = await start_server(config, stack)
+        stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         if install_signals:
-            _install_signal_handlers(loop, handle.stop_event)
+            # Before start-up: engine mode may wait long for its handshakes.
+            _install_signal_handlers(loop, stop_event)
+        handle = await start_server(config, stack, stop_event=stop_event)
+        if handle.engine is not None:
+            status = await engine_handshake(handle)
+            if status is not None:
+                await shutdown(handle)
+                return status
+            if handle.grpc is not None:
+                handle.grpc.set_serving()
         line = handle.ready_line()
-        ready = fields("ready", **{k: handle.addresses.get(k, OFF) for k in _TRANSPORT_NAMES})
+        ready = fields("ready", **handle.ready_fields())
         if config.log_format == "json":
             # the ready line is this JSON object (its message is the text line), at any level
             print(json_line(logger.name, line, ready), file=sys.stderr, flush=True)
@@ -250,7 +380,7 @@ async def serve(
                 await result
         await handle.stop_event.wait()
         await shutdown(handle)
-    return 0
+    return handle.exit_code
 
 
 def _install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:

@@ -21,6 +21,9 @@ Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
     feature_hashed_bytes_total{transport}           feature bytes we hashed
     admissions_total{path}                          inline | worker
     undeliverable_replies_total{transport}          outcomes nobody received
+    engine_relayed_requests_total, engine_relayed_outputs_total,
+    engine_relayed_output_bytes_total, engine_handshake_steps_total{side},
+    engine_scheduler_up                              engine mode (server wires it)
 
 Cost on the request path: label children are resolved once and cached, so an
 outcome is a dict lookup, a counter increment and a histogram observation
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
 
 outcome_logger = logging.getLogger("mmadmit.outcome")
 
-TRANSPORTS = ("grpc", "zmq")
+TRANSPORTS = ("grpc", "zmq", "engine")
 
 # Token-count buckets of the latency histograms: (upper bound inclusive, label).
 _TOKEN_BUCKETS: tuple[tuple[int, str], ...] = (
@@ -316,6 +319,9 @@ class StatsCollector(Collector):
             for name, obj in self.transports.items():
                 family.add_metric([name], _numeric(getattr(obj, "stats", None)).get(attr, 0))
             yield family
+        engine = self.transports.get("engine")
+        if engine is not None:
+            yield from _engine_families(engine.stats)
         info = GaugeMetricFamily(
             "mmadmit_build_info",
             "The running profile and device (value 1).",
@@ -323,6 +329,39 @@ class StatsCollector(Collector):
         )
         info.add_metric([self.build[k] for k in sorted(self.build)], 1)
         yield info
+
+
+def _engine_families(stats: Any) -> Iterator[Metric]:
+    """Engine mode's relay (``engine_mode.EngineStats``), named for operators."""
+    yield _counter(
+        "mmadmit_engine_relayed_requests",
+        "Requests from SMG forwarded to the scheduler (materialized or marked aborted).",
+        stats.forwarded - stats.forwarded_aborts,
+    )
+    yield _counter(
+        "mmadmit_engine_relayed_outputs",
+        "Scheduler output messages relayed to SMG.",
+        stats.output_messages,
+    )
+    yield _counter(
+        "mmadmit_engine_relayed_output_bytes",
+        "Bytes of the scheduler output messages relayed to SMG.",
+        stats.output_bytes,
+    )
+    steps = CounterMetricFamily(
+        "mmadmit_engine_handshake_steps",
+        "Engine handshake steps completed, by side (scheduler: HELLO, INIT, READY, ready "
+        "response; smg: HELLO, INIT, READY, ready response, output connected).",
+        labels=["side"],
+    )
+    steps.add_metric(["scheduler"], stats.handshake_steps_scheduler)
+    steps.add_metric(["smg"], stats.handshake_steps_smg)
+    yield steps
+    yield _gauge(
+        "mmadmit_engine_scheduler_up",
+        "1 while the scheduler is alive (from its ready response until it goes away).",
+        stats.scheduler_alive,
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,635 @@
+"""Engine mode: mmadmit as a transparent admission hop between SMG and a scheduler.
+
+In SMG's msgpack deployment the gateway binds its sockets and every engine
+connects to it with a HELLO / INIT / READY handshake (WIRE.md, "Engine
+mode"). :class:`EngineRelay` looks like an engine to SMG and like SMG to the
+scheduler:
+
+* **downstream** (the scheduler): it binds a handshake ROUTER at
+  ``--engine-handshake-listen`` and, on the same host with ephemeral ports, an
+  input ROUTER and an output PULL, and completes the scheduler's handshake
+  (HELLO, INIT carrying those two addresses, READY, the scheduler's ready
+  response on the input socket);
+* **upstream** (SMG): only then it connects to ``--smg-handshake`` as engine
+  ``--engine-index`` (HELLO, INIT, READY, then the scheduler's ready response
+  presented unchanged, as its own, on SMG's input socket, and a PUSH to SMG's
+  output socket). SMG's wait for HELLO is its own setting, so SMG never waits
+  on a slow scheduler behind a HELLO already sent. Either side may start first;
+  each step waits up to ``--handshake-timeout`` (a progress line every 30 s).
+  A malformed message raises :class:`~mmadmit.handshake.HandshakeError`
+  (``mmadmit serve`` exits 2), a step that never comes
+  :class:`~mmadmit.handshake.HandshakeTimeout` (exit 3).
+
+The relay, once both handshakes are done:
+
+* **requests**: SMG's input DEALER is the intake of a forward-mode
+  :class:`~mmadmit.zmq_ingest.ZmqIngest` (:meth:`~mmadmit.zmq_ingest.ZmqIngest.adopt`)
+  whose forward target is the scheduler's input ROUTER: every request is
+  materialized through the shared pool and forwarded as an ADD the scheduler's
+  decoder accepts, an aborted one marked with ``validation_error`` and its
+  features removed; ABORTs go after their ADD; large requests do not hold up
+  small ones (only per-rid order is kept); back-pressure from the scheduler
+  stops intake from SMG. Messages of other types (utility calls) are forwarded
+  unchanged, in order. This is the very code of forward mode, not a copy.
+* **outputs**: the output PULL is read by a :class:`~mmadmit.zsock.SocketReader`
+  and every message goes to SMG's output PUSH through an
+  :class:`~mmadmit.zsock.OrderedSender`: the received ``zmq.Frame`` objects
+  themselves (no copy), in order, never decoded strictly. To know when a drain
+  is done the relay *reads* ``BatchTokenIDOutSlim`` outputs leniently (tag,
+  ``rids``, ``finished_reasons``; anything else is relayed and merely not
+  tracked, ``stats.outputs_untracked``).
+* **death**: a socket monitor on the scheduler's input and output connections
+  sees them drop; that, or ``ENGINE_CORE_DEAD`` from the scheduler, makes the
+  relay send one ``ENGINE_CORE_DEAD`` frame to SMG (after every output already
+  received) and report the scheduler gone (``mmadmit serve`` turns
+  NOT_SERVING and exits 3).
+* **drain** (SIGTERM): the pool refuses new work, so requests arriving now are
+  forwarded marked ``SHUTTING_DOWN``; :meth:`EngineRelay.drain` waits until
+  every forwarded request has a finished output (or the deadline);
+  :meth:`EngineRelay.stop` then stops intake, sends ``ENGINE_CORE_DEAD`` to SMG
+  and closes.
+
+Non-goals: the data-parallel coordinator, several schedulers per mmadmit (run
+one mmadmit per scheduler rank, ``--engine-index`` = rank), CURVE (engine-mode
+sockets are plain, as SMG and the scheduler speak them).
+
+Threading: everything runs on the event loop; the handshake sockets and the
+forward/output targets are asyncio sockets, the two intakes plain sockets
+driven by :mod:`mmadmit.zsock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket as _socket
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .handshake import (
+    ENGINE_CORE_DEAD,
+    HandshakeError,
+    HandshakeTimeout,
+    decode_map,
+    encode_init,
+    engine_identity,
+    parse_init,
+    parse_ready_response,
+    parse_status,
+    status_message,
+)
+from .pool import MaterializerPool
+from .telemetry import Telemetry
+from .zmq_ingest import ZmqIngest, ZmqIngestStats
+from .zsock import WATCHDOG_S, OrderedSender, SocketReader
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A progress line while a handshake step waits (the reference engine's period).
+PROGRESS_S = 30.0
+# Outputs read from the scheduler and not yet handed to SMG's PUSH before the
+# relay stops reading the scheduler's output socket (its PUSH then meets ZMQ's
+# own high-water mark).
+MAX_PENDING_OUTPUTS = 4096
+# How long, at the end, ENGINE_CORE_DEAD and the last outputs may take to leave.
+DEAD_LINGER_S = 2.0
+# Output frames read per scheduler death before the ENGINE_CORE_DEAD frame, so
+# that what the scheduler sent before it went is relayed first.
+_FINAL_OUTPUTS_MAX = 100_000
+
+_DEAD_LEN = len(ENGINE_CORE_DEAD)
+_SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ANY = msgspec.msgpack.Decoder()
+_OUTPUT_TAG = "BatchTokenIDOutSlim"
+
+
+@dataclass
+class EngineStats(ZmqIngestStats):
+    """The relay's counters: the forward-mode ingest's (SMG -> scheduler) and its own.
+
+    ``forwarded`` - ``forwarded_aborts`` are the relayed requests; ``wakeups``
+    and ``watchdog_reads`` count both intakes (SMG's input, the scheduler's
+    output).
+    """
+
+    output_messages: int = 0  # scheduler output messages relayed to SMG (read)
+    output_bytes: int = 0  # their bytes, all frames
+    output_undeliverable: int = 0  # outputs libzmq refused (SMG's PUSH closed)
+    outputs_untracked: int = 0  # outputs not read as BatchTokenIDOutSlim (drain can't see them)
+    handshake_steps_scheduler: int = 0  # HELLO, INIT, READY, ready response
+    handshake_steps_smg: int = 0  # HELLO, INIT, READY, ready response, output connected
+    scheduler_alive: int = 0  # 1 from the scheduler's ready response until it goes away
+    engine_core_dead_sent: int = 0  # ENGINE_CORE_DEAD frames handed to SMG's PUSH
+    outstanding: int = 0  # forwarded requests without a finished output yet
+
+
+def _bind_next_to(endpoint: str, suffix: str) -> str:
+    """A bind address on the handshake's host with an ephemeral port (or a sibling path)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        host = rest.rsplit(":", 1)[0]
+        return f"tcp://{host}:0"
+    if scheme == "ipc":
+        return f"ipc://{rest}.{suffix}"
+    return f"{scheme}://{rest}-{suffix}"
+
+
+def _advertised(bound: str) -> str:
+    """What the scheduler is told to connect to: a wildcard host becomes this host's name."""
+    scheme, _, rest = bound.partition("://")
+    if scheme != "tcp":
+        return bound
+    host, _, port = rest.rpartition(":")
+    if host in ("0.0.0.0", "*", "[::]", "::", "[::0]"):
+        return f"tcp://{_socket.gethostname()}:{port}"
+    return bound
+
+
+def _close_all(socks: list[zmq.Socket[Any]], ctx: zmq.Context[Any] | None) -> None:
+    """Finalizer: release every socket (linger 0) and the context."""
+    for sock in socks:
+        if not sock.closed:
+            sock.close(linger=0)
+    if ctx is not None and not ctx.closed:
+        ctx.term()
+
+
+class EngineRelay:
+    """One scheduler behind one SMG engine slot (usage in :mod:`mmadmit.server`)::
+
+        relay = EngineRelay(pool, smg_handshake="tcp://smg:5555",
+                            listen="tcp://127.0.0.1:5570", engine_index=0,
+                            handshake_timeout_s=600, max_message_bytes=1 << 30,
+                            on_gone=lambda why: ...)
+        bound = await relay.bind()          # the scheduler may connect from now on
+        await relay.handshake()             # scheduler first, then SMG
+        ...
+        await relay.drain(deadline)         # SIGTERM: forwarded requests finish
+        await relay.stop(linger_s)          # ENGINE_CORE_DEAD to SMG; idempotent
+
+    ``on_gone(why)`` is called once when the scheduler goes away after its
+    handshake (the relay has already sent ``ENGINE_CORE_DEAD`` upstream).
+    """
+
+    def __init__(
+        self,
+        pool: MaterializerPool,
+        *,
+        smg_handshake: str,
+        listen: str,
+        engine_index: int,
+        handshake_timeout_s: float,
+        max_message_bytes: int,
+        telemetry: Telemetry | None = None,
+        on_gone: Callable[[str], None] | None = None,
+        watchdog_s: float | None = WATCHDOG_S,
+        max_pending_outputs: int = MAX_PENDING_OUTPUTS,
+    ) -> None:
+        self.pool = pool
+        self.smg_handshake = smg_handshake
+        self.listen = listen
+        self.engine_index = engine_index
+        self.identity = engine_identity(engine_index)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.telemetry = telemetry
+        self.stats = EngineStats()
+        self.endpoint: str | None = None  # the bound handshake address (for the scheduler)
+        self.input_address: str | None = None  # as told to the scheduler in INIT
+        self.output_address: str | None = None
+        self.ingest: ZmqIngest | None = None
+        self.ready = False  # both handshakes done
+        self._on_gone = on_gone
+        self._watchdog_s = watchdog_s
+        self._max_pending_outputs = max_pending_outputs
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socks: list[zmq.Socket[Any]] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._socks, None)
+        self._hs_down: zmq.asyncio.Socket | None = None
+        self._in_down: zmq.asyncio.Socket | None = None
+        self._pull: zmq.Socket[Any] | None = None
+        self._hs_up: zmq.asyncio.Socket | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._out: OrderedSender | None = None
+        self._out_reader: SocketReader | None = None
+        self._scheduler_identity: bytes | None = None
+        self._ready_response: zmq.Frame | None = None
+        self._scheduler_ready = False  # its handshake is done: a drop from now on is death
+        self._dead = False
+        self._dead_sent = False
+        self._stopping = False  # our own stop closes the scheduler's connections: not a death
+        self._outstanding: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop_task: asyncio.Future[None] | None = None
+
+    @property
+    def scheduler_gone(self) -> bool:
+        return self._dead
+
+    # ------------------------------------------------------------------ sockets
+
+    def _socket(self, kind: int, *, plain: bool = False) -> Any:
+        assert self._ctx is not None
+        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, kind) if plain else self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)  # the real linger is given at stop()
+        self._socks.append(sock)
+        return sock
+
+    def _bind(self, sock: zmq.Socket[Any], address: str, what: str) -> str:
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:  # e.g. address in use: an operator error, not a crash
+            raise OSError(exc.errno, f"cannot bind {what} {address}: {exc.strerror}") from exc
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def bind(self) -> str:
+        """Bind what SMG would bind for the scheduler; return the handshake endpoint."""
+        if self._ctx is not None:
+            raise RuntimeError("EngineRelay.bind() may be called only once")
+        self._ctx = ctx = zmq.asyncio.Context()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _close_all, self._socks, ctx)
+        try:
+            hs = self._hs_down = self._socket(zmq.ROUTER)
+            # A restarted scheduler reconnects with the same identity: take it over.
+            hs.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self.endpoint = self._bind(hs, self.listen, "the engine handshake")
+            inp = self._in_down = self._socket(zmq.ROUTER)
+            inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # Mandatory: a full scheduler raises EAGAIN (awaited: back-pressure) and a
+            # gone one EHOSTUNREACH, instead of either silently dropping requests.
+            inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.input_address = _advertised(
+                self._bind(inp, _bind_next_to(self.endpoint, "input"), "the scheduler input")
+            )
+            pull = self._pull = self._socket(zmq.PULL, plain=True)
+            self.output_address = _advertised(
+                self._bind(pull, _bind_next_to(self.endpoint, "output"), "the scheduler output")
+            )
+            for sock, what in ((inp, "input"), (pull, "output")):
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._socks.append(monitor)
+                self._spawn(self._watch(monitor, what))
+        except BaseException:
+            self._finalizer()
+            raise
+        logger.info(
+            "engine mode: scheduler handshake on %s (input %s, output %s); SMG at %s as engine %d",
+            self.endpoint,
+            self.input_address,
+            self.output_address,
+            self.smg_handshake,
+            self.engine_index,
+        )
+        return self.endpoint
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ handshake
+
+    async def handshake(self) -> None:
+        """Both handshakes, scheduler first; raises HandshakeError / HandshakeTimeout."""
+        await self._handshake_scheduler()
+        await self._handshake_smg()
+        self.ready = True
+        logger.info(
+            "engine mode: relaying SMG %s <-> scheduler (engine %d)",
+            self.smg_handshake,
+            self.engine_index,
+        )
+
+    async def _step(self, aw: Awaitable[T], step: str) -> T:
+        """Wait for one handshake step: a progress line every 30 s, at most the timeout."""
+        fut = asyncio.ensure_future(aw)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + self.handshake_timeout_s
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise HandshakeTimeout(step, self.handshake_timeout_s)
+                done, _ = await asyncio.wait({fut}, timeout=min(PROGRESS_S, remaining))
+                if done:
+                    return fut.result()
+                logger.info(
+                    "engine handshake: still waiting for %s (%.0fs of %.0fs)",
+                    step,
+                    loop.time() - start,
+                    self.handshake_timeout_s,
+                )
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def _check_identity(self, identity: bytes, step: str) -> None:
+        if len(identity) != 2:
+            raise HandshakeError(
+                step,
+                "identity",
+                "must be the engine index as 2 bytes little-endian, got "
+                f"{identity.hex() or '(empty)'}",
+            )
+        index = int.from_bytes(identity, "little")
+        if index != self.engine_index:
+            raise HandshakeError(
+                step,
+                "identity",
+                f"the scheduler is engine {index} but --engine-index is {self.engine_index}; "
+                "they must be equal (its outputs name it to SMG)",
+            )
+
+    async def _handshake_scheduler(self) -> None:
+        hs, inp = self._hs_down, self._in_down
+        assert hs is not None and inp is not None
+        assert self.input_address is not None and self.output_address is not None
+        hello: list[zmq.Frame] | None = None
+        while True:
+            step = "HELLO from the scheduler"
+            if hello is None:
+                hello = await self._step(hs.recv_multipart(copy=False), step)
+            frames, hello = hello, None
+            if len(frames) < 2:
+                raise HandshakeError(step, "(message)", "no frame after the identity")
+            identity = frames[0].bytes
+            parse_status(frames[-1].buffer, "HELLO", step)
+            self._check_identity(identity, step)
+            self.stats.handshake_steps_scheduler += 1
+            logger.info("engine handshake: HELLO from the scheduler (engine %d)", self.engine_index)
+            init = encode_init([self.input_address], [self.output_address])
+            await hs.send_multipart([identity, init])
+            self.stats.handshake_steps_scheduler += 1
+            step = "READY from the scheduler"
+            frames = await self._step(hs.recv_multipart(copy=False), step)
+            status = decode_map(frames[-1].buffer, step).get("status")
+            if status == "HELLO":  # the scheduler restarted: start over with this HELLO
+                logger.info("engine handshake: the scheduler said HELLO again; starting over")
+                hello = frames
+                continue
+            parse_status(frames[-1].buffer, "READY", step)
+            if frames[0].bytes != identity:
+                raise HandshakeError(step, "identity", "READY came from another peer than HELLO")
+            self.stats.handshake_steps_scheduler += 1
+            step = "ready response from the scheduler"
+            frames = await self._step(inp.recv_multipart(copy=False), step)
+            if frames[0].bytes != identity:
+                self._check_identity(frames[0].bytes, step)
+            missing = parse_ready_response(frames[-1].buffer, step)
+            if missing:
+                logger.warning(
+                    "engine handshake: the scheduler's ready response lacks %s (relayed as is)",
+                    ", ".join(missing),
+                )
+            self._scheduler_identity = identity
+            self._ready_response = frames[-1]
+            self._scheduler_ready = True
+            self.stats.handshake_steps_scheduler += 1
+            self.stats.scheduler_alive = 1
+            logger.info("engine handshake: the scheduler is ready")
+            return
+
+    async def _handshake_smg(self) -> None:
+        assert self._ready_response is not None and self._scheduler_identity is not None
+        hs = self._hs_up = self._socket(zmq.DEALER)
+        hs.setsockopt(zmq.IDENTITY, self.identity)
+        try:
+            hs.connect(self.smg_handshake)
+        except zmq.ZMQError as exc:
+            raise OSError(
+                exc.errno, f"cannot connect to SMG's handshake {self.smg_handshake}: {exc.strerror}"
+            ) from exc
+        await hs.send(status_message("HELLO"))
+        self.stats.handshake_steps_smg += 1
+        logger.info("engine handshake: HELLO sent to SMG at %s", self.smg_handshake)
+        step = "INIT from SMG"
+        frames = await self._step(hs.recv_multipart(copy=False), step)
+        init = parse_init(frames[-1].buffer, step)
+        self.stats.handshake_steps_smg += 1
+        await hs.send(status_message("READY"))
+        self.stats.handshake_steps_smg += 1
+        # SMG's input: requests arrive here; the ready response goes first, unchanged.
+        intake: zmq.Socket[Any] = self._socket(zmq.DEALER, plain=True)
+        intake.setsockopt(zmq.IDENTITY, self.identity)
+        push: zmq.asyncio.Socket = self._socket(zmq.PUSH)
+        try:
+            intake.connect(init.inputs[0])
+            push.connect(init.outputs[0])
+        except zmq.ZMQError as exc:
+            raise HandshakeError(step, "addresses", f"unusable endpoint ({exc.strerror})") from exc
+        intake.send(self._ready_response, copy=False)  # an empty pipe: never blocks
+        self.stats.handshake_steps_smg += 1
+        self._push = push
+        self.stats.handshake_steps_smg += 1
+        logger.info(
+            "engine handshake: ready response presented to SMG (input %s, output %s)",
+            init.inputs[0],
+            init.outputs[0],
+        )
+        self._start_relay(intake, push)
+
+    # ------------------------------------------------------------------ relay
+
+    def _start_relay(self, intake: zmq.Socket[Any], push: zmq.asyncio.Socket) -> None:
+        assert self._in_down is not None and self._pull is not None and self._ctx is not None
+        out = self._out = OrderedSender(
+            push,
+            max_pending=self._max_pending_outputs,
+            on_sent=_ignore,
+            on_failed=self._output_failed,
+            name="engine-output",
+        )
+        reader = self._out_reader = SocketReader(
+            self._pull,
+            self._on_output,
+            stats=self.stats,
+            name="engine output",
+            watchdog_s=self._watchdog_s,
+        )
+        out.pauses(reader)
+        out.start()
+        ingest = self.ingest = ZmqIngest(
+            self.pool,
+            listen=f"SMG input (engine {self.engine_index})",
+            forward=f"the scheduler's input {self.input_address}",
+            max_message_bytes=self.max_message_bytes,
+            context=self._ctx,
+            watchdog_s=self._watchdog_s,
+            telemetry=self.telemetry,
+            transport="engine",
+            stats=self.stats,
+            on_forward=self._forwarded,
+            passthrough=True,
+        )
+        assert self._scheduler_identity is not None
+        # The ingest owns these two from here (it closes them at stop).
+        self._socks.remove(intake)
+        self._socks.remove(self._in_down)
+        ingest.adopt(
+            intake,
+            self._in_down,
+            peer=self.identity,
+            forward_prefix=[self._scheduler_identity],
+        )
+        reader.start()
+        if self._dead:  # the scheduler went while SMG's handshake ran
+            self._send_dead()
+
+    def _forwarded(self, rid: str) -> None:
+        self._outstanding.add(rid)
+        self.stats.outstanding = len(self._outstanding)
+
+    def _on_output(self, frames: list[zmq.Frame]) -> None:
+        """One scheduler output: relayed to SMG as received (the same frame objects)."""
+        stats = self.stats
+        first = frames[0]
+        stats.output_messages += 1
+        stats.output_bytes += len(first) if len(frames) == 1 else sum(len(f) for f in frames)
+        out = self._out
+        assert out is not None
+        if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
+            if not self._dead_sent:
+                self._dead_sent = True
+                stats.engine_core_dead_sent += 1
+                out.add_pending()
+                out.put(frames)
+            self._scheduler_died("it sent ENGINE_CORE_DEAD")
+            return
+        if self._outstanding:
+            self._track(first)
+        out.add_pending()
+        out.put(frames)
+
+    def _track(self, frame: zmq.Frame) -> None:
+        """Note the rids an output finishes (lenient: anything unexpected is untracked)."""
+        try:
+            elems = _SPLIT.decode(frame.buffer)
+            if len(elems) < 4 or _ANY.decode(elems[0]) != _OUTPUT_TAG:
+                self.stats.outputs_untracked += 1
+                return
+            rids = _ANY.decode(elems[1])
+            reasons = _ANY.decode(elems[3])
+            outstanding = self._outstanding
+            for rid, reason in zip(rids, reasons, strict=False):
+                if reason and isinstance(rid, str):
+                    outstanding.discard(rid)
+            self.stats.outstanding = len(outstanding)
+        except Exception:  # noqa: BLE001 - tracking is best effort; the frame is relayed anyway
+            self.stats.outputs_untracked += 1
+
+    def _output_failed(self, msg: list[Any], exc: BaseException) -> None:
+        self.stats.output_undeliverable += 1
+        logger.warning("engine mode: an output could not be handed to SMG's PUSH (%s)", exc)
+
+    # ------------------------------------------------------------------ death
+
+    async def _watch(self, monitor: zmq.asyncio.Socket, what: str) -> None:
+        """The scheduler's connection dropped: after its handshake, that is its death."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._scheduler_ready:
+                    self._scheduler_died(f"its {what} connection dropped")
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+
+    def _scheduler_died(self, why: str) -> None:
+        if self._dead or self._stopping:
+            return
+        self._dead = True
+        self.stats.scheduler_alive = 0
+        logger.error(
+            "engine mode: the scheduler went away (%s); ENGINE_CORE_DEAD to SMG", why
+        )
+        self._send_dead()
+        if self._on_gone is not None:
+            self._on_gone(why)
+
+    def _send_dead(self) -> None:
+        """One ENGINE_CORE_DEAD to SMG, after every output already received."""
+        out = self._out
+        if self._dead_sent or out is None:
+            return
+        reader = self._out_reader
+        if reader is not None and reader.registration is not None:
+            reader.read_batch(_FINAL_OUTPUTS_MAX)  # what the scheduler sent before it went
+        self._dead_sent = True
+        self.stats.engine_core_dead_sent += 1
+        out.add_pending()
+        out.put([ENGINE_CORE_DEAD])
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def drain(self, deadline: float) -> int:
+        """Relay outputs until every forwarded request has finished or ``deadline``
+        (loop time); return how many forwarded requests are still unfinished."""
+        loop = asyncio.get_running_loop()
+        while self._outstanding and not self._dead and loop.time() < deadline:
+            await asyncio.sleep(min(0.01, max(0.0, deadline - loop.time())))
+        left = len(self._outstanding)
+        if left and not self._dead:
+            logger.warning(
+                "[shutdown] %d forwarded request(s) without a finished output at the drain "
+                "deadline; SMG fails them on ENGINE_CORE_DEAD",
+                left,
+            )
+        return left
+
+    async def stop(self, linger_s: float = DEAD_LINGER_S) -> None:
+        """Stop intake, send ENGINE_CORE_DEAD upstream, close everything (idempotent)."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(max(0.0, linger_s)))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, linger_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger_s
+        self._stopping = True
+        if self.ingest is not None:
+            # Sweeps what SMG still queued (forwarded SHUTTING_DOWN), flushes to the
+            # scheduler, closes SMG's input and the scheduler's input.
+            await self.ingest.stop(min(linger_s, 0.5) if not self._dead else 0.0)
+        self._send_dead()
+        out = self._out
+        if out is not None:
+            while out.pending and loop.time() < deadline:
+                await asyncio.sleep(0.005)
+            await out.stop()
+            left = out.abandon_queued()
+            if left:
+                self.stats.output_undeliverable += len(left)
+                logger.warning("[shutdown] %d output(s) never reached SMG", len(left))
+        if self._out_reader is not None:
+            self._out_reader.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
+        for sock in self._socks:
+            if not sock.closed:
+                sock.close(linger=linger_ms if sock is self._push else 0)
+        ctx = self._ctx
+        if ctx is not None and not ctx.closed:
+            await asyncio.to_thread(ctx.term)  # waits for the PUSH's linger: off the loop
+        self._finalizer.detach()
+        self.stats.scheduler_alive = 0 if self._dead else self.stats.scheduler_alive
+        logger.info("[shutdown] engine relay stopped (%s)", self.stats)
+
+
+def _ignore(msg: list[Any]) -> None:
+    pass
+
+
+__all__ = ["DEAD_LINGER_S", "EngineRelay", "EngineStats", "PROGRESS_S"]
