@@ -36,6 +36,7 @@ bench: setup
 	$(PY) bench/bench_zmq.py
 	$(PY) bench/bench_grpc.py
 	$(PY) bench/bench_pool.py
+	$(PY) bench/bench_engine.py
 
 protos: setup
 	$(PY) scripts/gen_protos.py

@@ -140,9 +140,12 @@ def synthetic_frames(kind: str, rid: str, tokens: int, feature_kb: int = 0) -> l
 class Smg:
     """The gateway side: binds, answers HELLO with INIT, publishes, collects outputs."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, handshake: str, *, init: str = "ok") -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, handshake: str, *, init: str = "ok", report: bool = True
+    ) -> None:
         self.ctx = ctx
         self.init_kind = init
+        self.report = report
         self.hs = ctx.socket(zmq.ROUTER)
         self.hs.setsockopt(zmq.LINGER, 0)
         self.hs.bind(handshake)
@@ -179,14 +182,17 @@ class Smg:
     async def accept(self) -> dict[str, Any]:
         """HELLO -> INIT -> READY -> ready response; returns the ready response."""
         ident, hello = await self.hs.recv_multipart()
-        emit(event="hello", identity=ident.hex(), message=msgspec.msgpack.decode(hello))
+        if self.report:
+            emit(event="hello", identity=ident.hex(), message=msgspec.msgpack.decode(hello))
         await self.hs.send_multipart([ident, self.init_message()])
         _, ready = await self.hs.recv_multipart()
-        emit(event="READY", message=msgspec.msgpack.decode(ready))
+        if self.report:
+            emit(event="READY", message=msgspec.msgpack.decode(ready))
         engine, response = await self.inp.recv_multipart()
         self.engine = engine
         self.ready_response = msgspec.msgpack.decode(response)
-        emit(event="ready", identity=engine.hex(), ready_response=self.ready_response)
+        if self.report:
+            emit(event="ready", identity=engine.hex(), ready_response=self.ready_response)
         return self.ready_response
 
     async def send(self, frames: list[Any]) -> None:
