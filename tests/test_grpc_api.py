@@ -71,13 +71,21 @@ needs_vectors = pytest.mark.skipif(not VECTORS, reason="no wire vectors (set MMA
 
 
 class Gate:
-    """A ``before_run`` hook that holds every worker until :meth:`open` (at most 10 s)."""
+    """A ``before_run`` hook that holds every worker until :meth:`open`.
+
+    A request the test never releases fails after ``HOLD_S`` (the worker raises
+    and ``running`` reports it) instead of quietly going on."""
+
+    HOLD_S = 10.0
 
     def __init__(self) -> None:
         self._open = threading.Event()
+        self.timed_out: list[str] = []
 
     def __call__(self, req: Request) -> None:
-        self._open.wait(10.0)
+        if not self._open.wait(self.HOLD_S):
+            self.timed_out.append(req.rid)
+            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
 
     def open(self) -> None:
         self._open.set()
@@ -117,6 +125,7 @@ async def running(
             gate.open()  # never leave a worker thread blocked behind
         await server.stop(0)
         pool.close()
+    assert gate is None or not gate.timed_out, f"held, never released: {gate.timed_out}"
 
 
 @pytest.fixture

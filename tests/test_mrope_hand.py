@@ -298,3 +298,99 @@ def test_qwen3_5_video_needs_one_span_per_frame() -> None:
     item = _video([[4, 15]], [[3, 4, 4]])
     with pytest.raises(InvalidRequest, match="spans"):
         mrope.plan_runs(load_profile("qwen3_5"), [item])
+
+
+# --------------------------------------------------------------------------------------
+# The decode-side exemption (rule 2): only the delta, computed from the grids, through
+# the whole materializer (mrope.delta_only, never the per-token positions). A wrong
+# temporal extent there changes only this delta, so each video case above is checked
+# against its hand-written delta here too, with native code on and off.
+
+
+def _decode_delta(family: str, ids: list[int], items: list[Item]) -> int:
+    from mmadmit import native
+    from mmadmit.materializer import Materializer
+    from mmadmit.model import Materialized, MultimodalInputs, Request
+
+    m = Materializer(load_profile(family, role="decode", language_model_only=True))
+    for i, item in enumerate(items):
+        item.hash = 1000 + i
+    deltas = []
+    for on in (True, False):
+        native.set_enabled(on)
+        try:
+            req = Request("decode", np.array(ids, np.int64), mm=MultimodalInputs(items=items))
+            out = m.run(req)
+        finally:
+            native.set_enabled(True)
+        assert isinstance(out, Materialized), out
+        mm = out.request.mm
+        assert mm is not None and mm.items == [] and mm.mrope_positions is None
+        assert mm.mrope_position_delta is not None
+        assert mm.mrope_position_delta.to_numpy().tolist() == [[mm.mrope_position_delta_scalar]]
+        assert np.array_equal(out.request.input_ids, ids)  # kept exactly as received
+        deltas.append(mm.mrope_position_delta_scalar)
+    assert deltas[0] == deltas[1]
+    return int(deltas[0])
+
+
+@pytest.mark.parametrize(
+    "family, ids, items, delta",
+    [
+        ("qwen2_vl", Q2_IDS, Q2_ITEMS, Q2_DELTA),
+        (
+            "qwen2_5_vl",
+            Q25_IDS,
+            lambda: [
+                _video([[2, 9]], [[2, 4, 4]], second_per_grid_ts=[0.5]),
+                _video([[13, 18]], [[3, 2, 4]], second_per_grid_ts=[1.0]),
+            ],
+            Q25_DELTA,
+        ),
+        (
+            "qwen2_5_vl",
+            Q25_IDS,
+            lambda: [
+                _video([[2, 9], [13, 18]], [[2, 4, 4], [3, 2, 4]], second_per_grid_ts=[0.5, 1.0])
+            ],
+            Q25_DELTA,
+        ),
+        (
+            "qwen2_5_vl",
+            [VS] + [VID] * 6 + [VE, T],
+            lambda: [_video([[1, 6]], [[6, 2, 2]], second_per_grid_ts=[0.7])],
+            10 + 1 - 9,
+        ),
+        (
+            "qwen3_omni_moe",
+            OMNI_V_IDS,
+            lambda: [_video([[2, 9]], [[4, 4, 2]], video_second_per_grid=[0.5])],
+            OMNI_V_DELTA,
+        ),
+        (
+            "qwen3_omni_moe",
+            [VS] + [VID] * 3 + [VE],
+            lambda: [_video([[1, 3]], [[3, 2, 2]])],
+            54 + 1 - 5,
+        ),
+        (
+            "qwen3_omni_moe",
+            OMNI_A_IDS,
+            lambda: [_item(Modality.AUDIO, [[2, 6]]), _image([[10, 13]], [[1, 4, 4]])],
+            OMNI_A_DELTA,
+        ),
+        ("qwen3_5", Q35_IDS, lambda: [_video(Q35_SPANS, [[3, 4, 4]])], Q35_DELTA),
+    ],
+    ids=[
+        "qwen2_vl-video",
+        "qwen2_5_vl-two-videos",
+        "qwen2_5_vl-two-rows",
+        "qwen2_5_vl-float32",
+        "omni-fractional-step",
+        "omni-default-seconds",
+        "omni-audio-image",
+        "qwen3_5-split-video",
+    ],
+)
+def test_decode_side_delta_hand_computed(family: str, ids: list[int], items, delta: int) -> None:  # type: ignore[no-untyped-def]
+    assert _decode_delta(family, ids, items()) == delta

@@ -22,19 +22,29 @@ from mmadmit.profile import load_profile
 
 
 class Hold:
-    """Blocks workers on requests whose rid starts with 'hold' until released."""
+    """Blocks workers on requests whose rid starts with 'hold' until released.
+
+    Its timeouts fail the test: a held request the test never releases fails
+    (the worker raises, and the fixture reports it), and :meth:`wait_entered`
+    fails when no worker picked a held request up."""
+
+    HOLD_S = 10.0
 
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.entered = threading.Semaphore(0)
+        self.timed_out: list[str] = []
 
     def __call__(self, req: Request) -> None:
         if req.rid.startswith("hold"):
             self.entered.release()
-            self.gate.wait(10)
+            if not self.gate.wait(self.HOLD_S):
+                self.timed_out.append(req.rid)
+                raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
 
-    async def wait_entered(self) -> None:
-        await asyncio.to_thread(self.entered.acquire, True, 5)
+    async def wait_entered(self, timeout_s: float = 5.0) -> None:
+        entered = await asyncio.to_thread(self.entered.acquire, True, timeout_s)
+        assert entered, f"no worker started a held request within {timeout_s} s"
 
 
 @pytest.fixture
@@ -42,6 +52,7 @@ def hold() -> Iterator[Hold]:
     h = Hold()
     yield h
     h.gate.set()
+    assert not h.timed_out, f"held requests were never released: {h.timed_out}"
 
 
 def _req(rid: str, n: int = 16) -> Request:
@@ -62,8 +73,16 @@ async def test_burst_gets_exactly_one_outcome_each_some_overloaded(hold: Hold) -
     try:
         first = pool.submit(_req("hold-0"))
         await hold.wait_entered()
-        outcomes = await asyncio.gather(*(pool.materialize(_req(f"r{i}")) for i in range(50)))
+        burst = [asyncio.ensure_future(pool.materialize(_req(f"r{i}"))) for i in range(50)]
+        # 49 are refused at once; the one admitted waits behind the held request, so the
+        # gate is released only once the refusals are in (not after its timeout)
+        for _ in range(500):
+            if sum(t.done() for t in burst) == 49:
+                break
+            await asyncio.sleep(0.002)
+        assert sum(t.done() for t in burst) == 49 and pool.inflight == 2
         hold.gate.set()
+        outcomes = await asyncio.gather(*burst)
         first_out = await first.outcome()
         codes = [o.code if isinstance(o, Abort) else "ok" for o in outcomes]
         assert len(outcomes) == 50

@@ -631,12 +631,12 @@ async def test_second_signal_exits_at_once_with_status_1() -> None:
                 while await gc.health(timeout=2) != "NOT_SERVING":  # the drain is running
                     await asyncio.sleep(0.005)
             assert srv.proc.poll() is None
-            t0 = time.monotonic()
             srv.send(signal.SIGTERM)
-            rc = await asyncio.to_thread(srv.proc.wait, 5)
+            rc = await asyncio.to_thread(srv.proc.wait, 10)  # the drain would take 30 s
             assert rc == 1, srv.stderr
-            assert time.monotonic() - t0 < 2
-            assert not peer.answered(load.zmq_rids)  # it did not wait for the work
+            # it did not wait for the work: none of it was answered, the drain never ended
+            assert not peer.answered(load.zmq_rids)
+            assert "[shutdown] done" not in srv.stderr, srv.stderr
 
 
 async def test_zmq_client_keeps_replies_received_before_the_server_closed() -> None:

@@ -75,22 +75,28 @@ SMALL = "qwen3_5_smg_style"  # a small good request (1.8 KB)
 
 class Gate:
     """``before_run`` hook: holds requests whose rid starts with ``hold`` until
-    :meth:`open` (at most 10 s), raises for ``boom``; records every request a
-    worker was handed."""
+    :meth:`open`, raises for ``boom``; records every request a worker was handed.
+
+    A held request the test never releases fails after ``HOLD_S`` (the worker
+    raises and the fixture reports it) instead of quietly going on."""
+
+    HOLD_S = 10.0
 
     def __init__(self) -> None:
         self._open = threading.Event()
         self._lock = threading.Lock()
         self.started: list[str] = []
         self.seen: list[Request] = []
+        self.timed_out: list[str] = []
 
     def __call__(self, req: Request) -> None:
         with self._lock:
             self.seen.append(req)
             if req.rid.startswith("hold"):
                 self.started.append(req.rid)
-        if req.rid.startswith("hold"):
-            self._open.wait(10.0)
+        if req.rid.startswith("hold") and not self._open.wait(self.HOLD_S):
+            self.timed_out.append(req.rid)
+            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
         if req.rid.startswith("boom"):
             raise RuntimeError("a worker bug")
 
@@ -173,6 +179,8 @@ async def service() -> AsyncIterator[Factory]:
         svc.gate.open()  # never leave a worker thread blocked behind
         await svc.ingest.stop(0.5)
         svc.pool.close()
+    timed_out = [rid for svc in made for rid in svc.gate.timed_out]
+    assert not timed_out, f"held requests were never released: {timed_out}"
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -533,6 +541,39 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
     assert svc.ingest.stats.replied == 2
     await sock.send_multipart(frames_of(v, "after"), copy=False)
     assert as_outcome(await recv(sock)).materialized
+
+
+@needs_vectors
+async def test_abort_is_scoped_to_its_peer(service: Factory, zctx: Sockets) -> None:
+    """WIRE.md: ABORT cancels only the sending peer's requests. Two peers hold the same
+    rid (one running, one queued); a third peer's ABORT of that rid and the queued
+    owner's ABORT leave the other peer's request alone."""
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", workers=1)
+    a, b, c = (dealer(zctx, svc.endpoint, name) for name in (b"peer-a", b"peer-b", b"peer-c"))
+    await a.send_multipart(frames_of(v, "hold-same"), copy=False)
+    await until(lambda: svc.gate.started == ["hold-same"])  # a's is on the worker
+    await b.send_multipart(frames_of(v, "hold-same"), copy=False)
+    await until(lambda: svc.pool.inflight == 2)  # b's is queued behind it
+    abort = [b"\x01", msgspec.msgpack.encode(["hold-same"])]
+
+    await c.send_multipart(abort)  # c has no such request: nothing happens
+    await until(lambda: svc.ingest.stats.aborts_received == 1)
+    assert svc.pool.inflight == 2 and svc.ingest.inflight == 2
+    assert svc.pool.stats.cancelled_queued == 0 and svc.pool.stats.discarded_running == 0
+
+    await b.send_multipart(abort)  # b's own request only: the queued one
+    out = as_outcome(await recv(b))
+    assert (out.rid, out.abort_code) == ("hold-same", "CANCELLED")
+    assert svc.pool.stats.cancelled_queued == 1 and svc.pool.stats.discarded_running == 0
+    assert svc.pool.inflight == 1 and svc.ingest.stats.cancelled_by_peer == 1
+    assert await silent(a) and await silent(c)
+
+    svc.gate.open()
+    done = as_outcome(await recv(a))
+    assert done.rid == "hold-same" and done.materialized, done.abort_message
+    assert await silent(b)  # one reply per request: b already had its CANCELLED
+    assert svc.ingest.stats.replied == 2
 
 
 @needs_vectors
