@@ -318,8 +318,15 @@ async def run_scheduler(
     save: Path | None = None,
     report: bool = True,
     quiet_adds: bool = False,
+    dead_after: int | None = None,
+    seen: list[tuple[str, Any]] | None = None,
 ) -> None:
-    """The scheduler side, until cancelled (or its peer stops answering the handshake)."""
+    """The scheduler side, until cancelled (or its peer stops answering the handshake).
+
+    ``dead_after=N``: after answering N ADDs, send ``ENGINE_CORE_DEAD`` and go
+    quiet (sockets kept open); ``seen`` collects ``("ADD", Request)``,
+    ``("ABORT", rids)`` and ``("OTHER", frames)`` in arrival order.
+    """
     ident = identity_of(engine_index if hello_index is None else hello_index)
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, ident)
@@ -361,10 +368,14 @@ async def run_scheduler(
             kind = frames[0].bytes
             if kind == b"\x01":
                 rids = msgspec.msgpack.decode(frames[1].bytes)
+                if seen is not None:
+                    seen.append(("ABORT", rids))
                 if report:
                     emit(event="abort", seq=seq, rids=rids)
                 continue
             if kind != b"\x00":
+                if seen is not None:
+                    seen.append(("OTHER", frames))
                 if report:
                     emit(event="other", seq=seq, type=kind.hex())
                 continue
@@ -376,6 +387,8 @@ async def run_scheduler(
                 continue
             req = msg.request
             assert req is not None
+            if seen is not None:
+                seen.append(("ADD", req))
             reason = "abort" if req.validation_error else "stop"
             if report and not quiet_adds:
                 path = None
@@ -401,6 +414,11 @@ async def run_scheduler(
                 task.add_done_callback(pending.discard)
             else:
                 await push.send_multipart(out, copy=False)
+            if dead_after is not None and seq >= dead_after:
+                await push.send(DEAD)
+                if report:
+                    emit(event="sent_dead")
+                await asyncio.sleep(3600)  # dead, but its sockets stay open
     finally:
         for task in pending:
             task.cancel()
@@ -423,6 +441,7 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
             delay_s=args.delay,
             save=save,
             quiet_adds=args.quiet,
+            dead_after=args.dead_after,
         )
     finally:
         ctx.term()
@@ -445,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     sch.add_argument("--delay", type=float, default=0.0)
     sch.add_argument("--save", default=None)
     sch.add_argument("--quiet", action="store_true", help="no line per ADD (benchmarks)")
+    sch.add_argument("--dead-after", type=int, default=None, help="ENGINE_CORE_DEAD after N")
     args = parser.parse_args(argv)
     runner = _smg_main if args.role == "smg" else _scheduler_main
     try:

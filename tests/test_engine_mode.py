@@ -24,8 +24,15 @@ Contract pinned here:
 * SIGTERM with the scheduler alive: requests arriving during the drain are
   forwarded marked ``SHUTTING_DOWN``, outputs keep flowing until every
   forwarded request finished, then ``ENGINE_CORE_DEAD``, exit 0;
+* SIGTERM when the scheduler never answers: ``ENGINE_CORE_DEAD`` once
+  ``--drain-timeout`` has passed, exit 0;
 * a malformed INIT, a malformed ready response and a scheduler presenting
   another engine index: one clear line naming the step and the field, exit 2;
+* in process (the relay, a test SMG and a test scheduler on one loop): outputs
+  leave as the very received ``zmq.Frame`` objects; the scheduler's own
+  ``ENGINE_CORE_DEAD`` is relayed once and reported as its death; other
+  message types pass through unchanged; the ready response reaches SMG
+  unchanged; a step that never comes times out naming it, with progress lines;
 * the flag rules (one handshake flag alone, or with ``--zmq-forward``: exit 2).
 
 Run with: python -m pytest tests/test_engine_mode.py -q -p no:cacheprovider
@@ -43,20 +50,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import engine_peers
 import grpc
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from conftest import CONFIGS, TESTS_DIR, http_get, load_vector, vector_names
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mmadmit import engine_mode, wire
 from mmadmit import handshake as hs
-from mmadmit import wire
 from mmadmit.config import build_config
+from mmadmit.engine_mode import EngineRelay
 from mmadmit.errors import ConfigError
 from mmadmit.frames import parse_frames
+from mmadmit.materializer import Materializer
+from mmadmit.pool import MaterializerPool
+from mmadmit.profile import load_profile
 from test_zmq_ingest import assert_error_vector, assert_matches_vector
 
 pytestmark = pytest.mark.timeout(60)
@@ -472,6 +487,19 @@ async def test_sigterm_drains_forwarded_work_then_engine_core_dead_exit_0() -> N
         assert len(t.smg.of("dead")) == 1
 
 
+async def test_sigterm_with_a_silent_scheduler_ends_at_the_drain_timeout() -> None:
+    with trio() as t:
+        await start_all(t, "--delay", "60", mm_args=("--drain-timeout", "1"))
+        assert t.smg is not None and t.sch is not None and t.mm is not None
+        t.smg.command(cmd="send", vector="qwen3_5_image1", rid="unanswered")
+        await t.sch.count("add", 1)
+        t.mm.proc.send_signal(signal.SIGTERM)
+        assert await t.mm.exit_status() == 0
+        await t.smg.event("dead")
+        assert not t.smg.of("output") and len(t.smg.of("dead")) == 1
+        assert "without a finished output at the drain deadline" in t.mm.text
+
+
 # --------------------------------------------------------------------------- bad handshakes
 
 
@@ -587,3 +615,120 @@ def test_handshake_messages_name_step_and_field() -> None:
     assert msgspec.msgpack.decode(hs.status_message("READY")) == {
         "status": "READY", "local": True, "headless": True, "parallel_config_hash": None,
     }  # fmt: skip
+
+
+# --------------------------------------------------------------------------- in process
+
+
+@dataclass
+class Env:
+    ctx: zmq.asyncio.Context
+    smg: engine_peers.Smg
+    relay: EngineRelay
+    listen: str
+    gone: list[str]
+    hooked: list[list[Any]]
+    tasks: list[asyncio.Future[Any]] = field(default_factory=list)
+
+    def scheduler(self, **kw: Any) -> list[tuple[str, Any]]:
+        seen: list[tuple[str, Any]] = []
+        self.tasks.append(
+            asyncio.ensure_future(
+                engine_peers.run_scheduler(self.ctx, self.listen, report=False, seen=seen, **kw)
+            )
+        )
+        return seen
+
+    async def handshakes(self) -> None:
+        accept = asyncio.ensure_future(self.smg.accept())
+        self.tasks.append(accept)
+        await asyncio.wait_for(self.relay.handshake(), 20)
+        await asyncio.wait_for(accept, 20)
+
+
+@contextlib.asynccontextmanager
+async def relay_env(smg_handshake: str | None = None, timeout_s: float = 20) -> AsyncIterator[Env]:
+    ctx = zmq.asyncio.Context()
+    smg = engine_peers.Smg(ctx, "tcp://127.0.0.1:0", report=False)
+    profile = load_profile(str(CONFIGS / "qwen3_5.json"))
+    pool = MaterializerPool(Materializer(profile), workers=1, inline_max_tokens=16384)
+    gone: list[str] = []
+    hooked: list[list[Any]] = []
+    relay = EngineRelay(
+        pool,
+        smg_handshake=smg_handshake or smg.handshake,
+        listen="tcp://127.0.0.1:0",
+        engine_index=0,
+        handshake_timeout_s=timeout_s,
+        max_message_bytes=1 << 30,
+        on_gone=gone.append,
+        watchdog_s=None,
+        output_hook=hooked.append,
+    )
+    env = Env(ctx, smg, relay, "", gone, hooked)
+    try:
+        env.listen = await relay.bind()
+        yield env
+    finally:
+        for task in env.tasks:
+            task.cancel()
+        await asyncio.gather(*env.tasks, return_exceptions=True)
+        await relay.stop(0.1)
+        smg.close()
+        pool.close()
+        ctx.term()
+
+
+async def recv_or_none(smg: engine_peers.Smg, timeout_s: float) -> list[zmq.Frame] | None:
+    try:
+        return await asyncio.wait_for(smg.recv_output(), timeout_s)
+    except TimeoutError:
+        return None
+
+
+async def test_in_process_zero_copy_outputs_scheduler_dead_frame_and_passthrough() -> None:
+    async with relay_env() as env:
+        seen = env.scheduler(aux_bytes=100_000, dead_after=3)
+        await env.handshakes()
+        assert env.smg.ready_response == dict(engine_peers.READY_RESPONSE, data_parallel_rank=0)
+        assert env.relay.stats.scheduler_alive == 1
+        await env.smg.send(engine_peers.vector_frames("qwen3_5_image1", "z1"))
+        utility = [b"\x03", msgspec.msgpack.encode([0, "get_load", []])]
+        await env.smg.send(utility)
+        await env.smg.send(engine_peers.vector_frames("qwen3_5_mixed", "z2"))
+        outs = [await asyncio.wait_for(env.smg.recv_output(), 10) for _ in range(3)]
+        assert [engine_peers.read_output(o)[0] for o in outs[:2]] == [["z1"], ["z2"]]
+        assert [f.bytes for f in outs[2]] == [hs.ENGINE_CORE_DEAD]
+        assert await recv_or_none(env.smg, 0.3) is None  # one ENGINE_CORE_DEAD, not two
+        assert env.gone == ["it sent ENGINE_CORE_DEAD"]
+        assert env.relay.stats.scheduler_alive == 0
+        assert env.relay.stats.engine_core_dead_sent == 1
+        # the other message type went through unchanged, between the two ADDs
+        kinds = [kind for kind, _ in seen]
+        assert kinds == ["ADD", "OTHER", "ADD"]
+        assert [f.bytes for f in seen[1][1]] == utility
+        # outputs left as the received frame objects (libzmq shares them; no copy)
+        assert len(env.hooked) == 3
+        for msg in env.hooked:
+            assert all(isinstance(f, zmq.Frame) for f in msg)
+        assert [len(f) for f in env.hooked[0]][1] == 100_000
+        await env.relay.stop(0.5)
+        assert await recv_or_none(env.smg, 0.3) is None  # stopping sends no second one
+
+
+async def test_in_process_handshake_timeout_names_the_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(engine_mode, "PROGRESS_S", 0.05)
+    caplog.set_level("INFO", logger="mmadmit.engine_mode")
+    async with relay_env(timeout_s=0.3) as env:  # nobody connects to it
+        with pytest.raises(hs.HandshakeTimeout, match="HELLO from the scheduler"):
+            await env.relay.handshake()
+    assert "still waiting for HELLO from the scheduler" in caplog.text
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    async with relay_env(smg_handshake=nobody, timeout_s=0.5) as env:  # no SMG there
+        env.scheduler()
+        with pytest.raises(hs.HandshakeTimeout, match="INIT from SMG"):
+            await env.relay.handshake()
+        assert env.relay.stats.handshake_steps_scheduler == 4
+        assert env.relay.stats.handshake_steps_smg == 1  # HELLO sent, INIT never came

@@ -177,7 +177,9 @@ class EngineRelay:
         await relay.stop(linger_s)          # ENGINE_CORE_DEAD to SMG; idempotent
 
     ``on_gone(why)`` is called once when the scheduler goes away after its
-    handshake (the relay has already sent ``ENGINE_CORE_DEAD`` upstream).
+    handshake (the relay has already sent ``ENGINE_CORE_DEAD`` upstream);
+    ``output_hook(frames)`` is a test hook told of every message libzmq took
+    for SMG's output socket.
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class EngineRelay:
         on_gone: Callable[[str], None] | None = None,
         watchdog_s: float | None = WATCHDOG_S,
         max_pending_outputs: int = MAX_PENDING_OUTPUTS,
+        output_hook: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self.pool = pool
         self.smg_handshake = smg_handshake
@@ -211,6 +214,7 @@ class EngineRelay:
         self._on_gone = on_gone
         self._watchdog_s = watchdog_s
         self._max_pending_outputs = max_pending_outputs
+        self._output_hook = output_hook
         self._ctx: zmq.asyncio.Context | None = None
         self._socks: list[zmq.Socket[Any]] = []
         self._finalizer = weakref.finalize(self, _close_all, self._socks, None)
@@ -448,6 +452,7 @@ class EngineRelay:
             max_pending=self._max_pending_outputs,
             on_sent=_ignore,
             on_failed=self._output_failed,
+            sent_hook=self._output_hook,
             name="engine-output",
         )
         reader = self._out_reader = SocketReader(
