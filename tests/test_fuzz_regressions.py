@@ -255,3 +255,47 @@ def test_fast_item_decoder_refuses_a_tensor_with_trailing_elements(
     assert fast == general
     if where == "feature":
         assert fast == ("wire", "item 0 feature must be a tensor [dtype, shape, data]")
+
+
+# ------------------------------------ 5. dtype strings reaching numpy's dtype parser
+
+
+@pytest.mark.parametrize("dtype", [",loat16", "(2,)i4", "i4,i4", "f4" * 40, "[('a', 'f4')]"])
+def test_dtype_strings_numpy_would_parse_are_invalid_request(dtype: str) -> None:
+    """Found by the grpc target under ASan (the first sanitizer campaign): a
+    TensorData.dtype of ",loat16" made np.dtype() raise SyntaxError (it parses comma
+    lists and subarray shapes with ast.literal_eval), which the servicer reported as
+    INTERNAL. Only a plain numpy type string ever reaches numpy now."""
+    from mmadmit import servicer
+    from mmadmit._proto import admission_pb2 as pb
+    from mmadmit.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="unsupported tensor dtype"):
+        parse_dtype(dtype)
+    # gRPC: the translation refuses it in band
+    msg = pb.AdmitRequest(request_id="d")
+    msg.tokenized.input_ids.extend([1, 2, 3])
+    item = msg.mm_inputs.items.add(modality=pb.IMAGE)
+    item.placeholders.add(offset=1, length=1)
+    item.encoder_input.dtype = dtype
+    item.encoder_input.shape.extend([2])
+    item.encoder_input.inline = bytes(4)
+    with pytest.raises(InvalidRequest, match="dtype"):
+        servicer.request_from_proto(msg, load_profile("qwen3_5"))
+    # ZMQ: the decoder refuses it, fast and general item paths alike
+    feature: list[Any] = [dtype, [2], Ext(3, bytes(4))]
+    item_w = [1, None, None, [[2, 5]], feature, None, {}, None, None, None]
+    elems: list[Any] = [TAG, "rid-d", None, None, [1, 2, IMG, IMG, IMG, IMG, 3], [], False, -1]
+    elems += [0, None, False, None, None, None, False, 0.5, None, None, None, None, None, None]
+    elems += [[[item_w], None, None, None, None, None, None], None]
+    with pytest.raises(wire.WireError, match="unsupported tensor dtype"):
+        wire.decode_message([b"\x00", ENC.encode(elems)])
+
+
+def test_numpy_type_strings_stay_legal() -> None:
+    """WIRE.md: a numpy type string such as "<f4" is legal."""
+    for typestr, name in (("<f4", "float32"), ("|u1", "uint8"), ("=i8", "int64"), ("?", "bool")):
+        assert parse_dtype(typestr).name == name
+    for refused in (">f4", "<c8", "O", "U4"):
+        with pytest.raises(Exception, match="unsupported tensor dtype"):
+            parse_dtype(refused)

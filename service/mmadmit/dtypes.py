@@ -10,6 +10,7 @@ bytes of the right item size: nothing here reinterprets them).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,9 @@ _ALIASES = {
 }
 
 
+_TYPESTR = re.compile(r"[<>|=]?[A-Za-z?][0-9]{0,2}")
+
+
 def parse_dtype(name: object) -> DType:
     """Resolve a wire dtype string; raise :class:`InvalidRequest` for anything else."""
     if not isinstance(name, str) or not name:
@@ -78,10 +82,15 @@ def parse_dtype(name: object) -> DType:
     if found is not None:
         return found
     # A numpy type string such as "<f4" or "|u1": little-endian or byte-order free only.
-    try:
-        npd = np.dtype(name)
-    except TypeError:
-        npd = None
+    # Only that shape reaches numpy: np.dtype() parses far more (comma lists, subarray
+    # shapes through ast.literal_eval) and raised SyntaxError on ",loat16" from the wire,
+    # which escaped as INTERNAL (found by fuzzing, RELIABILITY.md).
+    npd = None
+    if _TYPESTR.fullmatch(key):
+        try:
+            npd = np.dtype(key)
+        except (TypeError, ValueError):
+            npd = None
     if npd is not None and npd.kind in "fiub" and npd.byteorder in "<|=" and npd.isnative:
         for cand in _CANONICAL.values():
             if cand.numpy is not None and cand.numpy == npd:
