@@ -1,8 +1,9 @@
 """``mmadmit`` command line: ``serve`` and ``materialize`` (CLI.md).
 
 Exit statuses: ``serve`` 0 after a clean drain, 1 on a forced exit, 2 for
-unusable configuration; ``materialize`` 0 materialized, 1 aborted, 2 unusable
-arguments.
+unusable configuration (or, in engine mode, a malformed handshake message), 3
+in engine mode when the scheduler goes away or a handshake step times out;
+``materialize`` 0 materialized, 1 aborted, 2 unusable arguments.
 """
 
 from __future__ import annotations
