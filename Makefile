@@ -28,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: setup
-	$(VENV)/bin/ruff check service clients tests bench scripts
+	$(VENV)/bin/ruff check service clients tests bench scripts fuzz
 	$(VENV)/bin/mypy service/mmadmit clients/mmadmit_client
 
 bench: setup
@@ -65,3 +65,30 @@ compose-wheelhouse-clean:
 
 deploy-validate: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
+
+# Fuzzing (RELIABILITY.md). fuzz-build: the C extensions with ASan + UBSan in
+# build/fuzz/mmadmit (clang; CC=gcc works without coverage), and atheris (the
+# `fuzz` extra) when it installs. fuzz: every target for FUZZ_SECONDS each on
+# the sanitizer build; native-vs-Python divergences and INTERNAL outcomes fail
+# it like crashes. fuzz-smoke: the seconds-long, sanitizer-free run of the suite.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= intcodec pbwire planner kernels zmq grpc
+FUZZ_ENGINE ?= auto
+FUZZ_EXT_DIR := build/fuzz/mmadmit
+.PHONY: fuzz-build fuzz fuzz-smoke
+
+fuzz-build: setup
+	$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q -e ".[fuzz]" || \
+	  echo "fuzz-build: atheris did not install; make fuzz uses fuzz/mutator.py"
+	CC=$${CC:-clang} PYTHON=$(PY) OUT=$(FUZZ_EXT_DIR) fuzz/build_sanitized.sh
+
+fuzz: fuzz-build
+	@asan=$$(fuzz/asan_runtime.sh $(PY)); echo "fuzz: LD_PRELOAD=$$asan"; \
+	for t in $(FUZZ_TARGETS); do \
+	  LD_PRELOAD=$$asan ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 MMADMIT_FUZZ_EXT_DIR=$(FUZZ_EXT_DIR) \
+	  $(PY) fuzz/run.py $$t --engine $(FUZZ_ENGINE) --seconds $(FUZZ_SECONDS) || exit 1; \
+	done
+
+fuzz-smoke: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_smoke.py tests/test_fuzz_regressions.py

@@ -1,0 +1,1 @@
+"""Coverage-guided fuzz targets for mmadmit's native code (RELIABILITY.md)."""

@@ -1,0 +1,129 @@
+"""Write the seed corpora ``fuzz/corpus/<target>/`` from the wire vectors.
+
+``python fuzz/make_corpus.py`` (idempotent; the corpora are kept in the
+repository, so this only runs again when the vectors or a target's input
+layout change). Large feature frames are replaced by small tensors of the same
+dtype (the materializer only hashes them), so each seed stays a few KiB.
+Inputs that once failed a target are kept beside the seeds as ``regress-*``
+(written by hand, see RELIABILITY.md) and are never touched here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import load_vector, vector_names  # noqa: E402
+from mmadmit import wire  # noqa: E402
+from mmadmit.model import Request, Tensor  # noqa: E402
+from mmadmit_client.grpc import build_item, build_request  # noqa: E402
+
+from fuzz.targets import grpc_target, zmq_target  # noqa: E402
+
+CORPUS = ROOT / "fuzz" / "corpus"
+PROFILE_OF = {"qwen3_5": "qwen3_5", "qwen3_omni": "qwen3_omni_moe", "llama": "llama"}
+_MODALITY_NAME = {1: "image", 2: "video", 3: "audio"}
+
+
+def _shrunk(req: Request) -> Request:
+    """``req`` with every feature a tiny tensor (and the hash kept, so pads are unchanged)."""
+    if req.mm is None:
+        return req
+    for item in req.mm.items:
+        if item.feature is not None and item.feature.nbytes > 64:
+            item.feature = Tensor.from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4))
+    extra = req.extra
+    if isinstance(extra, wire.WireExtra):  # blank the frames only features used
+        for k in extra.feature_aux:
+            extra.aux[k - 1] = memoryview(b"")
+            extra.sources[k - 1] = b""
+    return req
+
+
+def _grpc_request(req: Request) -> object:
+    items = []
+    mm = req.mm
+    for item in mm.items if mm is not None else []:
+        side = {}
+        for key, value in item.side.items():
+            if isinstance(value, Tensor) and value.dtype.numpy is not None:
+                side[key] = (value.to_numpy(), value.dtype.name)
+        overrides = {1: mm.im_token_id, 2: mm.video_token_id} if mm is not None else {}
+        items.append(
+            build_item(
+                _MODALITY_NAME.get(item.modality, "image"),
+                offsets=item.offsets,
+                feature=None if item.feature is None else item.feature.to_numpy(),
+                content_hash=item.hash,
+                pad_value=item.pad_value,
+                side=side,
+                placeholder_token_id=overrides.get(item.modality),
+            )
+        )
+    mrope = None
+    if mm is not None and mm.mrope_position_delta_scalar is not None:
+        mrope = (None, mm.mrope_position_delta_scalar)
+    return build_request(
+        req.rid, req.input_ids, items, input_ids_unpadded=req.input_ids_unpadded, mrope=mrope
+    )
+
+
+def _write(target: str, name: str, data: bytes) -> None:
+    folder = CORPUS / target
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}-{hashlib.sha1(data).hexdigest()[:10]}").write_bytes(data)
+
+
+def main() -> None:
+    for folder in CORPUS.glob("*"):  # regenerate the seeds, keep regress-* inputs
+        for path in folder.glob("seed-*"):
+            path.unlink()
+    for name in vector_names():
+        vec = load_vector(name)
+        profile = PROFILE_OF[vec.meta["family"]]
+        msg = wire.decode_message(list(vec.frames))
+        if msg.request is None:
+            continue
+        req = _shrunk(msg.request)
+        frames = [b"\x00", *wire.encode_request(req)]
+        frames = [bytes(memoryview(f).cast("B")) for f in frames]
+        _write("zmq", f"seed-{name}", zmq_target.seed_input(profile, frames))
+        payload = frames[1]
+        _write("intcodec", f"seed-split-{name}", b"\x02" + payload)
+        raw = wire._SPLIT.decode(payload)
+        _write("intcodec", f"seed-decode-{name}", b"\x00" + bytes(raw[wire.F_INPUT_IDS])[:8192])
+        if len(raw) > wire.F_MM and bytes(raw[wire.F_MM]) != b"\xc0":
+            mm_raw = wire._SPLIT.decode(raw[wire.F_MM])
+            items_raw = bytes(mm_raw[0])
+            _write("intcodec", f"seed-spans-{name}", b"\x03" + items_raw)
+            # int_rows, width 2 (offsets), starts from the spans (flag byte 99: not free)
+            _write("intcodec", f"seed-rows-{name}", b"\x04\x01\x63\x00" + items_raw)
+        try:
+            admit = _grpc_request(req)
+        except (ValueError, TypeError) as exc:
+            print(f"{name}: no gRPC seed ({exc})")
+        else:
+            data = grpc_target.seed_input(profile, admit)
+            _write("grpc", f"seed-{name}", data)
+            _write("pbwire", f"seed-strip-{name}", b"\x00\x20" + data[2:])
+    rng = random.Random(12)
+    ids = np.array([0, 1, 127, 128, 65535, 2**31, 2**32 + 5], "<i8").tobytes()
+    _write("pbwire", "seed-packed", b"\x01\x08\x00\x00\x00" + ids)
+    _write("intcodec", "seed-encode", b"\x01\x00" + ids)
+    for target, count, size in (("planner", 24, 160), ("kernels", 16, 48)):
+        for k in range(count):
+            _write(target, f"seed-random{k}", bytes(rng.randrange(256) for _ in range(size)))
+    total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
+    print(f"corpus: {sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes")
+
+
+if __name__ == "__main__":
+    main()

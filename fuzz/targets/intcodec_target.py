@@ -1,0 +1,91 @@
+"""msgpack int arrays and the payload split (``_intcodec.c``) against the Python fallback.
+
+The first input byte picks an entry point, the rest is its input:
+``decode_int_array`` (results and error messages must match), ``encode_int_array``
+(bytes from an int array of a chosen dtype), ``split_array`` with chosen int
+fields, ``array_spans`` and ``int_rows`` at offsets taken from the spans (or
+chosen freely). Split errors are compared by type only (their texts differ by
+design, intcodec.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mmadmit import intcodec as ic
+
+from ._common import outcome, same
+from ._data import Data
+
+NAME = "intcodec"
+_DTYPES = ("<i8", "<u8", "<i4", "<u4", "<i2", "<u2", "<i1", "<u1", ">i8")
+
+
+def _decode(buf: memoryview) -> None:
+    a = outcome(ic._decode_native, buf)
+    b = outcome(ic._decode_py, buf)
+    same(a, b, "decode_int_array")
+    if a[0] == "ok":  # round trip: a canonical re-encoding decodes to the same values
+        enc = ic._encode_native(a[1])
+        assert enc == ic._encode_py(a[1]), "encode of a decoded array"
+        assert np.array_equal(ic._decode_native(memoryview(enc)), a[1]), "round trip"
+
+
+def _encode(d: Data) -> None:
+    dtype = np.dtype(d.pick(_DTYPES))
+    raw = d.rest()
+    raw = raw[: len(raw) - len(raw) % dtype.itemsize]
+    values = np.frombuffer(raw, dtype)
+    # the public entry point normalizes (uint64 range check) before either encoder
+    arr = outcome(ic._as_int64, values, errors=(ValueError, TypeError))
+    if arr[0] != "ok":
+        return
+    same(outcome(ic._encode_native, arr[1]), outcome(ic._encode_py, arr[1]), "encode_int_array")
+
+
+def _split(d: Data) -> None:
+    fields = tuple(sorted({d.int_in(0, 30) for _ in range(d.int_in(0, 4))}))
+    buf = memoryview(d.rest())
+    a = outcome(ic._split_native, buf, fields)
+    b = outcome(ic._split_py, buf, fields)
+    same(a, b, f"split_array{fields}", messages=False)
+
+
+def _spans(d: Data) -> None:
+    buf = memoryview(d.rest())
+    same(outcome(ic._spans_native, buf), outcome(ic._spans_py, buf), "array_spans", messages=False)
+
+
+def _rows(d: Data) -> None:
+    width = d.int_in(1, 4)
+    free = d.flag(30)
+    picks = [d.u8() for _ in range(d.int_in(0, 3))]
+    buf = memoryview(d.rest())
+    if free:
+        starts = [p % (len(buf) + 2) - 1 for p in picks]  # anywhere, -1 and past the end too
+    else:
+        try:
+            spans = ic._spans_native(buf)
+        except ValueError:
+            return
+        # element 3 of each item (its offsets), as wire.py takes them
+        starts = [s for s in spans[4::5] if s >= 0]
+    a = outcome(ic._rows_native, buf, starts, width)
+    b = outcome(ic._rows_py, buf, starts, width)
+    same(a, b, f"int_rows(width={width})", messages=False)
+
+
+def one(data: bytes) -> None:
+    if ic._BUILT is None:
+        return  # nothing native to compare
+    d = Data(data)
+    op = d.u8() % 5
+    if op == 0:
+        _decode(memoryview(d.rest()))
+    elif op == 1:
+        _encode(d)
+    elif op == 2:
+        _split(d)
+    elif op == 3:
+        _spans(d)
+    else:
+        _rows(d)

@@ -1,0 +1,154 @@
+"""The per-token kernels (``_kernels.c``) against their numpy fallbacks, called directly.
+
+``mrope_fill`` gets run plans that are mostly well formed (sorted, disjoint,
+inside the prompt) with fields replaced by boundary values; ``spans_check`` and
+``spans_fill`` get spans likewise. Whether a plan or span set is inside the
+kernel's contract is decided here, in exact Python integers (:func:`plan_ok`,
+:func:`spans_ok`): inside, native and numpy must give identical arrays and
+delta; outside, the native kernel must refuse it with ``ValueError`` before
+touching memory (numpy's answer to an invalid plan is unspecified).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mmadmit import kernels, mrope
+
+from ._common import native_mode
+from ._data import Data
+
+NAME = "kernels"
+INT64_MAX = 2**63 - 1
+
+
+def plan_ok(n: int, p: mrope.RunPlan) -> bool:
+    """The contract ``_kernels.mrope_fill`` checks, replayed with Python ints."""
+    k = len(p.start)
+    if not (len(p.frames) == len(p.rows) == len(p.cols) == len(p.t_off) == k):
+        return False
+    nt = len(p.t_index)
+    prev_end = pos = tok = 0
+    for r in range(k):
+        s, f, h, w, off = (int(x[r]) for x in (p.start, p.frames, p.rows, p.cols, p.t_off))
+        if min(f, h, w) < 1 or s < prev_end or s > n or f * h * w > n - s:
+            return False
+        if off < 0 or off > nt - f:
+            return False
+        tr = [int(v) for v in p.t_index[off : off + f]]
+        if min(tr) < 0:
+            return False
+        origin = pos + (s - tok)
+        if origin + max(h - 1, w - 1, *tr) + 1 > INT64_MAX - n:
+            return False
+        pos = origin + max(tr[-1], h - 1, w - 1) + 1
+        tok = prev_end = s + f * h * w
+    return True
+
+
+def _plan(d: Data) -> tuple[int, mrope.RunPlan]:
+    k = d.int_in(0, 5)
+    starts, frames, rows, cols, t_index, t_off = [], [], [], [], [], []
+    pos = d.int_in(0, 3)
+    for _ in range(k):
+        f, h, w = d.int_in(1, 4), d.int_in(1, 4), d.int_in(1, 4)
+        starts.append(pos)
+        frames.append(f)
+        rows.append(h)
+        cols.append(w)
+        t_off.append(len(t_index))
+        mode = d.u8() % 4
+        if mode == 0:
+            t_index += range(f)
+        elif mode == 1:
+            t_index += [0] * f
+        elif mode == 2:
+            step = d.int_in(0, 50)
+            t_index += [i * step for i in range(f)]
+        else:
+            t_index += [d.wild_int() % 2**64 - (2**63 if d.flag(20) else 0) for _ in range(f)]
+        pos += f * h * w + d.int_in(0, 2)
+    n = max(0, pos + d.int_in(0, 3) - (d.int_in(0, 3) if d.flag(10) else 0))
+    fields = [starts, frames, rows, cols, t_off, t_index]
+    for _ in range(d.int_in(0, 2)):  # replace a field by a boundary value
+        which = fields[d.int_in(0, 5)]
+        if which:
+            which[d.int_in(0, len(which) - 1)] = d.wild_int()
+    arrays = []
+    for vals in fields:
+        # a value outside int64 is not representable in the plan: wrap it as C would see it
+        arrays.append(np.array([v % 2**64 - 2**64 if v % 2**64 >= 2**63 else v % 2**64
+                                for v in vals], np.int64))  # fmt: skip
+    return n, mrope.RunPlan(*arrays)
+
+
+def _mrope(d: Data) -> None:
+    n, plan = _plan(d)
+    ok = plan_ok(n, plan)
+    out = np.full((3, n), -7, np.int64)
+    try:
+        delta = kernels._BUILT.mrope_fill(
+            out, plan.start, plan.frames, plan.rows, plan.cols, plan.t_off, plan.t_index
+        )
+    except ValueError as exc:
+        assert not ok, f"mrope_fill refused a plan inside its contract: {exc} (n={n}, {plan})"
+        assert (out == -7).all(), "mrope_fill wrote before refusing"
+        return
+    assert ok, f"mrope_fill accepted a plan outside its contract (n={n}, {plan})"
+    if len(plan.start) == 0:
+        want, wdelta = np.broadcast_to(np.arange(n, dtype=np.int64), (3, n)), 0
+    else:
+        want, wdelta = mrope.positions(n, plan)
+    assert delta == wdelta and np.array_equal(out, want), f"mrope_fill != numpy (n={n}, {plan})"
+
+
+def _spans(d: Data) -> None:
+    n = d.int_in(0, 64)
+    ids = np.array([d.int_in(0, 3) for _ in range(n)], np.int64)
+    k = d.int_in(0, 6)
+    starts, stops, vals = [], [], []
+    pos = 0
+    for _ in range(k):
+        a = pos + d.int_in(0, 4)
+        z = a + d.int_in(0, 6)
+        starts.append(a)
+        stops.append(z)
+        vals.append(d.int_in(0, 3))
+        pos = z
+    for _ in range(d.int_in(0, 1)):
+        which = (starts, stops)[d.int_in(0, 1)]
+        if which:
+            which[d.int_in(0, len(which) - 1)] = d.wild_int() % 2**63 * (-1 if d.flag(30) else 1)
+    a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
+    ok = all(0 <= a <= z <= n for a, z in zip(starts, stops, strict=True))
+    disjoint = ok and all(stops[i] <= starts[i + 1] for i in range(k - 1))
+    try:
+        got = kernels._BUILT.spans_check(ids, a_, z_, v_)
+    except ValueError:
+        assert not ok, "spans_check refused valid spans"
+    else:
+        assert ok, "spans_check accepted spans outside the prompt"
+        with native_mode(False):
+            want = kernels.first_mismatch(ids, a_, z_, v_)
+        assert got == want, f"spans_check {got} != numpy {want}"
+    out = ids.copy()
+    try:
+        kernels._BUILT.spans_fill(out, a_, z_, v_)
+    except ValueError:
+        assert not ok, "spans_fill refused valid spans"
+        assert np.array_equal(out, ids), "spans_fill wrote before refusing"
+        return
+    assert ok, "spans_fill accepted spans outside the prompt"
+    if disjoint:
+        with native_mode(False):
+            want_fill = kernels.fill_spans(ids, a_, z_, v_)
+        assert np.array_equal(out, want_fill), "spans_fill != numpy"
+
+
+def one(data: bytes) -> None:
+    if kernels._BUILT is None:
+        return  # nothing native to compare
+    d = Data(data)
+    if d.u8() % 3:
+        _mrope(d)
+    else:
+        _spans(d)

@@ -1,0 +1,144 @@
+"""The whole ZMQ path: decode a captured message, materialize, encode the reply.
+
+The input is a frames container (``mmadmit.frames``: ``[type, payload, *aux]``),
+what ``mmadmit materialize`` replays. It runs three ways: native code on
+(with every payload split by the native walk, not only those of 4 KiB or
+more), native code off (the Python fallbacks), and native off with the typed
+item decoder refused (the general per-item path, which alone decides what
+is accepted). Native and fallback must send the same reply bytes (or the
+same abort code to the same rid); the general path must reach the same
+outcome (the reply bytes may differ: the fast path splices received bytes).
+No outcome may be ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+from mmadmit import wire
+from mmadmit.cli import replay
+from mmadmit.errors import Abort, AbortCode
+from mmadmit.frames import MAGIC, parse_frames
+from mmadmit.materializer import Materializer
+from mmadmit.profile import load_profile
+
+from ._common import native_mode
+from ._data import Data
+
+NAME = "zmq"
+MAX_LEN = 1 << 16
+_PROFILES = ("qwen3_5", "qwen3_omni_moe", "llama", "qwen2_5_vl")
+
+
+@functools.cache
+def _materializer(name: str) -> Materializer:
+    return Materializer(load_profile(name))
+
+
+def _refuse(*_: Any) -> Any:
+    raise wire._NotFast
+
+
+@contextlib.contextmanager
+def _mode(name: str) -> Iterator[None]:
+    saved = wire._NATIVE_SPLIT_MIN, wire._decode_mm_fast
+    try:
+        if name == "native":
+            wire._NATIVE_SPLIT_MIN = 0
+        if name == "general":
+            wire._decode_mm_fast = _refuse
+        with native_mode(name == "native"):
+            yield
+    finally:
+        wire._NATIVE_SPLIT_MIN, wire._decode_mm_fast = saved
+
+
+def _run(m: Materializer, frames: list[Any], mode: str) -> tuple[list[bytes], Abort | None]:
+    with _mode(mode):
+        reply, abort = replay(m, frames)
+    assert abort is None or abort.code is not AbortCode.INTERNAL, (
+        f"{mode}: INTERNAL outcome: {abort.message}"
+    )
+    return [bytes(memoryview(f).cast("B")) for f in reply], abort
+
+
+def _meaning(reply: list[bytes]) -> Any:
+    """What a reply says, independent of how each element was encoded."""
+    try:
+        req = wire.decode_request(reply[1], reply[2:])
+    except wire.WireError as exc:  # pragma: no cover - replies always decode
+        raise AssertionError(f"a reply does not decode: {exc}") from exc
+    mm = req.mm
+    items = None if mm is None else [(it.modality, it.hash, it.pad_value) for it in mm.items]
+    pos = None if mm is None or mm.mrope_positions is None else bytes(mm.mrope_positions.data)
+    return (
+        reply[0],
+        req.rid,
+        req.input_ids.tolist(),
+        None if req.input_ids_unpadded is None else req.input_ids_unpadded.tolist(),
+        items,
+        pos,
+        None if mm is None else mm.mrope_position_delta_scalar,
+    )
+
+
+def frames_of(blob: bytes) -> list[bytes]:
+    """The frames of a container, read leniently so that most mutations still give frames:
+    a bad count or length is clamped to what is there, trailing bytes are one more frame."""
+    try:
+        return [bytes(f) for f in parse_frames(blob)]
+    except ValueError:
+        pass
+    view = blob[len(MAGIC) :] if blob.startswith(MAGIC) else blob
+    count = min(int.from_bytes(view[:4], "little"), 8)
+    pos = 4 + 8 * count
+    frames = []
+    for k in range(count):
+        length = int.from_bytes(view[4 + 8 * k : 12 + 8 * k], "little")
+        frames.append(view[pos : pos + length])
+        pos += min(length, max(0, len(view) - pos))
+    if pos < len(view):
+        frames.append(view[pos:])
+    return frames
+
+
+def one(data: bytes) -> None:
+    if len(data) < 1:
+        return
+    profile = _PROFILES[data[0] % len(_PROFILES)]
+    frames = frames_of(data[1:])
+    if len(frames) < 2:
+        return
+    m = _materializer(profile)
+    a, abort_a = _run(m, frames, "native")
+    b, abort_b = _run(m, frames, "fallback")
+    code_a = None if abort_a is None else abort_a.code
+    code_b = None if abort_b is None else abort_b.code
+    assert code_a == code_b, f"native {abort_a} != fallback {abort_b}"
+    if abort_a is None:
+        assert a == b, "native and fallback replies differ"
+    else:
+        assert a[0] == b[0] and _rid(a) == _rid(b), "abort replies differ in status or rid"
+    c, abort_c = _run(m, frames, "general")
+    code_c = None if abort_c is None else abort_c.code
+    assert code_b == code_c, f"fast item decoder {abort_b} != general decoder {abort_c}"
+    if abort_b is None:
+        assert _meaning(b) == _meaning(c), "fast and general decoders materialize differently"
+
+
+def _rid(reply: list[bytes]) -> Any:
+    return msgspec.msgpack.decode(reply[1])[1]
+
+
+def seed_input(profile: str, frames: list[Any]) -> bytes:
+    """A corpus file for ``frames`` under ``profile`` (the layout :func:`one` reads)."""
+    from mmadmit.frames import pack_frames
+
+    return bytes([_PROFILES.index(profile)]) + pack_frames(frames)
+
+
+__all__ = ["NAME", "Data", "one", "seed_input"]
