@@ -1,7 +1,9 @@
 """msgpack int arrays and the payload split (``_intcodec.c``) against the Python fallback.
 
 The first input byte picks an entry point, the rest is its input:
-``decode_int_array`` (results and error messages must match), ``encode_int_array``
+``decode_int_array`` on the bytes or on an array built element by element from
+them (every int form, boundary values; results and error messages must
+match), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields, ``array_spans`` and ``int_rows`` at offsets taken from the spans (or
 chosen freely). Split errors are compared by type only (their texts differ by
@@ -74,13 +76,44 @@ def _rows(d: Data) -> None:
     same(a, b, f"int_rows(width={width})", messages=False)
 
 
+_FORMS = ((0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8), (0xD0, 1), (0xD1, 2), (0xD2, 4), (0xD3, 8))
+
+
+def _structured(d: Data) -> bytes:
+    """A msgpack int array built element by element: every int form, boundary values
+    (2**63 as a uint64 is the first one the decoders must refuse), odd headers."""
+    count = d.int_in(0, 40)
+    out = bytearray()
+    header = d.u8() % 4
+    if header == 0 and count < 16:
+        out.append(0x90 | count)
+    elif header <= 1:
+        out += b"\xdc" + ((count + d.pick((0, 0, 0, 1, -1))) % 65536).to_bytes(2, "big")
+    else:
+        out += b"\xdd" + (count + d.pick((0, 0, 0, 1))).to_bytes(4, "big")
+    for _ in range(count):
+        value = d.wild_int()
+        form = d.u8() % 10
+        if form >= 8:  # a fixint (positive or negative) when it fits, else a raw byte
+            out.append(value & 0xFF)
+            continue
+        code, width = _FORMS[form]
+        out.append(code)
+        out += (value % (1 << (8 * width))).to_bytes(width, "big")
+    if d.flag(10):
+        out += d.take(3)  # trailing bytes
+    return bytes(out)
+
+
 def one(data: bytes) -> None:
     if ic._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    op = d.u8() % 5
+    op = d.u8() % 6
     if op == 0:
         _decode(memoryview(d.rest()))
+    elif op == 5:
+        _decode(memoryview(_structured(d)))
     elif op == 1:
         _encode(d)
     elif op == 2:

@@ -84,7 +84,7 @@ def _pad_interval(modality: int) -> tuple[int, int]:
 
 
 def build(d: Data) -> tuple[int, Request]:
-    pi = d.int_in(0, len(_PROFILES) - 1)
+    pi = d.pick((0, 1, 2, 3, 3, 4))  # Qwen3-Omni twice: it alone takes audio
     profile = _materializer(pi).profile
     merge = profile.spatial_merge_size
     split = profile.family.video_run_per_frame
@@ -155,8 +155,10 @@ def build(d: Data) -> tuple[int, Request]:
     if d.flag(15):
         mm.video_token_id = d.pick((ph[2], ph[1], 7, d.wild_int()))
     req = Request(rid="fuzz", input_ids=input_ids, mm=mm)
-    for _ in range(d.int_in(0, 3)):
+    for _ in range(d.int_in(0, 3) if d.flag(85) else 1):
         _mutate(d, req)
+    if d.flag(50):
+        _guard_tail(req, ph)
     if d.flag(10):
         mm.mrope_position_delta_scalar = d.wild_int()
     if d.flag(5):
@@ -177,7 +179,21 @@ def _mutate(d: Data, req: Request) -> None:
         return
     item = items[d.int_in(0, len(items) - 1)]
     op = d.u8() % 7
-    if op == 0 and item.offsets is not None and len(item.offsets):
+    if op == 0 and d.flag(40):
+        op = 7
+    if op == 7:  # the span that ends last now ends at, or one past, the last token
+        spanned = [it for it in items if it.offsets is not None and it.offsets.size]
+        spanned = [it for it in spanned if it.offsets.ndim == 2]
+        last = max(spanned, key=lambda it: int(it.offsets[:, 1].max()), default=None)
+        if last is not None:
+            off = last.offsets.copy()
+            k = int(np.argmax(off[:, 1]))
+            shift = len(req.input_ids) - int(off[k, 1]) - d.pick((0, 1))
+            off[k, 1] += shift
+            if d.flag(50):
+                off[k, 0] += shift  # the whole span moves: its length still matches the grid
+            last.offsets = off
+    elif op == 0 and item.offsets is not None and len(item.offsets):
         off = item.offsets.copy()
         off[d.int_in(0, len(off) - 1), d.int_in(0, 1)] += d.pick((-1, 1, -2, 2, 10**6))
         item.offsets = off
@@ -197,10 +213,24 @@ def _mutate(d: Data, req: Request) -> None:
         item.side = {}
     elif op == 5:
         item.hash = d.pick((-1, 2**64, 2**64 - 1, True, 0))
-    else:
+    elif d.flag(30):  # an id outside the vocabulary (it ends most requests early)
         ids = req.input_ids.copy()
         ids[d.int_in(0, len(ids) - 1)] = d.wild_int() % 2**63 * d.pick((1, -1))
         req.input_ids = ids
+
+
+def _guard_tail(req: Request, ph: dict[int, int | None]) -> None:
+    """Make the ids a view on a longer buffer whose tail repeats the placeholder of the
+    item whose span ends last: a native read past the end then sees "valid" tokens and
+    shows up as a divergence even without a sanitizer (the other half of the inputs
+    keep the exact-size buffer ASan guards)."""
+    assert req.mm is not None
+    spanned = [it for it in req.mm.items if it.offsets is not None and it.offsets.size]
+    spanned = [it for it in spanned if it.offsets.ndim == 2]
+    last = max(spanned, key=lambda it: int(it.offsets[:, 1].max()), default=None)
+    tail = 0 if last is None else (ph.get(last.modality) or 0)
+    n = len(req.input_ids)
+    req.input_ids = np.concatenate([req.input_ids, np.full(8, tail, np.int64)])[:n]
 
 
 def _upstream(d: Data, pi: int, req: Request) -> None:
