@@ -33,6 +33,9 @@ Contract pinned here:
   ``ENGINE_CORE_DEAD`` is relayed once and reported as its death; other
   message types pass through unchanged; the ready response reaches SMG
   unchanged; a step that never comes times out naming it, with progress lines;
+  a scheduler that restarts mid-handshake (a second HELLO) starts it over; a
+  scheduler that stops reading stops intake from SMG (back-pressure) and, once
+  it reads again, gets every request, in order, none dropped;
 * the flag rules (one handshake flag alone, or with ``--zmq-forward``: exit 2).
 
 Run with: python -m pytest tests/test_engine_mode.py -q -p no:cacheprovider
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import signal
@@ -732,3 +736,94 @@ async def test_in_process_handshake_timeout_names_the_step(
             await env.relay.handshake()
         assert env.relay.stats.handshake_steps_scheduler == 4
         assert env.relay.stats.handshake_steps_smg == 1  # HELLO sent, INIT never came
+
+
+async def test_in_process_scheduler_restarting_mid_handshake_starts_it_over() -> None:
+    async with relay_env() as env:
+        first = env.ctx.socket(zmq.DEALER)  # says HELLO, takes INIT, then dies
+        first.setsockopt(zmq.IDENTITY, engine_peers.identity_of(0))
+        first.setsockopt(zmq.LINGER, 0)
+        first.connect(env.listen)
+        handshake = asyncio.ensure_future(env.relay.handshake())
+        env.tasks.append(handshake)
+        await first.send(engine_peers.status("HELLO"))
+        init = hs.parse_init((await asyncio.wait_for(first.recv_multipart(), 10))[-1])
+        assert init.inputs == [env.relay.input_address] and init.parallel_config == {}
+        first.close(linger=0)
+        seen = env.scheduler()  # the restarted one: same identity, a new HELLO
+        accept = asyncio.ensure_future(env.smg.accept())
+        env.tasks.append(accept)
+        await asyncio.wait_for(handshake, 20)
+        await asyncio.wait_for(accept, 20)
+        await env.smg.send(engine_peers.vector_frames("qwen3_5_image1", "after-restart"))
+        out = await asyncio.wait_for(env.smg.recv_output(), 10)
+        assert engine_peers.read_output(out)[0] == ["after-restart"]
+        assert [kind for kind, _ in seen] == ["ADD"]
+        assert env.relay.stats.handshake_steps_scheduler == 6  # HELLO, INIT twice; READY, ready
+
+
+async def test_in_process_back_pressure_from_the_scheduler_drops_nothing() -> None:
+    """A scheduler that stops reading: forwards wait, then intake from SMG stops, then
+    SMG's own socket refuses more; once it reads again every request arrives, in order."""
+    async with relay_env() as env:
+        env.smg.inp.setsockopt(zmq.SNDHWM, 16)  # before the relay connects: its pipe gets it
+        ident = engine_peers.identity_of(0)
+        hs_sock = env.ctx.socket(zmq.DEALER)
+        inp = env.ctx.socket(zmq.DEALER)
+        for sock in (hs_sock, inp):
+            sock.setsockopt(zmq.IDENTITY, ident)
+            sock.setsockopt(zmq.LINGER, 0)
+        inp.setsockopt(zmq.RCVHWM, 8)
+        hs_sock.connect(env.listen)
+        handshake = asyncio.ensure_future(env.relay.handshake())
+        env.tasks.append(handshake)
+        accept = asyncio.ensure_future(env.smg.accept())
+        env.tasks.append(accept)
+        await hs_sock.send(engine_peers.status("HELLO"))
+        await hs_sock.recv_multipart()
+        await hs_sock.send(engine_peers.status("READY"))
+        inp.connect(env.relay.input_address)
+        await inp.send(msgspec.msgpack.encode(engine_peers.READY_RESPONSE))
+        await asyncio.wait_for(handshake, 20)
+        await asyncio.wait_for(accept, 20)
+        # ~40 kB each, so that the loopback's TCP buffers hold few of them
+        frames = engine_peers.synthetic_frames("text", "x", 8192)
+        req = wire.decode_message(frames).request
+        assert req is not None
+        smg_in = zmq.Socket.shadow(env.smg.inp.underlying)  # plain: NOBLOCK raises Again
+        sent = 0
+        blocked_seen = False
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # until SMG's own socket pushes back
+            out = [env.smg.engine, b"\x00", *wire.encode_request(replace_rid(req, f"bp-{sent}"))]
+            try:
+                smg_in.send_multipart(out, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                await asyncio.sleep(0.2)
+                try:
+                    smg_in.send_multipart(out, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            sent += 1
+            if sent % 50 == 0:
+                await asyncio.sleep(0.001)  # let the relay run
+
+            ingest = env.relay.ingest
+            assert ingest is not None
+            blocked_seen = blocked_seen or bool(ingest._intake and ingest._intake.blocked)
+        assert blocked_seen and env.relay.ingest is not None
+        assert env.relay.ingest.forward_pending > 0
+        rids = []
+        while len(rids) < sent:  # the scheduler reads again
+            got = await asyncio.wait_for(inp.recv_multipart(copy=False), 10)
+            msg = wire.decode_message(got)
+            assert msg.request is not None
+            rids.append(msg.request.rid)
+        assert rids == [f"bp-{k}" for k in range(sent)]
+        assert env.relay.stats.undeliverable == 0
+        hs_sock.close(linger=0)
+        inp.close(linger=0)
+
+
+def replace_rid(req: Any, rid: str) -> Any:
+    return dataclasses.replace(req, rid=rid)
