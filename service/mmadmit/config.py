@@ -19,6 +19,7 @@ from typing import Any, Literal
 from .errors import ConfigError
 from .materializer import Limits
 from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
+from .security import check_config as check_security
 
 ENV_PREFIX = "MMADMIT_"
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -162,6 +163,37 @@ class ServeConfig:
         metadata={
             "parse": _positive_float,
             "help": "engine mode: seconds to wait for each handshake step (progress every 30 s)",
+        },
+    )
+    grpc_tls_cert: str | None = field(
+        default=None,
+        metadata={
+            "help": "serve gRPC over TLS with this PEM certificate chain (needs --grpc-tls-key)"
+        },
+    )
+    grpc_tls_key: str | None = field(
+        default=None,
+        metadata={"help": "the PEM private key of --grpc-tls-cert (unencrypted)"},
+    )
+    grpc_tls_client_ca: str | None = field(
+        default=None,
+        metadata={
+            "help": "require client certificates signed by this PEM CA bundle (mutual TLS; "
+            "needs --grpc-tls-cert)"
+        },
+    )
+    zmq_curve_secret_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "CURVE on the --zmq-listen ROUTER with this server key file (zmq.auth "
+            "format, NAME.key_secret); engine-mode sockets stay plain"
+        },
+    )
+    zmq_curve_clients: str | None = field(
+        default=None,
+        metadata={
+            "help": "a folder of allowed client public keys (*.key); without it any CURVE "
+            "client with the server key may connect"
         },
     )
     metrics_listen: str = field(
@@ -332,6 +364,7 @@ def build_config(
     if config.zmq_forward is not None and config.zmq_listen == OFF:
         raise ConfigError("--zmq-forward needs --zmq-listen (forward mode takes requests from it)")
     _check_engine_mode(config)
+    check_security(config)  # TLS / CURVE flags, then their files read and checked
     return config
 
 

@@ -15,6 +15,10 @@ SERVING, so this is set before the port accepts calls); :meth:`set_serving`
 after the warm-up, :meth:`enter_drain` at shutdown (permanent NOT_SERVING).
 Service names come from the descriptors, never from literals.
 
+Transport security: with ``credentials`` (TLS, optionally requiring client
+certificates: :mod:`mmadmit.security`) the port is bound with
+``add_secure_port``; a client that fails the handshake never reaches a handler.
+
 Message-size limits: receive and send are both ``max_message_bytes``
 (``--max-message-bytes``), clamped to gRPC's ceiling of ``2**31 - 1``. They
 sit far above the per-request limits on purpose: a message gRPC refuses fails
@@ -139,6 +143,8 @@ class GrpcServer:
         max_message_bytes: int,
         extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
         telemetry: Telemetry | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        security: str = "plaintext",
     ) -> None:
         self.servicer = AdmissionServicer(pool, profile, telemetry)
         self.health = health_aio.HealthServicer()
@@ -146,6 +152,10 @@ class GrpcServer:
         self.max_message_bytes = clamp_message_bytes(max_message_bytes)
         self.address: str | None = None
         self._extra_handlers = tuple(extra_handlers)
+        # TLS (security.GrpcTls.server_credentials): add_secure_port instead of
+        # add_insecure_port; ``security`` only names it in the log line.
+        self._credentials = credentials
+        self.security = security if credentials is not None else "plaintext"
         self._server: grpc.aio.Server | None = None
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
@@ -188,7 +198,10 @@ class GrpcServer:
             server.add_generic_rpc_handlers(self._extra_handlers)
         _preflight_bind(host, self.listen)
         try:
-            port = server.add_insecure_port(self.listen)
+            if self._credentials is not None:
+                port = server.add_secure_port(self.listen, self._credentials)
+            else:
+                port = server.add_insecure_port(self.listen)
         except RuntimeError as exc:
             raise OSError(f"cannot bind gRPC to {self.listen}: {exc}") from exc
         if port == 0:  # older grpcio reports a failed bind this way
@@ -199,7 +212,10 @@ class GrpcServer:
         await server.start()
         self.address = f"{host}:{port}"
         logger.info(
-            "gRPC listening on %s (message limit %d bytes)", self.address, self.max_message_bytes
+            "gRPC listening on %s (%s, message limit %d bytes)",
+            self.address,
+            self.security,
+            self.max_message_bytes,
         )
         return self.address
 

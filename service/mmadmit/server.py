@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from . import native
+from . import native, security
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
@@ -187,12 +187,15 @@ async def start_server(
     if config.grpc_listen != OFF:
         from .grpc_server import GrpcServer
 
+        tls = security.grpc_tls_from_config(config)
         grpc_server = GrpcServer(
             pool,
             profile,
             listen=config.grpc_listen,
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
+            credentials=tls.server_credentials() if tls is not None else None,
+            security=("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
         )
         stack.push_async_callback(grpc_server.stop, 0.0)
         handle.addresses["grpc"] = await grpc_server.start()
@@ -206,6 +209,7 @@ async def start_server(
             forward=config.zmq_forward,
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
+            curve=security.curve_from_config(config),
         )
         stack.push_async_callback(ingest.stop, 0.0)
         handle.addresses["zmq"] = await ingest.start()

@@ -72,6 +72,12 @@ How the hard parts work:
   once the message is on the wire). Nothing here writes to a buffer after
   handing it to ``send``. Frames below pyzmq's copy threshold (64 KiB) are
   copied by pyzmq itself, which is cheaper than tracking them.
+* **CURVE** (``curve=``, :mod:`mmadmit.security`): the ROUTER is a CURVE
+  server, its keys set before it binds; with an allow-list folder a ZAP
+  authenticator thread runs on a synchronous shadow of the context and is
+  stopped before the context terminates (``term()`` would wait for its sockets
+  forever). A peer refused by ZAP, or one without CURVE, never completes the
+  handshake, so none of its messages reaches intake. The forward PUSH stays plain.
 * **Size limit**: the bytes of all frames of a message are summed as received;
   above ``max_message_bytes`` the ADD is answered ``TOO_LARGE``. ``ZMQ_MAXMSGSIZE``
   is never set: libzmq would drop the peer's connection without a reply.
@@ -98,6 +104,7 @@ from . import wire
 from .errors import Abort, AbortCode, AdmissionError, abort_from_exception
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
+from .security import CurveAuthenticator, CurveServer
 from .telemetry import Telemetry
 from .zsock import WATCHDOG_S, OrderedSender, RetryingSender, Slot, SocketReader, sizes
 
@@ -162,6 +169,7 @@ class _Resources:
     push: zmq.asyncio.Socket | None = None  # the forward target
     intake: SocketReader | None = None
     sender: OrderedSender | None = None
+    auth: CurveAuthenticator | None = None  # the ZAP thread (CURVE with an allow-list)
 
     @property
     def reader(self) -> tuple[asyncio.AbstractEventLoop, int] | None:
@@ -179,12 +187,26 @@ class _Resources:
             if sock is not None and not sock.closed:
                 sock.close(linger=linger_ms)
 
+    def stop_auth(self) -> None:
+        """Stop the ZAP thread (before the context terminates; idempotent)."""
+        if self.auth is not None:
+            self.auth.stop()
+
     def close_now(self) -> None:
         if self.sender is not None:
             self.sender.cancel_task()
         self.close_sockets(0)
+        self.stop_auth()
         if self.own_ctx and self.ctx is not None and not self.ctx.closed:
             self.ctx.term()  # sockets are closed with linger 0: returns at once
+
+
+def _curve_note(curve: CurveServer | None) -> str:
+    if curve is None:
+        return ""
+    if curve.clients_dir is None:
+        return " (CURVE, any client with the server key)"
+    return f" (CURVE, {curve.allowed} allowed client key(s) from {curve.clients_dir})"
 
 
 # --------------------------------------------------------------------------- ingest
@@ -211,7 +233,8 @@ class ZmqIngest:
     only: ``on_forward(rid)`` is told of every ADD output registered for the
     downstream; with ``passthrough`` a message whose type byte is neither ADD
     nor ABORT (a utility call of a newer frontend) is forwarded unchanged, in
-    order, instead of being answered as malformed.
+    order, instead of being answered as malformed. ``curve`` makes the ROUTER a
+    CURVE server (``start()`` only; adopted sockets are the adopter's).
     """
 
     def __init__(
@@ -231,6 +254,7 @@ class ZmqIngest:
         stats: ZmqIngestStats | None = None,
         on_forward: Callable[[str], None] | None = None,
         passthrough: bool = False,
+        curve: CurveServer | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -266,6 +290,7 @@ class ZmqIngest:
         self._watchdog_s = watchdog_s
         self._on_forward = on_forward
         self._passthrough = passthrough and forward is not None
+        self._curve = curve
 
     @property
     def mode(self) -> str:
@@ -292,8 +317,14 @@ class ZmqIngest:
         try:
             if res.ctx is None:
                 res.ctx = zmq.asyncio.Context()
+            curve = self._curve
+            if curve is not None and curve.clients_dir is not None:
+                res.auth = CurveAuthenticator(res.ctx, curve.clients_dir)
+                res.auth.start()  # ZAP is bound before any peer can connect
             router: zmq.Socket[Any] = zmq.Socket(res.ctx, zmq.ROUTER)
             res.router = router
+            if curve is not None:
+                curve.apply(router)  # before bind: the listener is CURVE from the start
             # Mandatory routing: an unroutable reply raises instead of vanishing.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.LINGER, 0)  # the real linger is given at stop()
@@ -323,9 +354,10 @@ class ZmqIngest:
             self._finalizer()  # close whatever was created; stop() is then a no-op
             raise
         logger.info(
-            "ZMQ ingest (%s mode) listening on %s%s",
+            "ZMQ ingest (%s mode) listening on %s%s%s",
             self.mode,
             self.endpoint,
+            _curve_note(self._curve),
             f", forwarding to {self.forward}" if self.forward else "",
         )
         return self.endpoint
@@ -457,6 +489,7 @@ class ZmqIngest:
                 )
         linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
         res.close_sockets(linger_ms)
+        res.stop_auth()
         if res.own_ctx and res.ctx is not None and not res.ctx.closed:
             # term() waits for the sockets' linger: off the loop thread.
             await asyncio.to_thread(res.ctx.term)
