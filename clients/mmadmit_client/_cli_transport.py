@@ -3,16 +3,29 @@
 ``grpc://HOST:PORT`` opens an :class:`~mmadmit_client.grpc.AsyncAdmissionClient`,
 ``tcp://HOST:PORT`` or ``ipc://PATH`` an :class:`~mmadmit_client.zmq.AsyncZmqClient`
 (reply mode). Both sit behind one small interface, :class:`CliTransport`, used by
-``admit`` and ``bench`` alike; :func:`open_transport` is the only constructor, so
-transport security (TLS for gRPC, CURVE for ZMQ: ``--tls-ca``, ``--tls-cert``,
-``--tls-key``, ``--curve-server-key``, ``--curve-client-key`` of CLI.md, not yet
-served) is added here and in :class:`TransportOptions` only.
+``admit`` and ``bench`` alike; :func:`open_transport` is the only constructor
+(``health`` and ``model-info`` take their blocking client from
+:func:`grpc_client`), so transport security lives here and in
+:class:`TransportOptions` only:
+
+* **TLS** (gRPC): ``--tls-ca`` verifies the server (default: the system's
+  roots), ``--tls-cert`` with ``--tls-key`` presents a client certificate
+  (mutual TLS). Any of the three turns TLS on.
+* **CURVE** (ZMQ): ``--curve-server-key`` is the server's public key file
+  (``zmq.auth`` format) and turns CURVE on; ``--curve-client-key`` is this
+  client's ``NAME.key_secret`` (for a server with an allow-list), else a fresh
+  keypair is made per run.
+
+An option of the other transport, half a client keypair, or a file that cannot
+be read is a :class:`UsageError` (exit 2) before anything connects.
 
 Reachability is checked once, on open, within ``connect_timeout_s``: over gRPC a
 health check (fails at once when the port refuses, after the timeout when
 nothing answers), over ZMQ the socket monitor's first connection
 (:meth:`~mmadmit_client.zmq.AsyncZmqClient.wait_connected`). Failing it raises
-:class:`~mmadmit_client.ServerUnavailable` (the CLI's exit status 3).
+:class:`~mmadmit_client.ServerUnavailable` (the CLI's exit status 3), and so does
+a failed TLS or CURVE handshake; :func:`explain_unavailable` adds what can be
+told about why.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._cli_request import (
     AdmitResult,
@@ -31,6 +44,11 @@ from ._cli_request import (
     result_from_zmq,
 )
 from ._exceptions import RequestTimeout, ServerUnavailable
+
+if TYPE_CHECKING:
+    import grpc
+
+    from .grpc import AdmissionClient
 
 TransportKind = Literal["grpc", "zmq"]
 
@@ -67,10 +85,103 @@ def parse_target(text: str) -> Target:
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """How to connect. TLS / CURVE settings belong here when the server has them."""
+    """How to connect: timeouts, and the files of TLS (gRPC) or CURVE (ZMQ)."""
 
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    curve_server_key: str | None = None
+    curve_client_key: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return any(f is not None for f in (self.tls_ca, self.tls_cert, self.tls_key))
+
+    @property
+    def curve(self) -> bool:
+        return self.curve_server_key is not None or self.curve_client_key is not None
+
+    def check(self, target: Target) -> None:
+        """:class:`UsageError` for options that do not fit ``target`` or each other."""
+        if target.transport == "grpc" and self.curve:
+            raise UsageError(
+                f"target {target.text!r}: --curve-server-key / --curve-client-key are for ZMQ "
+                "targets (gRPC uses --tls-ca, --tls-cert, --tls-key)"
+            )
+        if target.transport == "zmq" and self.tls:
+            raise UsageError(
+                f"target {target.text!r}: --tls-ca / --tls-cert / --tls-key are for gRPC "
+                "targets (ZMQ uses --curve-server-key, --curve-client-key)"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("--tls-cert", "--tls-key") if self.tls_cert else ("--tls-key", "--tls-cert")
+            )
+            raise UsageError(f"{given} needs {missing} too")
+        if self.curve_client_key is not None and self.curve_server_key is None:
+            raise UsageError("--curve-client-key needs --curve-server-key (the server's key)")
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials from the files, or None for plaintext."""
+        if not self.tls:
+            return None
+        from .grpc import tls_credentials
+
+        try:
+            return tls_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+
+    def curve_keys(self) -> dict[str, Any]:
+        """``curve_server_key`` / ``curve_keypair`` for the ZMQ client (empty: plain)."""
+        if self.curve_server_key is None:
+            return {}
+        from .zmq import curve_keypair_from_file, curve_server_key_from_file
+
+        try:
+            keys: dict[str, Any] = {
+                "curve_server_key": curve_server_key_from_file(self.curve_server_key)
+            }
+            if self.curve_client_key is not None:
+                keys["curve_keypair"] = curve_keypair_from_file(self.curve_client_key)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        return keys
+
+
+def explain_unavailable(message: str, options: TransportOptions, kind: TransportKind) -> str:
+    """``message`` of a ServerUnavailable, with a hint when a handshake is the likely cause.
+
+    gRPC says "handshake failed" when this side refused the server's certificate;
+    when the server refuses this side (no client certificate, a wrong CA, or a
+    plaintext client at a TLS port) it only sees the socket close, so the hint
+    names the candidates. ZMQ's client already says what its handshake did.
+    """
+    if kind != "grpc":
+        return message
+    low = message.lower()
+    if "handshake" in low:
+        return f"TLS handshake failed (the server's certificate was not accepted): {message}"
+    if "socket closed" in low or "connection reset" in low:
+        if options.tls:
+            hint = (
+                "the server closed the connection during the TLS handshake: it may require "
+                "a client certificate (--tls-cert, --tls-key) signed by its CA, or not speak TLS"
+            )
+        else:
+            hint = "the server closed the connection: if it serves TLS, give --tls-ca"
+        return f"{hint}; {message}"
+    return message
+
+
+def grpc_client(target: Target, options: TransportOptions) -> AdmissionClient:
+    """The blocking gRPC client of ``health`` and ``model-info`` (not yet open)."""
+    from .grpc import AdmissionClient
+
+    options.check(target)
+    return AdmissionClient(target.address, credentials=options.grpc_credentials())
 
 
 class CliTransport:
@@ -124,7 +235,7 @@ class GrpcTransport(CliTransport):
 
         self.target = target
         self.options = options
-        self.client = AsyncAdmissionClient(target.address)
+        self.client = AsyncAdmissionClient(target.address, credentials=options.grpc_credentials())
 
     async def open(self) -> None:
         await self.client.open()
@@ -166,7 +277,9 @@ class ZmqTransport(CliTransport):
 
         self.target = target
         self.options = options
-        self.client = AsyncZmqClient(target.address, timeout_s=options.request_timeout_s)
+        self.client = AsyncZmqClient(
+            target.address, timeout_s=options.request_timeout_s, **options.curve_keys()
+        )
 
     async def open(self) -> None:
         await self.client.open()
@@ -194,7 +307,9 @@ class ZmqTransport(CliTransport):
 
 
 def open_transport(target: Target, options: TransportOptions) -> CliTransport:
-    """The transport for ``target`` (not yet open: use ``async with``)."""
+    """The transport for ``target`` (not yet open: use ``async with``); :class:`UsageError`
+    for security options that do not fit it, or files that cannot be read."""
+    options.check(target)
     if target.transport == "grpc":
         return GrpcTransport(target, options)
     return ZmqTransport(target, options)
@@ -206,6 +321,8 @@ __all__ = [
     "Target",
     "TransportOptions",
     "ZmqTransport",
+    "explain_unavailable",
+    "grpc_client",
     "open_transport",
     "parse_target",
 ]

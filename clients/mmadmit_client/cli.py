@@ -12,12 +12,16 @@ TARGET is ``grpc://HOST:PORT`` (gRPC) or ``tcp://HOST:PORT`` / ``ipc://PATH``
 (ZMQ reply mode). FILE is a ``.frames`` container (a captured ZMQ ADD
 message) or a JSON request (schema: ``clients/README.md``). Every command
 takes ``--timeout S`` (reaching the server, default 5) and the request
-commands ``--request-timeout S`` (one outcome, default 60).
+commands ``--request-timeout S`` (one outcome, default 60). Transport
+security, as the server's (CLI.md): ``--tls-ca``, ``--tls-cert``,
+``--tls-key`` for gRPC over TLS (mutual with a client certificate),
+``--curve-server-key`` and ``--curve-client-key`` for ZMQ CURVE.
 
 Exit status: 0 materialized (``health``: SERVING; ``bench``: every request got
 an outcome), 1 aborted (``health``: not SERVING; ``bench``: requests without an
 outcome), 2 unusable arguments or request file, 3 unreachable or no answer
-(connection refused, nothing within the timeout, a broken answer).
+(connection refused, nothing within the timeout, a broken answer, a failed
+TLS or CURVE handshake: the message says which when it can be told).
 
 Output: readable (rich) on stdout, or with ``--json`` one JSON object there;
 progress and notes go to stderr. ``health`` prints one line (``SERVING``)
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -75,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def common(p: argparse.ArgumentParser, *, request: bool) -> None:
+    def common(p: argparse.ArgumentParser, *, request: bool, zmq: bool = True) -> None:
         p.add_argument(
             "--timeout",
             type=_positive(float),
@@ -83,6 +88,28 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="S",
             help="seconds to reach the server before giving up with exit 3 (default %(default)s)",
         )
+        tls = p.add_argument_group("gRPC over TLS")
+        tls.add_argument(
+            "--tls-ca",
+            metavar="PEM",
+            help="CA bundle that verifies the server (turns TLS on; default: system roots)",
+        )
+        tls.add_argument(
+            "--tls-cert", metavar="PEM", help="client certificate chain (mutual TLS; TLS on)"
+        )
+        tls.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key")
+        if zmq:
+            curve = p.add_argument_group("ZMQ CURVE")
+            curve.add_argument(
+                "--curve-server-key",
+                metavar="FILE",
+                help="the server's public key file (zmq.auth format; turns CURVE on)",
+            )
+            curve.add_argument(
+                "--curve-client-key",
+                metavar="FILE",
+                help="this client's NAME.key_secret (default: a fresh keypair per run)",
+            )
         if request:
             p.add_argument(
                 "--request-timeout",
@@ -106,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET", help="grpc://HOST:PORT")
     p.add_argument("--service", default="", help="service name to check (default: the server)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
-    common(p, request=False)
+    common(p, request=False, zmq=False)
 
     p = sub.add_parser("model-info", help="the profile the server loaded")
     p.add_argument("target", metavar="TARGET", help="grpc://HOST:PORT")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    common(p, request=False)
+    common(p, request=False, zmq=False)
 
     p = sub.add_parser("bench", help="steady load, then throughput and latency percentiles")
     p.add_argument("target", metavar="TARGET", help=target_help)
@@ -145,15 +172,18 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-def _grpc_address(text: str) -> str:
-    from ._cli_transport import parse_target
+def _grpc_client(args: argparse.Namespace) -> Any:
+    """The blocking gRPC client of ``health`` / ``model-info`` (TLS from the options)."""
+    from ._cli_transport import grpc_client, parse_target
 
-    target = parse_target(text)
+    target = parse_target(args.target)
     if target.transport != "grpc":
         from ._cli_request import UsageError
 
-        raise UsageError(f"target {text!r}: this command speaks gRPC only (grpc://HOST:PORT)")
-    return target.address
+        raise UsageError(
+            f"target {args.target!r}: this command speaks gRPC only (grpc://HOST:PORT)"
+        )
+    return grpc_client(target, _options(args))
 
 
 def _probe_timeout(exc: Exception) -> Exception:
@@ -167,9 +197,8 @@ def _probe_timeout(exc: Exception) -> Exception:
 
 def cmd_health(args: argparse.Namespace) -> int:
     from ._exceptions import RequestTimeout
-    from .grpc import AdmissionClient
 
-    with AdmissionClient(_grpc_address(args.target)) as client:
+    with _grpc_client(args) as client:
         try:
             status = client.health(args.service, timeout=args.timeout)
         except RequestTimeout as exc:
@@ -186,9 +215,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ._exceptions import RequestTimeout
-    from .grpc import AdmissionClient
 
-    with AdmissionClient(_grpc_address(args.target)) as client:
+    with _grpc_client(args) as client:
         try:
             info = client.model_info(timeout=args.timeout)
         except RequestTimeout as exc:
@@ -214,7 +242,15 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 def _options(args: argparse.Namespace) -> Any:
     from ._cli_transport import TransportOptions
 
-    return TransportOptions(connect_timeout_s=args.timeout, request_timeout_s=args.request_timeout)
+    return TransportOptions(
+        connect_timeout_s=args.timeout,
+        request_timeout_s=getattr(args, "request_timeout", DEFAULT_REQUEST_TIMEOUT_S),
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        curve_server_key=getattr(args, "curve_server_key", None),
+        curve_client_key=getattr(args, "curve_client_key", None),
+    )
 
 
 async def _admit(args: argparse.Namespace) -> int:
@@ -347,6 +383,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # gRPC's core logs every failed TLS handshake at INFO on stderr, which would
+    # break "errors are one line"; the failure reaches us as UNAVAILABLE anyway.
+    # (Read by grpc when it loads, which no command has done yet.)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from ._cli_request import UsageError
     from ._exceptions import ClientError, ServerUnavailable
 
@@ -355,7 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return _fail(f"error: {exc}", EXIT_USAGE)
     except ServerUnavailable as exc:
-        return _fail(f"{args.target}: unreachable: {exc}", EXIT_UNREACHABLE)
+        from ._cli_transport import explain_unavailable, parse_target
+
+        why = explain_unavailable(str(exc), _options(args), parse_target(args.target).transport)
+        return _fail(f"{args.target}: unreachable: {why}", EXIT_UNREACHABLE)
     except ClientError as exc:  # timed out, transport failure, broken answer: no outcome
         return _fail(f"{args.target}: no outcome: {type(exc).__name__}: {exc}", EXIT_UNREACHABLE)
     except KeyboardInterrupt:

@@ -23,6 +23,12 @@ what is not an outcome (``_exceptions.py``): gRPC errors are mapped to
 :class:`~mmadmit_client.TransportError`, chained with ``from``; an answer with
 no outcome is a :class:`~mmadmit_client.ProtocolError`.
 
+TLS: ``credentials=tls_credentials(ca="ca.pem")`` opens a TLS channel (add
+``cert=`` and ``key=`` for a server that requires client certificates). A
+failed handshake is :class:`~mmadmit_client.ServerUnavailable`: gRPC reports
+it as UNAVAILABLE, with the TLS error in the message when this side refused
+the server's certificate, as a closed socket when the server refused ours.
+
 Message size: responses for long prompts are large (a 128K-token response
 carries about 4 MB of ids and positions, above gRPC's default 4 MB receive
 limit), so both directions default to ``DEFAULT_MAX_MESSAGE_BYTES`` (1 GiB,
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -455,6 +462,50 @@ def _channel_options(
     return options
 
 
+_PEM_CERT = b"-----BEGIN CERTIFICATE-----"
+_PEM_KEY = b"PRIVATE KEY-----"
+
+
+def _read_pem(path: str | os.PathLike[str], what: str, mark: bytes) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ValueError(
+            f"{what} {os.fspath(path)}: cannot read it: {exc.strerror or exc}"
+        ) from exc
+    if mark not in data:  # gRPC would only fail the handshake later, obscurely
+        label = "certificate" if mark == _PEM_CERT else "private key"
+        raise ValueError(f"{what} {os.fspath(path)}: no PEM {label} in it")
+    return data
+
+
+def tls_credentials(
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files, for ``credentials=``.
+
+    ``ca``: the CA bundle that verifies the server (default: the system's
+    roots). ``cert`` and ``key`` (both or neither): this client's certificate
+    chain and private key, for a server that requires client certificates
+    (mutual TLS). The server's certificate must name the host of the target
+    (an IP target needs an IP SAN); the channel option
+    ``grpc.ssl_target_name_override`` checks another name instead. A file that
+    cannot be read raises ``ValueError`` naming it.
+    """
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(ca, "CA bundle", _PEM_CERT) if ca is not None else None,
+        private_key=_read_pem(key, "client key", _PEM_KEY) if key is not None else None,
+        certificate_chain=(
+            _read_pem(cert, "client certificate", _PEM_CERT) if cert is not None else None
+        ),
+    )
+
+
 _HEALTH_NAMES = {v: k for k, v in health_pb2.HealthCheckResponse.ServingStatus.items()}
 
 _T = TypeVar("_T", bound="_StateMixin")
@@ -483,7 +534,11 @@ class _StateMixin:
 
 
 class AsyncAdmissionClient(_StateMixin):
-    """``grpc.aio`` client; use it on one event loop, inside ``async with``."""
+    """``grpc.aio`` client; use it on one event loop, inside ``async with``.
+
+    ``credentials`` (:func:`tls_credentials`) opens a TLS channel; without them
+    the channel is plaintext.
+    """
 
     def __init__(
         self,
@@ -492,9 +547,11 @@ class AsyncAdmissionClient(_StateMixin):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         load_balancing: LoadBalancing | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self.max_message_bytes = max_message_bytes
+        self.credentials = credentials
         self._options = _channel_options(max_message_bytes, load_balancing, channel_options)
         self._state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
@@ -507,7 +564,12 @@ class AsyncAdmissionClient(_StateMixin):
 
     async def open(self) -> None:
         self._begin_open()
-        self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+        if self.credentials is not None:
+            self._channel = grpc.aio.secure_channel(
+                self.target, self.credentials, options=self._options
+            )
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.AdmissionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._state = ClientState.OPENED
@@ -604,9 +666,11 @@ class AdmissionClient(_StateMixin):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         load_balancing: LoadBalancing | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self.max_message_bytes = max_message_bytes
+        self.credentials = credentials
         self._options = _channel_options(max_message_bytes, load_balancing, channel_options)
         self._state = ClientState.UNOPENED
         self._channel: grpc.Channel | None = None
@@ -619,7 +683,12 @@ class AdmissionClient(_StateMixin):
 
     def open(self) -> None:
         self._begin_open()
-        self._channel = grpc.insecure_channel(self.target, options=self._options)
+        if self.credentials is not None:
+            self._channel = grpc.secure_channel(
+                self.target, self.credentials, options=self._options
+            )
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.AdmissionStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._state = ClientState.OPENED
@@ -713,4 +782,5 @@ __all__ = [
     "model_info_from_proto",
     "outcome_from_proto",
     "tensor_data",
+    "tls_credentials",
 ]

@@ -18,6 +18,14 @@ what is not an outcome, each chained ``from`` the zmq error behind it::
     with ZmqClient("tcp://127.0.0.1:5557") as client:  # blocking twin
         outcome = client.admit(request)
 
+CURVE: give the server's public key (``curve_server_key=``, Z85, e.g. from
+:func:`curve_server_key_from_file`) and the socket speaks CURVE, with this
+client's keypair (``curve_keypair=``, from :func:`curve_keypair_from_file`, for
+a server that admits only listed keys) or a fresh one per client. "Connected"
+means the ZMTP handshake completed (CURVE or not); a server that refuses the
+key (its ZAP allow-list) or the mechanism makes :meth:`AsyncZmqClient.wait_connected`
+raise :class:`~mmadmit_client.ServerUnavailable` saying so.
+
 Buffers: frames are sent with ``copy=False``; the caller must not modify a
 buffer it passed to :meth:`~AsyncZmqClient.admit` until the call returns.
 Reply frames are ``zmq.Frame`` objects; the decoded request's tensors are views
@@ -29,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -119,12 +128,52 @@ def _frames_of(request_or_frames: Request | Sequence[Any]) -> tuple[list[Any], s
     return frames, rid
 
 
+def _key_file_pair(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    name = os.fspath(path)
+    try:
+        return zmq.auth.load_certificate(name)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"{what} {name}: not a readable zmq.auth key file: {why}") from exc
+
+
+def curve_server_key_from_file(path: str | os.PathLike[str]) -> bytes:
+    """The server's public key (Z85) from its ``zmq.auth`` key file (``NAME.key``;
+    a ``NAME.key_secret`` holds it too). ``ValueError`` names an unusable file."""
+    public, _ = _key_file_pair(path, "CURVE server key")
+    return public
+
+
+def curve_keypair_from_file(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """This client's (public, secret) keypair from its ``NAME.key_secret`` file."""
+    public, secret = _key_file_pair(path, "CURVE client key")
+    if not secret:
+        raise ValueError(
+            f"CURVE client key {os.fspath(path)}: holds no secret key (give the "
+            "NAME.key_secret file, not the public NAME.key)"
+        )
+    return public, secret
+
+
+# Handshake events: "connected" is a completed ZMTP handshake, not a TCP connection.
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+
+
 class AsyncZmqClient:
     """Async client over one DEALER socket; an async context manager.
 
     ``timeout_s`` bounds each :meth:`admit` (connecting included: with nothing
     listening the call ends in :class:`ServerUnavailable`). ``identity`` sets the
     DEALER's routing identity (request ids are scoped to it by the service).
+    ``curve_server_key`` (Z85) turns CURVE on, with ``curve_keypair`` (public,
+    secret; Z85) or an ephemeral keypair.
     """
 
     def __init__(
@@ -134,10 +183,20 @@ class AsyncZmqClient:
         timeout_s: float = 30.0,
         identity: bytes | None = None,
         context: zmq.asyncio.Context | None = None,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
     ) -> None:
+        if curve_keypair is not None and curve_server_key is None:
+            raise ValueError("curve_keypair needs curve_server_key (the server's public key)")
         self.address = address
         self.timeout_s = timeout_s
         self.identity = identity
+        self.curve_server_key = curve_server_key
+        self._curve_keypair = curve_keypair
+        # Why the last handshake failed, and whether the server refused our key.
+        self.handshake_error: str | None = None
+        self.refused = False
+        self._refused_event = asyncio.Event()
         self.state = ClientState.UNOPENED
         self._ctx = context
         self._own_ctx = context is None
@@ -145,7 +204,7 @@ class AsyncZmqClient:
         self._recv_task: asyncio.Task[None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task[None] | None = None
-        self.connected = False  # a connection to the server exists right now
+        self.connected = False  # a handshaken connection to the server exists right now
         self._connected_event = asyncio.Event()  # set while ``connected``
         self._pending: dict[str, collections.deque[asyncio.Future[ZmqOutcome]]] = {}
         self.unmatched_replies = 0  # replies no pending request was waiting for
@@ -175,9 +234,14 @@ class AsyncZmqClient:
             # not yet read when the server disconnects (exactly what a draining
             # server does). Whether a connection exists is tracked by a monitor
             # instead, so a timeout with nothing connected is ServerUnavailable.
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
             if self.identity is not None:
                 sock.setsockopt(zmq.IDENTITY, self.identity)
+            if self.curve_server_key is not None:
+                public, secret = self._curve_keypair or zmq.curve_keypair()
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_server_key)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             sock.connect(self.address)
         except zmq.ZMQError as exc:
             self._close_socket()
@@ -188,32 +252,75 @@ class AsyncZmqClient:
         self.state = ClientState.OPENED
 
     async def _watch(self) -> None:
-        """Follow connection events (sets ``connected``)."""
+        """Follow connection events (sets ``connected``, ``handshake_error``, ``refused``)."""
         assert self._monitor is not None
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
+                self.handshake_error = None
                 self._connected_event.set()
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._connected_event.clear()
+            elif kind & _HANDSHAKE_FAILED:
+                self.handshake_error = self._describe_failure(kind, value)
+                logger.debug("%s: %s", self.address, self.handshake_error)
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.refused = True
+                    self._refused_event.set()
+
+    def _describe_failure(self, kind: int, value: int) -> str:
+        curve = self.curve_server_key is not None
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return f"the server refused this client's CURVE key (ZAP status {value})"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return (
+                    "security mechanism mismatch: the server speaks CURVE (give its public key)"
+                    if not curve
+                    else "security mechanism mismatch: the server does not speak CURVE"
+                )
+            return f"ZMTP handshake failed (protocol error {value:#x})"
+        return (
+            "the CURVE handshake failed (is the server's public key right?)"
+            if curve
+            else "the ZMTP handshake failed (does the server require CURVE?)"
+        )
+
+    def _unavailable_detail(self) -> str:
+        return f" ({self.handshake_error})" if self.handshake_error else ""
 
     async def wait_connected(self, timeout_s: float | None = None) -> None:
         """Return once a connection to the server exists; :class:`ServerUnavailable`
         when none is made within ``timeout_s`` (default: the client's ``timeout_s``).
 
         A short connect check before sending: without it, a request to an address
-        where nothing listens waits out its whole request timeout. (A TCP connection
-        counts as soon as it is made, before the ZMTP greeting.)
+        where nothing listens waits out its whole request timeout. A connection
+        counts once its ZMTP handshake completed (CURVE included); a server that
+        refuses this client's CURVE key fails the wait at once, one that fails the
+        handshake otherwise (a mechanism mismatch, a wrong server key) at the
+        timeout, and the message says why.
         """
         self._check_open()
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        connected = asyncio.ensure_future(self._connected_event.wait())
+        refused = asyncio.ensure_future(self._refused_event.wait())
         try:
-            async with asyncio.timeout(timeout):
-                await self._connected_event.wait()
-        except TimeoutError as exc:
-            raise ServerUnavailable(f"no connection to {self.address} within {timeout}s") from exc
+            await asyncio.wait(
+                {connected, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in (connected, refused):
+                waiter.cancel()
+        if self.connected:
+            return
+        if self.refused:
+            raise ServerUnavailable(f"{self.address}: {self.handshake_error}")
+        raise ServerUnavailable(
+            f"no connection to {self.address} within {timeout}s{self._unavailable_detail()}"
+        )
 
     async def aclose(self) -> None:
         """Close (idempotent); requests still waiting fail with ClientStateError."""
@@ -270,6 +377,7 @@ class AsyncZmqClient:
             if not sent or not self.connected:
                 raise ServerUnavailable(
                     f"no connection to {self.address} accepted the request within {timeout}s"
+                    f"{self._unavailable_detail()}"
                 ) from exc
             raise RequestTimeout(f"rid={rid}: no reply within {timeout}s") from exc
         except zmq.ZMQError as exc:
@@ -339,9 +447,21 @@ class ZmqClient:
     """
 
     def __init__(
-        self, address: str, *, timeout_s: float = 30.0, identity: bytes | None = None
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        identity: bytes | None = None,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
     ) -> None:
-        self._client = AsyncZmqClient(address, timeout_s=timeout_s, identity=identity)
+        self._client = AsyncZmqClient(
+            address,
+            timeout_s=timeout_s,
+            identity=identity,
+            curve_server_key=curve_server_key,
+            curve_keypair=curve_keypair,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
