@@ -1,0 +1,582 @@
+"""Secure transports (CLI.md): gRPC over TLS and mutual TLS, ZMQ CURVE with an allow-list.
+
+Contract pinned here:
+
+* **TLS** (``--grpc-tls-cert``, ``--grpc-tls-key``): a client that trusts the
+  CA is served (by IP and by DNS name); a plaintext client, and a TLS client
+  that trusts another CA, are refused (``ServerUnavailable``, the latter naming
+  the handshake).
+* **Mutual TLS** (``--grpc-tls-client-ca``): a client without a certificate, or
+  with one signed by another CA, is refused; one signed by the CA is served.
+* **CURVE** (``--zmq-curve-secret-key``, ``--zmq-curve-clients``): a client key
+  in the folder is materialized; a key not in it, and a client without CURVE,
+  get no reply (``ServerUnavailable`` quickly, saying why) and nothing of theirs
+  reaches the ingest; without a folder any CURVE client with the server key is
+  served, a client without CURVE still not. The ZAP thread is gone after a
+  stop and after a start that failed.
+* ``mmadmit-client`` speaks both: ``admit`` and ``health`` over TLS and mutual
+  TLS, ``admit`` over CURVE; a refused handshake is exit 3 with a message that
+  says so; unusable security options or files are exit 2 with one line.
+* ``mmadmit serve`` refuses every unusable combination or file with exit 2 and
+  one line naming the flag.
+
+Certificates are made with the ``openssl`` command (EC P-256, a few ms each):
+a CA, a server certificate for ``IP:127.0.0.1`` and ``DNS:localhost``, a client
+certificate from the CA and one from another CA. CURVE keys come from
+``zmq.auth.create_certificates``. Servers are the real wiring
+(``mmadmit.server.start_server``) in this process on ephemeral loopback ports;
+the command-line client runs as a subprocess, awaited.
+
+Run with: python -m pytest tests/test_secure_transports.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.auth
+from mmadmit.config import build_config
+from mmadmit.errors import ConfigError
+from mmadmit.model import Request
+from mmadmit.pool import MaterializerPool
+from mmadmit.security import load_curve_server
+from mmadmit.server import ServerHandle, start_server
+from mmadmit.zmq_ingest import ZmqIngest
+from mmadmit_client import RequestTimeout, ServerUnavailable
+from mmadmit_client.grpc import (
+    AdmissionClient,
+    AsyncAdmissionClient,
+    Materialized,
+    build_request,
+    tls_credentials,
+)
+from mmadmit_client.zmq import (
+    AsyncZmqClient,
+    ZmqClient,
+    curve_keypair_from_file,
+    curve_server_key_from_file,
+)
+from zmq.auth.thread import AuthenticationThread
+
+OPENSSL = shutil.which("openssl")
+MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.skipif(OPENSSL is None, reason="needs the openssl command for test certificates"),
+    pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE"),
+    pytest.mark.timeout(90),
+]
+REFUSED_WITHIN_S = 2.0  # a refused handshake must be told well before any request timeout
+
+
+# --------------------------------------------------------------------------- key material
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    assert OPENSSL is not None
+    subprocess.run(
+        [OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=30,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+_EC = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+
+def _make_ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.pem",
+             "-days", "2", "-subj", f"/CN=mmadmit test {name}", cwd=d)  # fmt: skip
+
+
+def _make_cert(d: Path, name: str, ca: str, serial: int, san: str | None = None) -> None:
+    _openssl("req", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+    ext: list[str] = []
+    if san is not None:
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        ext = ["-extfile", f"{name}.ext"]
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-set_serial", str(serial), "-days", "2",
+             "-out", f"{name}.pem", *ext, cwd=d)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pki:
+    dir: Path
+
+    def __getitem__(self, name: str) -> str:
+        path = self.dir / name
+        assert path.is_file(), path
+        return str(path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """TLS: ca, other-ca, server (127.0.0.1 + localhost), client (ca), rogue (other-ca).
+    CURVE under curve/: server.key(_secret), allowed/client.key(_secret),
+    other/rogue.key(_secret), allowed-public/client.key (the allow-list)."""
+    d = tmp_path_factory.mktemp("pki")
+    _make_ca(d, "ca")
+    _make_ca(d, "other-ca")
+    _make_cert(d, "server", "ca", 2, san="IP:127.0.0.1,DNS:localhost")
+    _make_cert(d, "client", "ca", 3)
+    _make_cert(d, "rogue", "other-ca", 4)
+    curve = d / "curve"
+    curve.mkdir()
+    zmq.auth.create_certificates(str(curve), "server")
+    for folder, name in (("allowed", "client"), ("other", "rogue")):
+        (curve / folder).mkdir()
+        zmq.auth.create_certificates(str(curve / folder), name)
+    # the allow-list folder holds public keys only, as an operator would ship it
+    (curve / "allowed-public").mkdir()
+    shutil.copy(curve / "allowed" / "client.key", curve / "allowed-public" / "client.key")
+    return Pki(d)
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@contextlib.asynccontextmanager
+async def serving(**settings: Any) -> AsyncIterator[ServerHandle]:
+    config = build_config(
+        {
+            "device": "cpu",
+            "workers": 1,
+            "grpc_listen": "127.0.0.1:0",
+            "zmq_listen": "tcp://127.0.0.1:0",
+            "metrics_listen": "off",
+            "log_outcomes": "off",
+            **settings,
+        },
+        environ={},
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        yield await start_server(config, stack)
+
+
+@dataclass
+class Servers:
+    tls: ServerHandle  # TLS, CURVE with the allow-list folder
+    mtls: ServerHandle  # mutual TLS, CURVE for any client with the server key
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def servers(pki: Pki) -> AsyncIterator[Servers]:
+    async with (
+        serving(
+            grpc_tls_cert=pki["server.pem"],
+            grpc_tls_key=pki["server.key"],
+            zmq_curve_secret_key=pki["curve/server.key_secret"],
+            zmq_curve_clients=str(pki.dir / "curve" / "allowed-public"),
+        ) as tls,
+        serving(
+            grpc_tls_cert=pki["server.pem"],
+            grpc_tls_key=pki["server.key"],
+            grpc_tls_client_ca=pki["ca.pem"],
+            zmq_curve_secret_key=pki["curve/server.key_secret"],
+        ) as mtls,
+    ):
+        yield Servers(tls, mtls)
+
+
+def _ids(n: int = 12) -> np.ndarray:
+    return np.arange(1, n + 1, dtype=np.int64)
+
+
+async def grpc_admit(address: str, credentials: grpc.ChannelCredentials | None, rid: str) -> Any:
+    async with AsyncAdmissionClient(address, credentials=credentials) as client:
+        return await client.admit(build_request(rid, _ids()), timeout=5)
+
+
+async def grpc_refused(address: str, credentials: grpc.ChannelCredentials | None) -> str:
+    """The ServerUnavailable message of a health check that must fail, within 2 s."""
+    t0 = time.monotonic()
+    async with AsyncAdmissionClient(address, credentials=credentials) as client:
+        with pytest.raises(ServerUnavailable) as info:
+            await client.health(timeout=5)
+    assert time.monotonic() - t0 < REFUSED_WITHIN_S
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- gRPC TLS
+
+
+@MODULE_LOOP
+async def test_tls_accepted_with_the_ca(servers: Servers, pki: Pki) -> None:
+    address = servers.tls.addresses["grpc"]
+    creds = tls_credentials(ca=pki["ca.pem"])
+    out = await grpc_admit(address, creds, "tls-1")
+    assert isinstance(out, Materialized) and out.request_id == "tls-1"
+    assert out.input_ids.tolist() == _ids().tolist()
+    # by DNS name too: the certificate names localhost
+    port = address.rpartition(":")[2]
+    async with AsyncAdmissionClient(f"localhost:{port}", credentials=creds) as client:
+        assert await client.health(timeout=5) == "SERVING"
+
+    # the blocking client, on its own thread (this loop serves)
+    def blocking() -> str:
+        with AdmissionClient(address, credentials=creds) as client:
+            return client.health(timeout=5)
+
+    assert await asyncio.to_thread(blocking) == "SERVING"
+
+
+@MODULE_LOOP
+async def test_tls_refuses_plaintext_and_an_untrusted_server(servers: Servers, pki: Pki) -> None:
+    address = servers.tls.addresses["grpc"]
+    await grpc_refused(address, None)  # plaintext at a TLS port
+    msg = await grpc_refused(address, tls_credentials(ca=pki["other-ca.pem"]))
+    assert "handshake" in msg.lower()  # this side refused the server's certificate
+
+
+@MODULE_LOOP
+async def test_mutual_tls_needs_a_client_certificate_from_the_ca(
+    servers: Servers, pki: Pki
+) -> None:
+    address = servers.mtls.addresses["grpc"]
+    await grpc_refused(address, None)
+    await grpc_refused(address, tls_credentials(ca=pki["ca.pem"]))  # no client certificate
+    rogue = tls_credentials(ca=pki["ca.pem"], cert=pki["rogue.pem"], key=pki["rogue.key"])
+    await grpc_refused(address, rogue)  # signed by another CA
+    good = tls_credentials(ca=pki["ca.pem"], cert=pki["client.pem"], key=pki["client.key"])
+    out = await grpc_admit(address, good, "mtls-1")
+    assert isinstance(out, Materialized) and out.request_id == "mtls-1"
+
+
+def test_tls_credentials_name_unusable_files(pki: Pki, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="missing.pem"):
+        tls_credentials(ca=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="no PEM certificate"):
+        tls_credentials(ca=pki["server.key"])
+    with pytest.raises(ValueError, match="no PEM private key"):
+        tls_credentials(ca=pki["ca.pem"], cert=pki["client.pem"], key=pki["client.pem"])
+    with pytest.raises(ValueError, match="needs its key"):
+        tls_credentials(cert=pki["client.pem"])
+
+
+# --------------------------------------------------------------------------- ZMQ CURVE
+
+
+def _curve(pki: Pki, client: str | None) -> dict[str, Any]:
+    keys: dict[str, Any] = {"curve_server_key": curve_server_key_from_file(pki["curve/server.key"])}
+    if client is not None:
+        keys["curve_keypair"] = curve_keypair_from_file(pki[client])
+    return keys
+
+
+async def zmq_admit(endpoint: str, rid: str, **keys: Any) -> Any:
+    async with AsyncZmqClient(endpoint, timeout_s=5, **keys) as client:
+        await client.wait_connected(5)
+        return await client.admit(Request(rid=rid, input_ids=_ids()))
+
+
+async def zmq_refused(endpoint: str, handle: ServerHandle, **keys: Any) -> str:
+    """A client that must get nowhere: no connection, no reply, nothing reaches intake."""
+    received = handle.zmq.stats.received
+    t0 = time.monotonic()
+    async with AsyncZmqClient(endpoint, timeout_s=1.0, **keys) as client:
+        with pytest.raises(ServerUnavailable) as info:
+            await client.wait_connected(1.0)
+        with pytest.raises((ServerUnavailable, RequestTimeout)):
+            await client.admit(Request(rid="refused", input_ids=_ids()), timeout_s=0.5)
+    assert time.monotonic() - t0 < REFUSED_WITHIN_S + 1.0
+    assert handle.zmq.stats.received == received, "a refused peer's message reached intake"
+    return str(info.value)
+
+
+@MODULE_LOOP
+async def test_curve_allow_list_admits_a_listed_key(servers: Servers, pki: Pki) -> None:
+    endpoint = servers.tls.addresses["zmq"]
+    out = await zmq_admit(endpoint, "curve-1", **_curve(pki, "curve/allowed/client.key_secret"))
+    assert out.materialized and out.rid == "curve-1"
+    assert np.asarray(out.request.input_ids).tolist() == _ids().tolist()
+
+    def blocking() -> bool:  # the blocking twin takes the same keys
+        with ZmqClient(endpoint, **_curve(pki, "curve/allowed/client.key_secret")) as client:
+            client.wait_connected(5)
+            return client.admit(Request(rid="curve-2", input_ids=_ids())).materialized
+
+    assert await asyncio.to_thread(blocking)
+
+
+@MODULE_LOOP
+async def test_curve_allow_list_refuses_other_keys_and_plain_clients(
+    servers: Servers, pki: Pki
+) -> None:
+    handle = servers.tls
+    endpoint = handle.addresses["zmq"]
+    t0 = time.monotonic()
+    msg = await zmq_refused(endpoint, handle, **_curve(pki, "curve/other/rogue.key_secret"))
+    assert "refused this client's CURVE key" in msg
+    msg = await zmq_refused(endpoint, handle, **_curve(pki, None))  # an ephemeral key
+    assert "refused" in msg
+    msg = await zmq_refused(endpoint, handle)  # no CURVE at all
+    assert "CURVE" in msg
+    assert time.monotonic() - t0 < 10
+
+
+@MODULE_LOOP
+async def test_curve_without_a_folder_admits_any_curve_client(servers: Servers, pki: Pki) -> None:
+    handle = servers.mtls
+    endpoint = handle.addresses["zmq"]
+    for client in (None, "curve/other/rogue.key_secret"):
+        out = await zmq_admit(endpoint, f"any-{client is None}", **_curve(pki, client))
+        assert out.materialized
+    await zmq_refused(endpoint, handle)  # still CURVE only
+    wrong_server = {"curve_server_key": curve_server_key_from_file(pki["curve/other/rogue.key"])}
+    msg = await zmq_refused(endpoint, handle, **wrong_server)
+    assert "server's public key" in msg
+
+
+def _zap_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if isinstance(t, AuthenticationThread)]
+
+
+async def test_zap_thread_stops_with_the_ingest_and_after_a_failed_start(
+    pki: Pki, tmp_path: Path
+) -> None:
+    before = len(_zap_threads())
+    curve = load_curve_server(
+        pki["curve/server.key_secret"], str(pki.dir / "curve" / "allowed-public")
+    )
+    from mmadmit.materializer import Materializer
+    from mmadmit.profile import load_profile
+
+    pool = MaterializerPool(Materializer(load_profile("qwen2_5_vl")), workers=1, max_inflight=4)
+    try:
+        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 20, curve=curve)
+        await ingest.start()
+        assert len(_zap_threads()) == before + 1
+        await asyncio.wait_for(ingest.stop(0.0), 10)  # term() would hang with ZAP running
+        assert len(_zap_threads()) == before
+        bad = ZmqIngest(pool, listen="tcp://no-such-host.invalid:1", max_message_bytes=1 << 20,
+                        curve=curve)  # fmt: skip
+        with pytest.raises(OSError):
+            await bad.start()
+        assert len(_zap_threads()) == before
+    finally:
+        pool.close()
+
+
+# --------------------------------------------------------------------------- mmadmit-client
+
+
+def _client_command() -> list[str]:
+    script = Path(sys.executable).parent / "mmadmit-client"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "mmadmit_client.cli"]
+
+
+@dataclass
+class Run:
+    args: tuple[str, ...]
+    rc: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:
+        return f"mmadmit-client {' '.join(self.args)} -> {self.rc}\n{self.stdout}\n{self.stderr}"
+
+
+async def cli(*args: str) -> Run:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMADMIT_")}
+    proc = await asyncio.create_subprocess_exec(
+        *_client_command(), *args, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"mmadmit-client {' '.join(args)} still running") from None
+    assert proc.returncode is not None
+    return Run(args, proc.returncode, out.decode(), err.decode())
+
+
+async def cli_many(*commands: tuple[str, ...]) -> list[Run]:
+    gate = asyncio.Semaphore(4)
+
+    async def one(args: tuple[str, ...]) -> Run:
+        async with gate:
+            return await cli(*args)
+
+    return list(await asyncio.gather(*(one(c) for c in commands)))
+
+
+@pytest.fixture(scope="module")
+def request_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("req") / "text.json"
+    path.write_text('{"request_id": "cli-secure", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}\n')
+    return str(path)
+
+
+@MODULE_LOOP
+async def test_cli_speaks_tls_mutual_tls_and_curve(
+    servers: Servers, pki: Pki, request_file: str
+) -> None:
+    tls = f"grpc://{servers.tls.addresses['grpc']}"
+    mtls = f"grpc://{servers.mtls.addresses['grpc']}"
+    ca = ("--tls-ca", pki["ca.pem"])
+    cert = ("--tls-cert", pki["client.pem"], "--tls-key", pki["client.key"])
+    server_key = ("--curve-server-key", pki["curve/server.key"])
+    ok = [
+        ("health", tls, *ca),
+        ("admit", tls, request_file, "--json", *ca),
+        ("health", mtls, *ca, *cert),
+        ("model-info", mtls, "--json", *ca, *cert),
+        ("admit", mtls, request_file, "--json", *ca, *cert),
+        ("admit", servers.tls.addresses["zmq"], request_file, "--json", *server_key,
+         "--curve-client-key", pki["curve/allowed/client.key_secret"]),
+        ("admit", servers.mtls.addresses["zmq"], request_file, "--json", *server_key),
+    ]  # fmt: skip
+    refused = [
+        ("health", tls),  # plaintext at a TLS port
+        ("health", tls, "--tls-ca", pki["other-ca.pem"]),
+        ("health", mtls, *ca),  # no client certificate
+        ("admit", servers.tls.addresses["zmq"], request_file, *server_key,
+         "--curve-client-key", pki["curve/other/rogue.key_secret"]),
+        ("admit", servers.tls.addresses["zmq"], request_file, "--timeout", "1"),
+    ]  # fmt: skip
+    runs = await cli_many(*ok, *refused)
+    for run in runs[: len(ok)]:
+        assert run.rc == 0, run
+    for run in runs[1 : len(ok)]:
+        if run.args[0] == "admit":
+            assert '"status": "materialized"' in run.stdout, run
+    plain, untrusted, no_cert, rogue, no_curve = runs[len(ok) :]
+    for run in runs[len(ok) :]:
+        assert run.rc == 3, run
+        assert "unreachable" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run
+    assert "--tls-ca" in plain.stderr
+    assert "TLS handshake failed" in untrusted.stderr
+    assert "client certificate" in no_cert.stderr
+    assert "refused this client's CURVE key" in rogue.stderr
+    assert "speaks CURVE" in no_curve.stderr
+
+
+@MODULE_LOOP
+async def test_cli_refuses_unusable_security_options(
+    servers: Servers, pki: Pki, request_file: str, tmp_path: Path
+) -> None:
+    g = f"grpc://{servers.tls.addresses['grpc']}"
+    z = servers.tls.addresses["zmq"]
+    missing = str(tmp_path / "missing.pem")
+    usage = [
+        (("health", g, "--tls-ca", missing), "missing.pem"),
+        (("health", g, "--tls-ca", pki["server.key"]), "no PEM certificate"),
+        (("health", g, "--tls-cert", pki["client.pem"]), "--tls-key"),
+        (("admit", g, request_file, "--curve-server-key", pki["curve/server.key"]), "ZMQ"),
+        (("admit", z, request_file, "--tls-ca", pki["ca.pem"]), "gRPC"),
+        (("admit", z, request_file, "--curve-client-key", pki["curve/allowed/client.key"]),
+         "--curve-server-key"),
+        (("admit", z, request_file, "--curve-server-key", pki["curve/server.key"],
+          "--curve-client-key", pki["curve/allowed/client.key"]), "no secret key"),
+        (("admit", z, request_file, "--curve-server-key", missing), "missing.pem"),
+    ]  # fmt: skip
+    runs = await cli_many(*(args for args, _ in usage))
+    for run, (_, needle) in zip(runs, usage, strict=True):
+        assert run.rc == 2, run
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], run
+
+
+# --------------------------------------------------------------------------- serve: configuration
+
+
+def _bad_configs(pki: Pki, tmp: Path) -> list[tuple[dict[str, str], str]]:
+    """(settings, a fragment of the one error line); every one is exit 2."""
+    empty = tmp / "empty-folder"
+    empty.mkdir(exist_ok=True)
+    garbage = tmp / "garbage.key"
+    garbage.write_text("not a key\n")
+    cert, key = pki["server.pem"], pki["server.key"]
+    return [
+        ({"grpc_tls_cert": cert}, "--grpc-tls-cert needs --grpc-tls-key"),
+        ({"grpc_tls_key": key}, "--grpc-tls-key needs --grpc-tls-cert"),
+        ({"grpc_tls_client_ca": pki["ca.pem"]}, "--grpc-tls-client-ca needs"),
+        ({"grpc_tls_cert": str(tmp / "nope.pem"), "grpc_tls_key": key}, "nope.pem: no such file"),
+        ({"grpc_tls_cert": str(tmp), "grpc_tls_key": key}, "is not a file"),
+        ({"grpc_tls_cert": key, "grpc_tls_key": key}, "no PEM certificate"),
+        ({"grpc_tls_cert": cert, "grpc_tls_key": pki["client.key"]}, "unusable pair"),
+        ({"grpc_tls_cert": cert, "grpc_tls_key": key, "grpc_tls_client_ca": key},
+         "--grpc-tls-client-ca"),
+        ({"grpc_tls_cert": cert, "grpc_tls_key": key, "grpc_listen": "off"}, "--grpc-listen off"),
+        ({"zmq_curve_clients": str(pki.dir / "curve" / "allowed-public")},
+         "--zmq-curve-clients needs"),
+        ({"zmq_curve_secret_key": pki["curve/server.key_secret"], "zmq_listen": "off"},
+         "--zmq-listen off"),
+        ({"zmq_curve_secret_key": pki["curve/server.key"]}, "holds no secret key"),
+        ({"zmq_curve_secret_key": str(garbage)}, "not a zmq.auth key file"),
+        ({"zmq_curve_secret_key": pki["curve/server.key_secret"], "zmq_curve_clients": str(empty)},
+         "no client public key"),
+        ({"zmq_curve_secret_key": pki["curve/server.key_secret"],
+          "zmq_curve_clients": str(tmp / "none")}, "no such folder"),
+    ]  # fmt: skip
+
+
+def test_build_config_refuses_each_unusable_setting(pki: Pki, tmp_path: Path) -> None:
+    for settings, fragment in _bad_configs(pki, tmp_path):
+        with pytest.raises(ConfigError) as info:
+            build_config(settings, environ={})
+        assert fragment in str(info.value), (settings, str(info.value))
+    # through the environment too, and the good combinations pass
+    env = {"MMADMIT_GRPC_TLS_CERT": pki["server.pem"], "MMADMIT_GRPC_TLS_KEY": pki["server.key"]}
+    assert build_config({}, environ=env).grpc_tls_key == pki["server.key"]
+    with pytest.raises(ConfigError, match="--grpc-tls-cert needs"):
+        build_config({}, environ={"MMADMIT_GRPC_TLS_CERT": pki["server.pem"]})
+
+
+def _flag_args(settings: dict[str, str]) -> list[str]:
+    return [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), v)]
+
+
+@pytest.fixture
+def no_mmadmit_env() -> Iterator[dict[str, str]]:
+    yield {k: v for k, v in os.environ.items() if not k.startswith("MMADMIT_")}
+
+
+async def test_serve_exits_2_with_one_line_for_each(
+    pki: Pki, tmp_path: Path, no_mmadmit_env: dict[str, str]
+) -> None:
+    cases = _bad_configs(pki, tmp_path)
+    gate = asyncio.Semaphore(4)
+
+    async def serve(settings: dict[str, str]) -> tuple[int, str]:
+        async with gate:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mmadmit", "serve", "--metrics-listen", "off",
+                *_flag_args(settings), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                env=no_mmadmit_env,
+            )  # fmt: skip
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise AssertionError(f"serve {settings} did not exit") from None
+            assert proc.returncode is not None
+            return proc.returncode, err.decode()
+
+    results = await asyncio.gather(*(serve(s) for s, _ in cases))
+    for (settings, fragment), (rc, err) in zip(cases, results, strict=True):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1, (settings, rc, err)
+        assert fragment in lines[0] and "Traceback" not in err, (settings, err)
