@@ -484,7 +484,8 @@ class OrderedSender:
     def put(self, msg: list[Any]) -> None:
         """Hand ``msg`` (already counted pending) over in FIFO order: at once when
         nothing is ahead of it and libzmq takes it, else through the sender task."""
-        if not self._queue and not self._sending and not self._sync.closed:
+        # The asyncio socket's own flag: the shadow must never outlive its socket.
+        if not self._queue and not self._sending and not self.sock.closed:
             out = [*self.prefix, *msg] if self.prefix else msg
             try:
                 self._sync.send_multipart(out, flags=zmq.NOBLOCK, copy=False)
