@@ -872,3 +872,30 @@ def test_bad_item_scalars(field: int, value: Any) -> None:
         return
     with pytest.raises(wire.WireError, match=r"item 0"):
         wire.decode_request(raw, [])
+
+
+@pytest.mark.parametrize(
+    "name, ok",
+    [
+        ("psm_1a2b", True),
+        ("../etc/passwd", False),
+        ("/dev/shm/x", False),
+        ("a/b", False),
+        ("a\\b", False),
+        ("x\x00y", False),
+        ("", False),
+        ("n" * 256, False),
+    ],
+)
+def test_feature_shm_name_must_be_a_plain_name(name: str, ok: bool) -> None:
+    """A request field is never a path: the ZMQ wire checks shm names as gRPC does."""
+    ids, offs = image_prompt()
+    shm = {"shm_name": name, "shape": [4, 6], "dtype": "float32"}
+    raw = payload(ids, mm_inputs=mm([item(1, 5, None, offs, shm=shm, msd={})]))
+    if ok:
+        (decoded,) = wire.decode_request(raw, []).mm.items  # type: ignore[union-attr]
+        assert decoded.feature_shm is not None and decoded.feature_shm.name == name
+        return
+    with pytest.raises(wire.WireError, match=r"item 0.*shared-memory name") as info:
+        wire.decode_request(raw, [])
+    assert info.value.rid == "rid-1" and info.value.code is AbortCode.INVALID_REQUEST

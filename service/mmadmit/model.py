@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType, parse_dtype
+from .errors import InvalidRequest
 
 
 class Modality(enum.IntEnum):
@@ -83,6 +84,26 @@ class Tensor:
 
 
 _INT64 = parse_dtype("int64")
+
+
+SHM_NAME_MAX = 255  # NAME_MAX of the shm filesystems
+
+
+def check_shm_name(name: str, what: str) -> None:
+    """A request's shared-memory name must be a plain name, never a path.
+
+    The service only passes the handle on; the check keeps whoever opens it
+    downstream from being pointed outside the shm filesystem. Both transports'
+    decoders call it. Raises :class:`~mmadmit.errors.InvalidRequest`.
+    """
+    if not name:
+        raise InvalidRequest(f"{what}: shared-memory name is empty")
+    if len(name) > SHM_NAME_MAX:
+        raise InvalidRequest(f"{what}: shared-memory name is longer than {SHM_NAME_MAX} characters")
+    if "/" in name or "\\" in name or ".." in name or "\x00" in name:
+        raise InvalidRequest(
+            f"{what}: shared-memory name {name!r} must be a plain name (no '/', '\\', '..' or NUL)"
+        )
 
 
 @dataclass(eq=False)

@@ -70,7 +70,16 @@ from .errors import (
     abort_from_exception,
 )
 from .materializer import Outcome
-from .model import Item, Materialized, Modality, MultimodalInputs, Request, ShmHandle, Tensor
+from .model import (
+    Item,
+    Materialized,
+    Modality,
+    MultimodalInputs,
+    Request,
+    ShmHandle,
+    Tensor,
+    check_shm_name,
+)
 from .pbwire import StrippedRequest, packed_uint32_field, resolve_inline
 from .pool import MaterializerPool, Ticket
 from .profile import ModelProfile
@@ -90,8 +99,6 @@ MODALITY_TO_PROTO: dict[int, Any] = {int(m): p for p, m in MODALITY_FROM_PROTO.i
 _ABORT_CODE_TO_PROTO: dict[AbortCode, Any] = {
     code: pb.AbortCode.Value(code.value) for code in AbortCode
 }
-
-_SHM_NAME_MAX = 255  # NAME_MAX of the shm filesystems
 
 # The inline payloads a stripped request's markers stand for (None: a plain message).
 Payloads: TypeAlias = list[memoryview] | None
@@ -127,19 +134,6 @@ def _dtype(td: pb.TensorData, what: str) -> Any:
         raise InvalidRequest(f"{what}: {exc.message}") from None
 
 
-def _check_shm_name(name: str, what: str) -> None:
-    if not name:
-        raise InvalidRequest(f"{what}: shared-memory name is empty")
-    if len(name) > _SHM_NAME_MAX:
-        raise InvalidRequest(
-            f"{what}: shared-memory name is longer than {_SHM_NAME_MAX} characters"
-        )
-    if "/" in name or "\\" in name or ".." in name or "\x00" in name:
-        raise InvalidRequest(
-            f"{what}: shared-memory name {name!r} must be a plain name (no '/', '\\', '..' or NUL)"
-        )
-
-
 def tensor_from_proto(
     td: pb.TensorData, what: str, payloads: Payloads = None
 ) -> Tensor | ShmHandle:
@@ -168,7 +162,7 @@ def tensor_from_proto(
             )
         return Tensor(dtype, shape, data)
     shm = td.shm
-    _check_shm_name(shm.name, what)
+    check_shm_name(shm.name, what)
     if shm.nbytes and shm.nbytes != expected:
         raise InvalidRequest(
             f"{what}: shm nbytes {shm.nbytes} but shape {list(shape)} of {dtype.name} needs "

@@ -50,7 +50,15 @@ import numpy as np
 from .dtypes import DType, parse_dtype
 from .errors import Abort, InvalidRequest
 from .intcodec import array_spans, decode_int_array, encode_int_array, int_rows, split_array
-from .model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
+from .model import (
+    Item,
+    Materialized,
+    MultimodalInputs,
+    Request,
+    ShmHandle,
+    Tensor,
+    check_shm_name,
+)
 
 MSG_ADD = 0x00
 MSG_ABORT = 0x01
@@ -312,6 +320,7 @@ def _decode_shm(value: Any, what: str) -> ShmHandle | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("shm_name"), str):
         raise InvalidRequest(f"{what}: feature_shm must be a map with a string shm_name")
+    check_shm_name(value["shm_name"], f"{what} feature_shm")
     shape = value.get("shape")
     dtype = value.get("dtype")
     return ShmHandle(
