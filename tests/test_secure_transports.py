@@ -18,7 +18,8 @@ Contract pinned here:
   TLS, ``admit`` over CURVE; a refused handshake is exit 3 with a message that
   says so; unusable security options or files are exit 2 with one line.
 * ``mmadmit serve`` refuses every unusable combination or file with exit 2 and
-  one line naming the flag.
+  one line naming the flag;
+* ``docs/security.md`` names only flags that exist.
 
 Certificates are made with the ``openssl`` command (EC P-256, a few ms each):
 a CA, a server certificate for ``IP:127.0.0.1`` and ``DNS:localhost``, a client
@@ -580,3 +581,34 @@ async def test_serve_exits_2_with_one_line_for_each(
         lines = [line for line in err.splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1, (settings, rc, err)
         assert fragment in lines[0] and "Traceback" not in err, (settings, err)
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_security_doc_names_only_real_flags() -> None:
+    """docs/security.md's flags are those of ``mmadmit serve`` and ``mmadmit-client``."""
+    import argparse
+    import re
+
+    from mmadmit.cli import build_parser as serve_parser
+    from mmadmit_client.cli import build_parser as client_parser
+
+    def flags(parser: argparse.ArgumentParser) -> set[str]:
+        found = {s for a in parser._actions for s in a.option_strings}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found |= flags(sub)
+        return found
+
+    known = flags(serve_parser()) | flags(client_parser())
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])(?![\w*-])", doc))
+    assert {
+        "--grpc-tls-client-ca",
+        "--zmq-curve-clients",
+        "--tls-ca",
+        "--curve-client-key",
+    } <= named
+    assert named <= known, sorted(named - known)

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
     from .config import ServeConfig
 
-logger = logging.getLogger(__name__)
 
 _CERT_MARK = b"-----BEGIN CERTIFICATE-----"
 
