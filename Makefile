@@ -67,7 +67,7 @@ deploy-validate: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
 # Fuzzing (RELIABILITY.md). fuzz-build: the C extensions with ASan + UBSan in
-# build/fuzz/mmadmit (clang; CC=gcc works without coverage), and atheris (the
+# build/fuzz/mmadmit (clang; FUZZ_CC=gcc works without coverage), and atheris (the
 # `fuzz` extra) when it installs. fuzz: every target for FUZZ_SECONDS each on
 # the sanitizer build; native-vs-Python divergences and INTERNAL outcomes fail
 # it like crashes. fuzz-smoke: the seconds-long, sanitizer-free run of the suite.
@@ -80,7 +80,7 @@ FUZZ_EXT_DIR := build/fuzz/mmadmit
 fuzz-build: setup
 	$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q -e ".[fuzz]" || \
 	  echo "fuzz-build: atheris did not install; make fuzz uses fuzz/mutator.py"
-	CC=$${CC:-clang} PYTHON=$(PY) OUT=$(FUZZ_EXT_DIR) fuzz/build_sanitized.sh
+	PYTHON=$(PY) OUT=$(FUZZ_EXT_DIR) fuzz/build_sanitized.sh
 
 fuzz: fuzz-build
 	@asan=$$(fuzz/asan_runtime.sh $(PY)); echo "fuzz: LD_PRELOAD=$$asan"; \

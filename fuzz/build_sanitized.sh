@@ -4,11 +4,11 @@
 # fuzz/run.py loads them from there when MMADMIT_FUZZ_EXT_DIR names that folder
 # (make fuzz does), under LD_PRELOAD of the ASan runtime (see RELIABILITY.md).
 #
-#   CC       compiler (default clang; gcc works for ASan/UBSan without coverage)
+#   FUZZ_CC  compiler (default clang when installed, else gcc: ASan/UBSan without coverage)
 #   PYTHON   the interpreter the extensions are for (default .venv/bin/python)
 #   OUT      output folder (default build/fuzz/mmadmit)
 set -eu
-CC=${CC:-clang}
+CC=${FUZZ_CC:-$(command -v clang || echo gcc)}
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-build/fuzz/mmadmit}
 INCLUDE=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
