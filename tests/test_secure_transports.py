@@ -428,6 +428,22 @@ def request_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@contextlib.asynccontextmanager
+async def plaintext_grpc() -> AsyncIterator[str]:
+    """A bare plaintext gRPC server (health only) on loopback."""
+    from grpc_health.v1 import health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
 @MODULE_LOOP
 async def test_cli_speaks_tls_mutual_tls_and_curve(
     servers: Servers, pki: Pki, request_file: str
@@ -455,18 +471,21 @@ async def test_cli_speaks_tls_mutual_tls_and_curve(
          "--curve-client-key", pki["curve/other/rogue.key_secret"]),
         ("admit", servers.tls.addresses["zmq"], request_file, "--timeout", "1"),
     ]  # fmt: skip
-    runs = await cli_many(*ok, *refused)
+    async with plaintext_grpc() as address:  # a TLS client at a plaintext port
+        refused.append(("health", f"grpc://{address}", *ca))
+        runs = await cli_many(*ok, *refused)
     for run in runs[: len(ok)]:
         assert run.rc == 0, run
     for run in runs[1 : len(ok)]:
         if run.args[0] == "admit":
             assert '"status": "materialized"' in run.stdout, run
-    plain, untrusted, no_cert, rogue, no_curve = runs[len(ok) :]
+    plain, untrusted, no_cert, rogue, no_curve, tls_at_plain = runs[len(ok) :]
     for run in runs[len(ok) :]:
         assert run.rc == 3, run
         assert "unreachable" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run
     assert "--tls-ca" in plain.stderr
-    assert "TLS handshake failed" in untrusted.stderr
+    assert "certificate was not accepted" in untrusted.stderr
+    assert "does not speak TLS" in tls_at_plain.stderr
     assert "client certificate" in no_cert.stderr
     assert "refused this client's CURVE key" in rogue.stderr
     assert "speaks CURVE" in no_curve.stderr

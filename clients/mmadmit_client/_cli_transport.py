@@ -154,16 +154,23 @@ class TransportOptions:
 def explain_unavailable(message: str, options: TransportOptions, kind: TransportKind) -> str:
     """``message`` of a ServerUnavailable, with a hint when a handshake is the likely cause.
 
-    gRPC says "handshake failed" when this side refused the server's certificate;
-    when the server refuses this side (no client certificate, a wrong CA, or a
-    plaintext client at a TLS port) it only sees the socket close, so the hint
-    names the candidates. ZMQ's client already says what its handshake did.
+    gRPC says "handshake failed" when this side refused the server's certificate
+    (or found no TLS at the port); when the server refuses this side (no client
+    certificate, a wrong CA, or a plaintext client at a TLS port) this side only
+    sees the socket close, so the hint names the candidates. ZMQ's client already
+    says what its handshake did.
     """
     if kind != "grpc":
         return message
     low = message.lower()
     if "handshake" in low:
-        return f"TLS handshake failed (the server's certificate was not accepted): {message}"
+        if "wrong_version_number" in low:
+            why = "the server does not speak TLS (a plaintext port?)"
+        elif "certificate_verify_failed" in low:
+            why = "the server's certificate was not accepted (check --tls-ca)"
+        else:
+            why = "see the cause"
+        return f"TLS handshake failed: {why}; {message}"
     if "socket closed" in low or "connection reset" in low:
         if options.tls:
             hint = (
