@@ -5,8 +5,8 @@ vendored Compose Specification schema (tests/data/compose-spec/) and the
 Kubernetes manifests with ``kubernetes-validate`` (bundled schemas, offline),
 and the requirements of the issue are checked on the parsed files. The real
 smoke (``make compose-smoke``: build, up, healthy, admit over gRPC and ZMQ,
-drain on stop) runs only with ``MMADMIT_COMPOSE_SMOKE=1`` and an engine, since
-building the image takes minutes.
+drain on stop) runs wherever a container engine works, and is skipped with the
+reason where none does (``MMADMIT_COMPOSE_SMOKE=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -390,20 +390,28 @@ def test_smoke_skips_cleanly_without_an_engine(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_compose_smoke_for_real() -> None:
-    """`make compose-smoke`'s script, opt-in: MMADMIT_COMPOSE_SMOKE=1 (minutes)."""
-    if os.environ.get("MMADMIT_COMPOSE_SMOKE") != "1":
-        pytest.skip("opt-in: set MMADMIT_COMPOSE_SMOKE=1 to build the image and run the stack")
+    """`make compose-smoke`'s script, for real wherever a container engine works (a
+    minute or two with cached base layers); skipped with the reason otherwise.
+
+    It takes the offline path (debootstrapped base images, a host wheelhouse: what
+    this project's machines need, with no image registry) unless
+    ``MMADMIT_COMPOSE_ONLINE=1``; ``MMADMIT_COMPOSE_SMOKE=0`` turns it off."""
+    if os.environ.get("MMADMIT_COMPOSE_SMOKE") == "0":
+        pytest.skip("MMADMIT_COMPOSE_SMOKE=0")
     check = subprocess.run([str(SMOKE), "--check"], capture_output=True, text=True, timeout=120)
     if check.returncode == 77:
         pytest.skip(check.stdout.strip().splitlines()[-1])
     assert check.returncode == 0, check.stdout + check.stderr
+    env = {**os.environ, "PYTHON": sys.executable}
+    if os.environ.get("MMADMIT_COMPOSE_ONLINE") != "1":
+        env["OFFLINE"] = "1"
     run = subprocess.run(
         [str(SMOKE)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=3500,
-        env={**os.environ, "PYTHON": sys.executable},
+        env=env,
     )
     assert run.returncode == 0, run.stdout[-6000:]
     assert "drained and exited 0" in run.stdout and "[compose-smoke] PASS" in run.stdout
