@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -600,6 +602,45 @@ async def test_serve_exits_2_with_one_line_for_each(
         lines = [line for line in err.splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1, (settings, rc, err)
         assert fragment in lines[0] and "Traceback" not in err, (settings, err)
+
+
+async def test_refused_tls_clients_leave_json_logs_json(
+    pki: Pki, no_mmadmit_env: dict[str, str]
+) -> None:
+    """gRPC's core would log each failed TLS handshake as a plain line of its own:
+    serve keeps it to errors, so every line of ``--log-format json`` stays JSON."""
+    env = {k: v for k, v in no_mmadmit_env.items() if k != "GRPC_VERBOSITY"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "mmadmit", "serve", "--device", "cpu", "--workers", "1",
+        "--grpc-listen", "127.0.0.1:0", "--zmq-listen", "off", "--metrics-listen", "off",
+        "--log-format", "json", "--grpc-tls-cert", pki["server.pem"],
+        "--grpc-tls-key", pki["server.key"], stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        while True:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "serve exited before ready: " + "".join(lines)
+            lines.append(line)
+            record = json.loads(line)
+            if record.get("event") == "ready":
+                break
+        address = record["grpc"]
+        for _ in range(3):  # plaintext at a TLS port: refused handshakes
+            await grpc_refused(address, None)
+        await grpc_admit(address, tls_credentials(pki["ca.pem"]), "json-ok")
+        proc.send_signal(signal.SIGTERM)
+        _, rest = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines += rest.decode().splitlines(keepends=True)
+    assert proc.returncode == 0, "".join(lines)
+    records = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
+    assert any(r.get("rid") == "json-ok" for r in records)
 
 
 # --------------------------------------------------------------------------- docs

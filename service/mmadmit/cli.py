@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,6 +86,10 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = build_config(args)
+    # gRPC's core writes to stderr on its own (an unformatted line for every failed
+    # TLS handshake, for one), which would break --log-format json: only its
+    # errors, unless the operator set GRPC_VERBOSITY. Set before grpc is imported.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from .server import run  # deferred: pulls in grpc, zmq and (maybe) torch
 
     return run(config)
