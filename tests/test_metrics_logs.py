@@ -253,6 +253,7 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
         )
         assert sample(fams, "mmadmit_build_info", family="qwen3_5", device="cpu") == 1
         assert fams["mmadmit_request_duration_seconds"].type == "histogram"
+        assert "mmadmit_requests_created" not in body  # serve turns the _created series off
         assert fams["mmadmit_inflight"].type == "gauge"
 
         srv.send()

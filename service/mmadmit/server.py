@@ -53,7 +53,7 @@ from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tens
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
 from .runtime import tune_allocator
-from .telemetry import StatsCollector, Telemetry
+from .telemetry import StatsCollector, Telemetry, disable_created_metrics
 
 logger = logging.getLogger("mmadmit.server")
 
@@ -403,6 +403,9 @@ def run(config: ServeConfig) -> int:
     """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
     configure_logging(config.log_level, config.log_format)
     tune_allocator()
+    # No `*_created` timestamp series beside every counter and histogram: they double
+    # the exposition and Prometheus does not need them (process-wide switch).
+    disable_created_metrics()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX

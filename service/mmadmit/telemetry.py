@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -380,6 +380,7 @@ def _untyped(name: str, value: float) -> Metric:
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "disable_created_metrics",
     "StatsCollector",
     "Telemetry",
     "hashed_feature_bytes",
