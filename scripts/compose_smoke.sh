@@ -182,7 +182,8 @@ fi
 step "up: $COMPOSE -p $PROJECT up -d $SERVICE"
 compose up -d "$SERVICE"
 CID=$("$ENGINE" ps -a -q --filter "label=com.docker.compose.project=$PROJECT" \
-    --filter "label=com.docker.compose.service=$SERVICE" | head -n1)
+    --filter "label=com.docker.compose.service=$SERVICE")
+CID=${CID%%$'\n'*}  # the first one (no `| head`: see the log read below)
 [[ -n $CID ]] || die "no container for service $SERVICE in project $PROJECT"
 log "container $CID ($("$ENGINE" inspect -f '{{.Name}}' "$CID"))"
 read -r restart rootfs_ro <<<"$("$ENGINE" inspect -f '{{.HostConfig.RestartPolicy.Name}} {{.HostConfig.ReadonlyRootfs}}' "$CID")"
@@ -210,8 +211,12 @@ while :; do
     sleep 2
 done
 log "healthy after $((SECONDS - t0)) s"
-"$ENGINE" logs "$CID" 2>&1 | grep -m1 '^mmadmit ready ' | sed 's/^/    /' \
+# Read the whole log first: with pipefail, `logs | grep -m1` fails whenever grep
+# exits before the engine finished writing (SIGPIPE), a race seen in CI.
+startup_log=$("$ENGINE" logs "$CID" 2>&1) || true
+ready_line=$(grep -m1 '^mmadmit ready ' <<<"$startup_log") \
     || die "no 'mmadmit ready' line in the container log"
+printf '    %s\n' "$ready_line"
 log "from the host: $("$CLIENT" health "grpc://127.0.0.1:$MMADMIT_HOST_GRPC_PORT" 2>&1 | tail -n1)"
 
 TMPD=$(mktemp -d)
