@@ -92,3 +92,13 @@ fuzz: fuzz-build
 
 fuzz-smoke: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_smoke.py tests/test_fuzz_regressions.py
+
+# Load and soak (RELIABILITY.md): scripts/soak.py starts `mmadmit serve` on loopback
+# ephemeral ports, holds a mixed load on gRPC and ZMQ for SOAK_SECONDS and fails on
+# any lost request or server RSS growth over 5% after warm-up; JSON in build/soak.json.
+SOAK_SECONDS ?= 300
+.PHONY: soak
+
+soak: setup
+	mkdir -p build
+	$(PY) scripts/soak.py --duration $(SOAK_SECONDS) --json build/soak.json
