@@ -1,0 +1,430 @@
+"""Faults (issue #12, item 5), each a test, against real servers and sockets on
+127.0.0.1. RELIABILITY.md section 3 lists every fault, the test that proves it
+and what was observed; the faults already proven elsewhere are pointed to there:
+
+* gRPC client cancels mid-request: ``test_grpc_api.py::test_client_cancellation_cancels_the_work``
+  (and ``test_stream_cancellation_cancels_its_work``);
+* gRPC deadline expires: ``test_grpc_api.py::test_call_deadline_cancels_the_work``;
+* SIGTERM under load: ``test_server_lifecycle.py::test_sigterm_under_load_drains_both_transports``
+  and ``test_drain_timeout_ends_the_rest_shutting_down``.
+
+Here:
+
+* a forward-mode downstream that stops reading: intake stops (bounded by
+  ``max_pending_forwards``), nothing is dropped, and everything arrives once it
+  reads again;
+* a ZMQ peer that disconnects with requests in flight: its results are counted
+  undeliverable, the pool and the ingest's in-flight map are back to empty, its
+  identity and request ids are usable again, and a second peer's requests, queued
+  behind the gone peer's on the one worker, are all materialized;
+* SIGKILL and restart: ``mmadmit serve`` is killed with -9 while requests are in
+  flight, a new one is started on the same ports, and the *same* open
+  ``AsyncZmqClient`` and ``AsyncAdmissionClient`` are served again (the DEALER and
+  the gRPC channel reconnect by themselves); the requests in flight at the kill
+  end, on the client, in ``ServerUnavailable`` (gRPC) or ``RequestTimeout`` (ZMQ).
+
+Run with: python -m pytest tests/test_faults.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import CONFIGS
+from mmadmit import wire
+from mmadmit.materializer import Materializer
+from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+from mmadmit.pool import MaterializerPool
+from mmadmit.profile import load_profile
+from mmadmit.zmq_ingest import ZmqIngest
+from mmadmit_client import RequestTimeout, ServerUnavailable
+from mmadmit_client.grpc import AsyncAdmissionClient, Materialized
+from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome
+from test_server_lifecycle import (
+    ServeProcess,
+    metrics,
+    shared_feature_request,
+    small_request,
+    to_proto,
+    until_metric,
+)
+
+MODEL = CONFIGS / "qwen3_5.json"
+QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
+pytestmark = [
+    pytest.mark.skipif(not MODEL.is_file(), reason=f"no model config at {MODEL}"),
+    pytest.mark.timeout(60),
+]
+
+
+# --------------------------------------------------------------------------- in-process service
+
+
+class Gate:
+    """``before_run`` hook: holds requests whose rid starts with ``hold`` until :meth:`open`."""
+
+    HOLD_S = 10.0
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+        self.started: list[str] = []
+        self.timed_out: list[str] = []
+
+    def __call__(self, req: Request) -> None:
+        if not req.rid.startswith("hold"):
+            return
+        with self._lock:
+            self.started.append(req.rid)
+        if not self._open.wait(self.HOLD_S):
+            self.timed_out.append(req.rid)
+            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
+
+    def open(self) -> None:
+        self._open.set()
+
+
+@dataclass
+class Service:
+    pool: MaterializerPool
+    ingest: ZmqIngest
+    endpoint: str
+    gate: Gate
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Callable[..., Any]]:
+    made: list[Service] = []
+
+    contexts: list[zmq.asyncio.Context] = []
+
+    async def make(
+        *, workers: int = 1, socket_defaults: dict[int, int] | None = None, **ingest_kw: Any
+    ) -> Service:
+        """``socket_defaults``: options for the sockets the ingest makes with
+        ``ctx.socket()`` (its PUSH; the ROUTER is made otherwise), on a context of its own."""
+        if socket_defaults:
+            ctx = zmq.asyncio.Context()
+            contexts.append(ctx)
+            for opt, value in socket_defaults.items():
+                ctx.setsockopt(opt, value)
+            ingest_kw["context"] = ctx
+        gate = Gate()
+        pool = MaterializerPool(
+            Materializer(load_profile(str(MODEL))),
+            workers=workers,
+            max_inflight=64,
+            before_run=gate,
+        )
+        ingest_kw.setdefault("max_message_bytes", 64 << 20)
+        ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
+        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
+        svc = Service(pool, ingest, "", gate)
+        made.append(svc)
+        svc.endpoint = await ingest.start()
+        return svc
+
+    yield make
+    for svc in made:
+        svc.gate.open()
+        await svc.ingest.stop(0.5)
+        svc.pool.close()
+    for ctx in contexts:
+        ctx.term()
+    assert not [rid for svc in made for rid in svc.gate.timed_out]
+
+
+class Net:
+    """The test's own sockets: referenced until teardown closes them (a socket dropped
+    unclosed when the test coroutine ends would raise a ResourceWarning)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self._made: list[zmq.asyncio.Socket] = []
+
+    def socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._made.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._made:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[Net]:
+    net = Net()
+    yield net
+    net.close()
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def image_request(rid: str, feature_bytes: int = 1 << 12) -> Request:
+    """Qwen3.5, one 8x8-patch image whose feature the service hashes (no hash sent)."""
+    ids = np.full(40, 100, np.int64)
+    ids[10:26] = QWEN35_IMAGE
+    feature = np.arange(feature_bytes // 4, dtype=np.float32).reshape(-1, 256)
+    item = Item(
+        modality=int(Modality.IMAGE),
+        offsets=np.array([[10, 25]], np.int64),
+        feature=Tensor.from_numpy(feature),
+        side={"image_grid_thw": Tensor.from_numpy(np.array([[1, 8, 8]], np.int64))},
+    )
+    return Request(rid=rid, input_ids=ids, mm=MultimodalInputs(items=[item]))
+
+
+def add_frames(rid: str, feature_bytes: int = 1 << 12) -> list[Any]:
+    return [bytes([wire.MSG_ADD]), *wire.encode_request(image_request(rid, feature_bytes))]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- forward downstream
+
+
+async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing_resumes(
+    service: Callable[..., Any], zctx: Net
+) -> None:
+    """A scheduler (PULL) reads, stops reading with 40 requests still to come, then
+    reads again. While it does not read, libzmq's pipes fill, forwards pile up as
+    pending, and at ``max_pending_forwards`` the ingest stops reading its ROUTER: the
+    40 requests wait upstream (not received, not dropped). Once it reads again every
+    request arrives exactly once, materialized.
+
+    The buffers between the PUSH and the PULL are made small (HWM 2 on each side,
+    8 KiB kernel buffers; the PUSH gets them from its context's socket defaults) so
+    that they fill after a few 256 KiB messages instead of a 1000-message pipe."""
+    address = f"tcp://127.0.0.1:{free_port()}"  # the scheduler binds it below
+    svc = await service(
+        workers=2,
+        forward=address,
+        max_pending_forwards=4,
+        socket_defaults={zmq.SNDHWM: 2, zmq.SNDBUF: 8192},
+    )
+    assert svc.ingest._res.push.getsockopt(zmq.SNDHWM) == 2
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 2)
+    pull.setsockopt(zmq.RCVBUF, 8192)
+    pull.bind(address)
+    upstream = zctx.socket(zmq.DEALER)
+    upstream.connect(svc.endpoint)
+    feature = 256 << 10
+    got: list[str] = []
+
+    async def read(n: int) -> None:
+        for _ in range(n):
+            msg = wire.decode_message(await asyncio.wait_for(pull.recv_multipart(copy=False), 10))
+            assert msg.kind == wire.MSG_ADD and msg.request is not None
+            assert msg.request.validation_error is None, msg.request.validation_error
+            assert msg.request.mm is not None and msg.request.mm.items[0].pad_value is not None
+            got.append(msg.request.rid)
+
+    # 1. the downstream reads
+    for i in range(4):
+        await upstream.send_multipart(add_frames(f"a{i}", feature), copy=False)
+    await read(4)
+    # 2. it stops reading; 40 more are sent
+    n = 40
+    for i in range(n):
+        await upstream.send_multipart(add_frames(f"b{i}", feature), copy=False)
+    sender = svc.ingest._res.sender
+    assert sender is not None
+    # libzmq's pipes fill, forwards pile up pending, and the intake pauses: wait until
+    # that holds still for 0.3 s (bounded: 30 tries)
+    stalled_at = -1
+    for _ in range(30):
+        await until(lambda: not sender.has_room)  # max_pending_forwards reached
+        stalled_at = svc.ingest.stats.received
+        await asyncio.sleep(0.3)
+        if svc.ingest.stats.received == stalled_at and not sender.has_room:
+            break
+    else:
+        raise AssertionError(f"intake never stopped: {svc.ingest.stats}")
+    stats = svc.ingest.stats
+    assert stalled_at < 4 + n, stalled_at  # the rest wait upstream, unread
+    assert sender.pending == sender.max_pending == 4
+    assert stats.materialized == stalled_at  # every request read was materialized ...
+    assert stats.forwarded == stalled_at - sender.pending  # ... and is in libzmq or pending
+    assert stats.undeliverable == 0
+    # 3. it reads again: everything arrives, once
+    await read(n)
+    assert sorted(got) == sorted([f"a{i}" for i in range(4)] + [f"b{i}" for i in range(n)])
+    assert len(set(got)) == len(got)
+    assert await pull.poll(200) == 0  # nothing more
+    stats = svc.ingest.stats
+    assert stats.received == stats.forwarded == stats.materialized == 4 + n
+    assert stats.undeliverable == 0 and not stats.aborted_by_code
+    assert sender.pending == 0 and svc.pool.inflight == 0 and svc.ingest.inflight == 0
+    print(
+        f"\nforward stall: {stalled_at - 4} of {n} read before intake stopped,"
+        f" {sender.max_pending} pending at the stop; {stats.forwarded} forwarded, 0 dropped"
+    )
+
+
+# --------------------------------------------------------------------------- ZMQ peer disconnect
+
+
+async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others_served(
+    service: Callable[..., Any], zctx: Net
+) -> None:
+    """Peer A has 3 requests in flight (one running, two queued on the one worker) and
+    disconnects; peer B has 6 queued behind them. B gets all 6 materialized; A's 3
+    results are counted undeliverable (after the send retries), nothing is left in the
+    pool or in the ingest's in-flight map, and A, reconnecting with the same identity,
+    may reuse the same request ids."""
+    svc = await service(workers=1, send_timeout_s=0.3)
+    router = svc.ingest._res.router
+    monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        gone = zctx.socket(zmq.DEALER)
+        gone.setsockopt(zmq.IDENTITY, b"peer-a")
+        gone.connect(svc.endpoint)
+        for i in range(3):
+            await gone.send_multipart(add_frames(f"hold-a{i}"), copy=False)
+        await until(lambda: svc.gate.started == ["hold-a0"] and svc.ingest.inflight == 3)
+        async with AsyncZmqClient(svc.endpoint, identity=b"peer-b", timeout_s=15) as b:
+            jobs = [asyncio.ensure_future(b.admit(image_request(f"b{i}"))) for i in range(6)]
+            await until(lambda: svc.pool.inflight == 9)
+            gone.close(linger=0)
+            await asyncio.wait_for(monitor.recv_multipart(), 5)  # the ROUTER saw A go
+            svc.gate.open()
+            outcomes: list[ZmqOutcome] = await asyncio.gather(*jobs)
+            assert [(o.rid, o.status) for o in outcomes] == [
+                (f"b{i}", "materialized") for i in range(6)
+            ]
+            assert b.unmatched_replies == 0
+            await until(lambda: svc.ingest.stats.undeliverable == 3)
+            # nothing leaks
+            assert svc.pool.inflight == 0 and svc.pool.running == 0
+            assert svc.ingest.inflight == 0 and not svc.ingest._inflight
+            stats = svc.ingest.stats
+            assert stats.replied == 6 and stats.materialized == 9 and stats.send_retries > 0
+            assert not stats.aborted_by_code
+            seen = f"{stats.undeliverable} undeliverable after {stats.send_retries} send retries"
+            # A comes back under the same identity with the same ids: not "already in flight"
+            async with AsyncZmqClient(svc.endpoint, identity=b"peer-a", timeout_s=15) as again:
+                back = await again.admit(image_request("hold-a0"))
+                assert (back.rid, back.status) == ("hold-a0", "materialized"), back.abort_message
+            # and B is still served
+            assert (await b.admit(image_request("b-after"))).materialized
+    finally:
+        router.disable_monitor()
+        monitor.close(linger=0)
+    print(f"\npeer disconnect: {seen}; the other peer's 6 of 6 materialized; in flight 0")
+
+
+# --------------------------------------------------------------------------- SIGKILL, restart
+
+
+async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_served() -> None:
+    """``kill -9`` of ``mmadmit serve`` with 3 ZMQ requests and 1 gRPC call in flight,
+    then a new ``mmadmit serve`` on the same gRPC and ZMQ ports. The clients opened
+    against the first process are never recreated: the in-flight gRPC call fails
+    ``ServerUnavailable`` (never hangs), the in-flight ZMQ requests end in
+    ``RequestTimeout`` (the server that took them is gone; nothing answers them
+    later), and then both clients are served by the new process."""
+    grpc_port, zmq_port = free_port(), free_port()
+    args = (
+        "--grpc-listen", f"127.0.0.1:{grpc_port}",
+        "--zmq-listen", f"tcp://127.0.0.1:{zmq_port}",
+        "--metrics-listen", "127.0.0.1:0",
+        "--workers", "1",
+    )  # fmt: skip
+    first = ServeProcess(*args)
+    second: ServeProcess | None = None
+    try:
+        addr = await first.wait_ready()
+        assert addr["grpc"] == f"127.0.0.1:{grpc_port}"
+        assert addr["zmq"] == f"tcp://127.0.0.1:{zmq_port}"
+        async with (
+            AsyncAdmissionClient(addr["grpc"]) as gc,
+            AsyncZmqClient(addr["zmq"], timeout_s=10) as zc,
+        ):
+            # served by the first process
+            g0 = await gc.admit(to_proto(small_request("g0"), "g0"), timeout=10)
+            assert isinstance(g0, Materialized)
+            assert (await zc.admit(small_request("z0"))).materialized
+            # in flight at the kill: 3 ZMQ requests hashing 184 MB each, a gRPC call behind
+            heavy = shared_feature_request(8)
+            lost_z = [
+                asyncio.ensure_future(
+                    zc.admit(dataclasses.replace(heavy, rid=f"zk{i}"), timeout_s=8)
+                )
+                for i in range(3)
+            ]
+            await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 3)
+            lost_g = asyncio.ensure_future(
+                gc.admit(to_proto(small_request("gk"), "gk"), timeout=30)
+            )
+            m = await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 4)
+            assert m["mmadmit_inflight"] >= 2, m  # still being worked on
+            first.proc.kill()
+            assert await asyncio.to_thread(first.proc.wait, 10) == -9
+            with pytest.raises(ServerUnavailable):
+                await asyncio.wait_for(lost_g, 10)
+            await until(lambda: not zc.connected)
+            # a new process on the same ports
+            second = ServeProcess(*args)
+            addr2 = await second.wait_ready()
+            assert (addr2["grpc"], addr2["zmq"]) == (addr["grpc"], addr["zmq"])
+            # the same ZMQ client: its DEALER reconnects by itself
+            z = await zc.admit(small_request("z1"))
+            assert (z.rid, z.status) == ("z1", "materialized"), z.abort_message
+            assert zc.connected
+            # the same gRPC client: its channel reconnects by itself; a call made while the
+            # channel still backs off from the failed connection is UNAVAILABLE at once
+            unavailable = 0
+            for _ in range(100):
+                try:
+                    g = await gc.admit(to_proto(small_request("g1"), "g1"), timeout=10)
+                    break
+                except ServerUnavailable:
+                    unavailable += 1
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the gRPC client was never served by the new process")
+            assert isinstance(g, Materialized) and g.request_id == "g1", g
+            # the requests the killed process took are lost to it: each ends on the client
+            for job in lost_z:
+                with pytest.raises(RequestTimeout):
+                    await job
+            assert zc.unmatched_replies == 0
+            m2 = await metrics(addr2["metrics"])
+            assert m2['mmadmit_outcomes_total{outcome="MATERIALIZED"}'] == 3  # warm-up + z1 + g1
+            assert m2["mmadmit_inflight"] == 0
+        second.send()
+        rc, _ = await second.wait_exit(10)
+        assert rc == 0, second.stderr
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+    print(
+        f"\nsigkill: rc -9; in flight at the kill: gRPC 1 ServerUnavailable, ZMQ 3 RequestTimeout;"
+        f" after the restart both clients served (gRPC after {unavailable} UNAVAILABLE retries)"
+    )
