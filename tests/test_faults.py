@@ -383,6 +383,7 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
             )
             m = await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 4)
             assert m["mmadmit_inflight"] >= 2, m  # still being worked on
+            assert not lost_g.done() and not any(job.done() for job in lost_z)
             first.proc.kill()
             assert await asyncio.to_thread(first.proc.wait, 10) == -9
             with pytest.raises(ServerUnavailable):
