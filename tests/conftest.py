@@ -14,12 +14,15 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -147,3 +150,31 @@ async def http_get(address: str, path: str = "/metrics", method: str = "GET") ->
             await writer.wait_closed()
     head, _, body = raw.decode().partition("\r\n\r\n")
     return int(head.split(" ", 2)[1]), body
+
+
+class Sockets:
+    """Raw test sockets on the test's own context. It keeps a reference to
+    every socket until teardown closes them (a socket dropped unclosed when the
+    test coroutine ends would raise a ResourceWarning)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self._made: list[zmq.asyncio.Socket] = []
+
+    def socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._made.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._made:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[Sockets]:
+    net = Sockets()
+    yield net
+    net.close()

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS
+from conftest import CONFIGS, Sockets
 from mmadmit import wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
@@ -144,33 +144,6 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
     assert not [rid for svc in made for rid in svc.gate.timed_out]
 
 
-class Net:
-    """The test's own sockets: referenced until teardown closes them (a socket dropped
-    unclosed when the test coroutine ends would raise a ResourceWarning)."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self._made: list[zmq.asyncio.Socket] = []
-
-    def socket(self, kind: int) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self._made.append(sock)
-        return sock
-
-    def close(self) -> None:
-        for sock in self._made:
-            sock.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[Net]:
-    net = Net()
-    yield net
-    net.close()
-
-
 async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
@@ -208,7 +181,7 @@ def free_port() -> int:
 
 
 async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing_resumes(
-    service: Callable[..., Any], zctx: Net
+    service: Callable[..., Any], zctx: Sockets
 ) -> None:
     """A scheduler (PULL) reads, stops reading with 40 requests still to come, then
     reads again. While it does not read, libzmq's pipes fill, forwards pile up as
@@ -290,7 +263,7 @@ async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing
 
 
 async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others_served(
-    service: Callable[..., Any], zctx: Net
+    service: Callable[..., Any], zctx: Sockets
 ) -> None:
     """Peer A has 3 requests in flight (one running, two queued on the one worker) and
     disconnects; peer B has 6 queued behind them. B gets all 6 materialized; A's 3

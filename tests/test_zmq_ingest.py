@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, Vector, load_vector, vector_names
+from conftest import CONFIGS, Sockets, Vector, load_vector, vector_names
 from mmadmit import wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
@@ -113,34 +113,6 @@ class Service:
 
 
 Factory = Callable[..., Any]
-
-
-class Sockets:
-    """Raw test sockets on the test's own context. It keeps a reference to
-    every socket until teardown closes them (a socket dropped unclosed when the
-    test coroutine ends would raise a ResourceWarning)."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self._made: list[zmq.asyncio.Socket] = []
-
-    def socket(self, kind: int) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self._made.append(sock)
-        return sock
-
-    def close(self) -> None:
-        for sock in self._made:
-            sock.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[Sockets]:
-    net = Sockets()
-    yield net
-    net.close()
 
 
 @pytest.fixture
