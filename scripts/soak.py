@@ -19,6 +19,9 @@ ended without one (exception type), ``lost = sent - outcomes``: it must be 0.
 The server's resident memory (``VmRSS`` of ``/proc/PID/status``) is read at the
 start, after the warm-up (``--warmup`` share of the duration), every
 ``--interval`` seconds and at the end; growth is end vs after-warm-up, in percent.
+With each sample goes glibc's heap from the server's ``/metrics``
+(``mmadmit_heap_bytes``: bytes in use, bytes held free): a leak grows the first,
+allocator fragmentation only the second.
 
 Exit status: 0 when nothing was lost, every outcome code is one the mix can cause
 (``EXPECTED_CODES``: never ``INTERNAL``) and growth <= ``--max-growth``; 1 otherwise;
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +145,36 @@ class Server:
                 self.proc.wait()
         self._pump.join(5)
         return self.proc.returncode
+
+
+def heap_kib(metrics: str | None) -> dict[str, int]:
+    """``mmadmit_heap_bytes`` from ``http://METRICS/metrics`` in KiB by state ({} if none)."""
+    if not metrics:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+    except OSError:
+        return {}
+    return {
+        f"heap_{s.labels['state']}_kib": int(s.value) // 1024
+        for fam in text_string_to_metric_families(body)
+        if fam.name == "mmadmit_heap_bytes"
+        for s in fam.samples
+    }
+
+
+def sample(pid: int, metrics: str | None, t_s: float, label: str) -> dict[str, Any]:
+    return {"t_s": round(t_s, 2), "label": label, "rss_kib": rss_kib(pid), **heap_kib(metrics)}
+
+
+def growth_pct(samples: list[dict[str, Any]], key: str) -> float | None:
+    """End vs after-warm-up of ``key``, in percent (None without both samples)."""
+    warm = next((s.get(key) for s in samples if s["label"] == "warmup"), None)
+    end = samples[-1].get(key)
+    return round((end - warm) / warm * 100, 2) if warm and end else None
 
 
 def rss_kib(pid: int) -> int | None:
@@ -355,6 +389,7 @@ async def grpc_worker(
 
 async def sample_rss(
     pid: int,
+    metrics: str | None,
     samples: list[dict[str, Any]],
     t0: float,
     warmup_s: float,
@@ -369,8 +404,9 @@ async def sample_rss(
         if next_at >= end:
             return
         await asyncio.sleep(max(0.0, next_at - now))
-        samples.append({"t_s": round(time.perf_counter() - t0, 2), "label": label,
-                        "rss_kib": rss_kib(pid)})  # fmt: skip
+        samples.append(
+            await asyncio.to_thread(sample, pid, metrics, time.perf_counter() - t0, label)
+        )
         label = "interval"
         next_at += interval_s
 
@@ -379,7 +415,8 @@ async def soak(args: argparse.Namespace, addr: dict[str, str], pid: int) -> dict
     mix = build_mix(args.sizes, args.seed)
     prefix = f"soak-{os.getpid()}"
     tallies = {"grpc": Tally("grpc"), "zmq": Tally("zmq")}
-    samples: list[dict[str, Any]] = [{"t_s": 0.0, "label": "start", "rss_kib": rss_kib(pid)}]
+    metrics = addr.get("metrics")
+    samples: list[dict[str, Any]] = [sample(pid, metrics, 0.0, "start")]
     bases: dict[int, pb.AdmitRequest] = {}
     async with (
         AsyncAdmissionClient(addr["grpc"]) as gc,
@@ -396,7 +433,7 @@ async def soak(args: argparse.Namespace, addr: dict[str, str], pid: int) -> dict
             workers.append(zmq_worker(zc, zp, tallies["zmq"], deadline, prefix, w))
             workers.append(grpc_worker(gc, bases, gp, tallies["grpc"], deadline, prefix, w))
         sampler = asyncio.ensure_future(
-            sample_rss(pid, samples, t0, warmup_s, args.interval, deadline)
+            sample_rss(pid, metrics, samples, t0, warmup_s, args.interval, deadline)
         )
         progress = (
             asyncio.ensure_future(_progress(tallies, t0, deadline)) if args.progress else None
@@ -413,12 +450,10 @@ async def soak(args: argparse.Namespace, addr: dict[str, str], pid: int) -> dict
         for t in tallies.values():
             t.elapsed_s = elapsed
     await asyncio.sleep(1.0)  # let the server release what the last requests held
-    samples.append(
-        {"t_s": round(time.perf_counter() - t0, 2), "label": "end", "rss_kib": rss_kib(pid)}
-    )
+    samples.append(sample(pid, metrics, time.perf_counter() - t0, "end"))
     warm = next((s["rss_kib"] for s in samples if s["label"] == "warmup"), None)
     end = samples[-1]["rss_kib"]
-    growth = round((end - warm) / warm * 100, 2) if warm and end else None
+    growth = growth_pct(samples, "rss_kib")
     report = {
         "duration_s": args.duration,
         "concurrency_per_transport": args.concurrency,
@@ -435,6 +470,7 @@ async def soak(args: argparse.Namespace, addr: dict[str, str], pid: int) -> dict
             "end_kib": end,
             "growth_after_warmup_pct": growth,
             "max_growth_pct": args.max_growth,
+            "heap_in_use_growth_after_warmup_pct": growth_pct(samples, "heap_in_use_kib"),
         },
     }
     lost = sum(t["lost"] for t in report["transports"].values())
@@ -491,8 +527,19 @@ def render(report: dict[str, Any]) -> str:
             if s["rss_kib"] is not None
         )
     )
+    heap = [s for s in rss["samples"] if "heap_in_use_kib" in s]
+    if heap:
+        lines.append(
+            "server heap in use / free (MiB): "
+            + "  ".join(
+                f"{s['label']}@{s['t_s']:g}s={s['heap_in_use_kib'] / 1024:.1f}/"
+                f"{s['heap_free_kib'] / 1024:.1f}"
+                for s in heap
+            )
+        )
     lines.append(
         f"growth after warm-up: {rss['growth_after_warmup_pct']}% (limit {rss['max_growth_pct']}%)"
+        f"; heap in use: {rss['heap_in_use_growth_after_warmup_pct']}%"
     )
     lines.append(f"lost: {report['lost_total']}  unexpected codes: {report['unexpected_codes']}"
                  f"  -> {'OK' if report['ok'] else 'FAIL'}")  # fmt: skip
@@ -515,6 +562,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-grpc", help="HOST:PORT of a running server")
     p.add_argument("--target-zmq", help="tcp://HOST:PORT of a running server")
     p.add_argument("--pid", type=int, help="pid of that server (for its RSS)")
+    p.add_argument("--target-metrics", help="HOST:PORT of that server's /metrics (its heap)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--serve-arg", action="append", default=[], help="extra serve flag")
     args = p.parse_args(argv)
@@ -540,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         addr = server.wait_ready()
         pid = server.proc.pid
     else:
-        addr = {"grpc": args.target_grpc, "zmq": args.target_zmq}
+        addr = {"grpc": args.target_grpc, "zmq": args.target_zmq, "metrics": args.target_metrics}
         pid = args.pid
     try:
         report = asyncio.run(soak(args, addr, pid))

@@ -255,6 +255,9 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
         assert fams["mmadmit_request_duration_seconds"].type == "histogram"
         assert "mmadmit_requests_created" not in body  # serve turns the _created series off
         assert fams["mmadmit_inflight"].type == "gauge"
+        # glibc's heap: the process holds at least the received ids it decoded
+        assert sample(fams, "mmadmit_heap_bytes", state="in_use") > 1 << 20
+        assert sample(fams, "mmadmit_heap_bytes", state="free") >= 0
 
         srv.send()
         rc, _ = await srv.wait_exit(20)

@@ -79,6 +79,9 @@ def test_short_soak_loses_nothing_and_reports_rss(tmp_path: Path) -> None:
     assert rss["start_kib"] == rss["samples"][0]["rss_kib"]
     assert rss["end_kib"] == rss["samples"][-1]["rss_kib"]
     assert isinstance(rss["growth_after_warmup_pct"], float)
+    # glibc's heap from /metrics with each sample: in use grows with what the server holds
+    assert all(s["heap_in_use_kib"] > 1024 and s["heap_free_kib"] >= 0 for s in rss["samples"])
+    assert isinstance(rss["heap_in_use_growth_after_warmup_pct"], float)
 
     assert report["server_exit"] == 0 and not report["server_traceback"], p.stdout
     assert "lost: 0" in p.stdout and "server RSS (MiB)" in p.stdout

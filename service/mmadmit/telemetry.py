@@ -44,6 +44,7 @@ from prometheus_client.registry import Collector
 
 from .errors import Abort
 from .model import Materialized, Request
+from .runtime import heap_stats
 
 if TYPE_CHECKING:
     from .pool import MaterializerPool
@@ -322,6 +323,18 @@ class StatsCollector(Collector):
         engine = self.transports.get("engine")
         if engine is not None:
             yield from _engine_families(engine.stats)
+        heap = heap_stats()
+        if heap is not None:  # glibc only
+            family = GaugeMetricFamily(
+                "mmadmit_heap_bytes",
+                "glibc's heap over all arenas: bytes in use by the process (state=in_use) and "
+                "bytes the allocator holds free without returning them (state=free); a leak "
+                "grows in_use, fragmentation grows free.",
+                labels=["state"],
+            )
+            family.add_metric(["in_use"], heap.in_use)
+            family.add_metric(["free"], heap.free)
+            yield family
         info = GaugeMetricFamily(
             "mmadmit_build_info",
             "The running profile and device (value 1).",
