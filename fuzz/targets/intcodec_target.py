@@ -5,9 +5,10 @@ The first input byte picks an entry point, the rest is its input:
 them (every int form, boundary values; results and error messages must
 match), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
-fields, ``array_spans`` and ``int_rows`` at offsets taken from the spans (or
-chosen freely). Split errors are compared by type only (their texts differ by
-design, intcodec.py).
+fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
+(or offsets chosen freely) with chosen limits, ``array_spans`` and ``int_rows``
+at offsets taken from the spans (or chosen freely). Split errors are compared
+by type only (their texts differ by design, intcodec.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,35 @@ def _split(d: Data) -> None:
     a = outcome(ic._split_native, buf, fields)
     b = outcome(ic._split_py, buf, fields)
     same(a, b, f"split_array{fields}", messages=False)
+
+
+def _split_bounded(d: Data) -> None:
+    fields = tuple(sorted({d.int_in(0, 30) for _ in range(d.int_in(1, 3))}))
+    limit = d.int_in(0, 40)
+    buf = memoryview(d.rest())
+    a = outcome(ic._split_native, buf, fields, limit)
+    b = outcome(ic._split_py, buf, fields, limit)
+    same(a, b, f"split_array{fields} max_ints={limit}", messages=False)
+    if a[0] == "err" and a[1] == "IntArrayTooLong":  # the same element and count named
+        assert a[2] == b[2], (a, b)
+
+
+def _structure(d: Data) -> None:
+    depth, length = d.int_in(1, 40), d.int_in(0, 20)
+    skip = tuple({d.int_in(0, 8) for _ in range(d.int_in(0, 3))})
+    free = d.flag(20)
+    picks = [d.u8() for _ in range(d.int_in(1, 6))]
+    buf = memoryview(d.rest())
+    if free:  # offsets the walk must not trust: anywhere, past the end, decreasing
+        offsets = [p % (len(buf) + 3) - 1 for p in picks]
+    else:
+        try:
+            offsets, _ = ic._split_native(buf, ())
+        except ValueError:
+            return
+    a = outcome(ic._check_native, buf, offsets, skip, depth, length)
+    b = outcome(ic._check_py, buf, offsets, skip, depth, length)
+    same(a, b, f"check_structure(depth={depth}, len={length}, skip={skip})", messages=False)
 
 
 def _spans(d: Data) -> None:
@@ -109,8 +139,12 @@ def one(data: bytes) -> None:
     if ic._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    op = d.u8() % 6
-    if op == 0:
+    op = d.u8() % 8
+    if op == 6:
+        _structure(d)
+    elif op == 7:
+        _split_bounded(d)
+    elif op == 0:
         _decode(memoryview(d.rest()))
     elif op == 5:
         _decode(memoryview(_structured(d)))

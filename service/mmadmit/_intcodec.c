@@ -36,6 +36,9 @@
  *   array_spans(src) -> list
  *       Per element of the array in `src`: start, end, count, and where its
  *       elements 1 and 3 start (multimodal items).
+ *   check_structure(src, offsets, skip, max_depth, max_len) -> None | breach
+ *       The elements of split()'s offsets not in `skip`, walked against a
+ *       nesting depth and a per-container length limit (limits.py).
  *   int_rows(src, starts, width, alloc) -> (table, bounds)
  *       The arrays of `width`-int rows at the given offsets (item offsets),
  *       decoded into one int64 buffer.
@@ -552,6 +555,93 @@ set_split_error(const split_err *e)
     }
 }
 
+/* The head of the value at p[pos] (pos < len, its type byte not a fixint):
+ * its size in bytes with its children excluded, how many values follow as its
+ * children (a map: two per entry), and whether it is a container (0 no,
+ * 1 array, 2 map). 0, or -1 with `e` set (the byte 0xc1, a value cut short). */
+static inline int
+value_head(const uint8_t *p, Py_ssize_t len, Py_ssize_t pos, uint64_t *psize,
+           uint64_t *pchildren, int *pcontainer, split_err *e)
+{
+    unsigned b = p[pos];
+    uint64_t size = 1;      /* bytes of this value, its children excluded */
+    uint64_t children = 0;  /* values that follow as its elements */
+    int container = 0;      /* 1 array, 2 map */
+    if (b <= 0x8f) {  /* fixmap (fixints are the caller's fast path) */
+        children = 2u * (b & 0x0f);
+        container = 2;
+    }
+    else if (b <= 0x9f) {  /* fixarray */
+        children = b & 0x0f;
+        container = 1;
+    }
+    else if (b <= 0xbf) {  /* fixstr */
+        size = 1 + (b & 0x1f);
+    }
+    else {
+        int lw = 0;        /* width of a length field after the type byte */
+        unsigned ext = 0;  /* ext: the type code byte after the length */
+        switch (b) {
+        case 0xc0: case 0xc2: case 0xc3: size = 1; break;  /* nil, bool */
+        case 0xc1:
+            e->kind = SERR_BYTE;
+            e->type_byte = b;
+            e->offset = pos;
+            return -1;
+        case 0xc4: case 0xd9: lw = 1; break;  /* bin8, str8 */
+        case 0xc5: case 0xda: lw = 2; break;  /* bin16, str16 */
+        case 0xc6: case 0xdb: lw = 4; break;  /* bin32, str32 */
+        case 0xc7: lw = 1; ext = 1; break;    /* ext8 */
+        case 0xc8: lw = 2; ext = 1; break;    /* ext16 */
+        case 0xc9: lw = 4; ext = 1; break;    /* ext32 */
+        case 0xca: size = 5; break;           /* float32 */
+        case 0xcb: size = 9; break;           /* float64 */
+        case 0xcc: case 0xd0: size = 2; break;
+        case 0xcd: case 0xd1: size = 3; break;
+        case 0xce: case 0xd2: size = 5; break;
+        case 0xcf: case 0xd3: size = 9; break;
+        case 0xd4: size = 3; break;           /* fixext 1 */
+        case 0xd5: size = 4; break;           /* fixext 2 */
+        case 0xd6: size = 6; break;           /* fixext 4 */
+        case 0xd7: size = 10; break;          /* fixext 8 */
+        case 0xd8: size = 18; break;          /* fixext 16 */
+        case 0xdc: lw = 2; container = 1; break;
+        case 0xdd: lw = 4; container = 1; break;
+        case 0xde: lw = 2; container = 2; break;
+        case 0xdf: lw = 4; container = 2; break;
+        default: size = 1; break;  /* unreachable: 0xc0..0xdf all listed */
+        }
+        if (lw) {
+            if (len - pos < 1 + lw) {
+                size = (uint64_t)(1 + lw);
+                goto truncated;
+            }
+            uint64_t m = load_be(p + pos + 1, lw);
+            if (container) {
+                size = (uint64_t)(1 + lw);
+                children = container == 2 ? 2 * m : m;
+            }
+            else {
+                size = (uint64_t)(1 + lw) + ext + m;
+            }
+        }
+    }
+    if (size > (uint64_t)(len - pos)) {
+        goto truncated;
+    }
+    *psize = size;
+    *pchildren = children;
+    *pcontainer = container;
+    return 0;
+truncated:
+    e->kind = SERR_VALUE_TRUNC;
+    e->type_byte = b;
+    e->offset = pos;
+    e->need = size;
+    e->have = len - pos;
+    return -1;
+}
+
 /* Skip `n` consecutive values starting at p[*ppos]; *ppos ends after them. */
 static int
 skip_values(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, uint64_t n,
@@ -566,73 +656,15 @@ skip_values(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, uint64_t n,
             return -1;
         }
         unsigned b = p[pos];
-        uint64_t size = 1;      /* bytes of this value, its children excluded */
-        uint64_t children = 0;  /* values that follow as its elements */
         pending--;
         if (b <= 0x7f || b >= 0xe0) {  /* positive / negative fixint */
             pos++;
             continue;
         }
-        if (b <= 0x8f) {  /* fixmap */
-            children = 2u * (b & 0x0f);
-        }
-        else if (b <= 0x9f) {  /* fixarray */
-            children = b & 0x0f;
-        }
-        else if (b <= 0xbf) {  /* fixstr */
-            size = 1 + (b & 0x1f);
-        }
-        else {
-            int lw = 0;        /* width of a length field after the type byte */
-            unsigned ext = 0;  /* ext: the type code byte after the length */
-            int container = 0; /* 1 array, 2 map */
-            switch (b) {
-            case 0xc0: case 0xc2: case 0xc3: size = 1; break;  /* nil, bool */
-            case 0xc1:
-                e->kind = SERR_BYTE;
-                e->type_byte = b;
-                e->offset = pos;
-                return -1;
-            case 0xc4: case 0xd9: lw = 1; break;  /* bin8, str8 */
-            case 0xc5: case 0xda: lw = 2; break;  /* bin16, str16 */
-            case 0xc6: case 0xdb: lw = 4; break;  /* bin32, str32 */
-            case 0xc7: lw = 1; ext = 1; break;    /* ext8 */
-            case 0xc8: lw = 2; ext = 1; break;    /* ext16 */
-            case 0xc9: lw = 4; ext = 1; break;    /* ext32 */
-            case 0xca: size = 5; break;           /* float32 */
-            case 0xcb: size = 9; break;           /* float64 */
-            case 0xcc: case 0xd0: size = 2; break;
-            case 0xcd: case 0xd1: size = 3; break;
-            case 0xce: case 0xd2: size = 5; break;
-            case 0xcf: case 0xd3: size = 9; break;
-            case 0xd4: size = 3; break;           /* fixext 1 */
-            case 0xd5: size = 4; break;           /* fixext 2 */
-            case 0xd6: size = 6; break;           /* fixext 4 */
-            case 0xd7: size = 10; break;          /* fixext 8 */
-            case 0xd8: size = 18; break;          /* fixext 16 */
-            case 0xdc: lw = 2; container = 1; break;
-            case 0xdd: lw = 4; container = 1; break;
-            case 0xde: lw = 2; container = 2; break;
-            case 0xdf: lw = 4; container = 2; break;
-            default: size = 1; break;  /* unreachable: 0xc0..0xdf all listed */
-            }
-            if (lw) {
-                if (len - pos < 1 + lw) {
-                    size = (uint64_t)(1 + lw);
-                    goto truncated;
-                }
-                uint64_t m = load_be(p + pos + 1, lw);
-                if (container) {
-                    size = (uint64_t)(1 + lw);
-                    children = container == 2 ? 2 * m : m;
-                }
-                else {
-                    size = (uint64_t)(1 + lw) + ext + m;
-                }
-            }
-        }
-        if (size > (uint64_t)(len - pos)) {
-            goto truncated;
+        uint64_t size, children;
+        int container;
+        if (value_head(p, len, pos, &size, &children, &container, e) < 0) {
+            return -1;
         }
         pos += (Py_ssize_t)size;
         pending += children;
@@ -643,17 +675,88 @@ skip_values(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, uint64_t n,
             e->have = len - pos;
             return -1;
         }
-        continue;
-    truncated:
-        e->kind = SERR_VALUE_TRUNC;
-        e->type_byte = b;
-        e->offset = pos;
-        e->need = size;
-        e->have = len - pos;
-        return -1;
     }
     *ppos = pos;
     return 0;
+}
+
+/* Structure limits: the deepest container nesting (the array passed to
+ * check_structure is depth 1) and the most elements (arrays) or entries
+ * (maps) one container may declare. A breach sets `kind` (1 array, 2 map:
+ * `value` its length; 3 depth: `value` the depth reached). */
+#define MAX_DEPTH_CAP 1024
+
+typedef struct {
+    int max_depth;     /* 1 .. MAX_DEPTH_CAP */
+    uint64_t max_len;
+    int kind;
+    uint64_t value;
+} struct_limits;
+
+/* Walk the one value at p[*ppos], which lies inside `base` containers, against
+ * `lim`; *ppos ends after it. 0, 1 for a breach (lim->kind, lim->value), -1
+ * for malformed input (e set). Iterative: one counter per open container, and
+ * no container deeper than lim->max_depth is ever opened. */
+static int
+walk_limits(const uint8_t *p, Py_ssize_t len, Py_ssize_t *ppos, int base,
+            struct_limits *lim, split_err *e)
+{
+    uint64_t pending[MAX_DEPTH_CAP];  /* values left in each open level */
+    int top = 0;  /* level 0: the value itself */
+    Py_ssize_t pos = *ppos;
+    pending[0] = 1;
+    for (;;) {
+        while (pending[top] == 0) {
+            if (top == 0) {
+                *ppos = pos;
+                return 0;
+            }
+            top--;
+        }
+        if (pos >= len) {
+            e->kind = SERR_END;
+            e->offset = pos;
+            return -1;
+        }
+        pending[top]--;
+        unsigned b = p[pos];
+        if (b <= 0x7f || b >= 0xe0) {  /* fixint */
+            pos++;
+            continue;
+        }
+        uint64_t size, children;
+        int container;
+        if (value_head(p, len, pos, &size, &children, &container, e) < 0) {
+            return -1;
+        }
+        pos += (Py_ssize_t)size;
+        if (!container) {
+            continue;
+        }
+        uint64_t entries = container == 2 ? children / 2 : children;
+        if (entries > lim->max_len) {
+            lim->kind = container;
+            lim->value = entries;
+            return 1;
+        }
+        /* this container sits inside base + top others */
+        if ((uint64_t)base + (uint64_t)top + 1 > (uint64_t)lim->max_depth) {
+            lim->kind = 3;
+            lim->value = (uint64_t)base + (uint64_t)top + 1;
+            return 1;
+        }
+        if (children > (uint64_t)(len - pos)) {
+            e->kind = SERR_PENDING;
+            e->need = children;
+            e->offset = pos;
+            e->have = len - pos;
+            return -1;
+        }
+        if (children) {
+            /* base >= 1, so top + 1 <= max_depth - 1 < MAX_DEPTH_CAP */
+            pending[++top] = children;
+        }
+    }
 }
 
 /* Parse an array header at p[pos]: 1 and the count and header length if it is
@@ -1397,6 +1500,117 @@ done:
     return result;
 }
 
+/* check_structure(src, offsets, skip, max_depth, max_len) -> None | (kind, element, value)
+ *
+ * `offsets`: split()'s n + 1 element offsets of the array in `src`; each
+ * element whose index is not in the tuple `skip` is walked against the limits
+ * (the array itself is depth 1; its own length is the caller's to check).
+ * None when every walked element is within them, else the first breach:
+ * kind 1 (array) or 2 (map) with its length, or 3 (depth) with the depth
+ * reached, and the index of the element holding it. The offsets are checked
+ * (increasing, inside src, each span exactly one value): ValueError else. */
+static PyObject *
+intcodec_check_structure(PyObject *Py_UNUSED(module), PyObject *const *args,
+                         Py_ssize_t nargs)
+{
+    Py_buffer in;
+    split_err e = {0};
+    struct_limits lim = {0};
+    PyObject *result = NULL;
+
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "check_structure expected 5 arguments (src, offsets, skip, "
+                     "max_depth, max_len), got %zd", nargs);
+        return NULL;
+    }
+    PyObject *offsets = args[1], *skip = args[2];
+    if (!PyList_Check(offsets) || PyList_GET_SIZE(offsets) < 1) {
+        PyErr_SetString(PyExc_TypeError, "check_structure: offsets must be a non-empty list");
+        return NULL;
+    }
+    if (!PyTuple_Check(skip)) {
+        PyErr_SetString(PyExc_TypeError, "check_structure: skip must be a tuple of ints");
+        return NULL;
+    }
+    long depth = PyLong_AsLong(args[3]);
+    if (depth == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    unsigned long long max_len = PyLong_AsUnsignedLongLong(args[4]);
+    if (max_len == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (depth < 1 || depth > MAX_DEPTH_CAP) {
+        PyErr_Format(PyExc_ValueError, "check_structure: max_depth must be 1..%d",
+                     MAX_DEPTH_CAP);
+        return NULL;
+    }
+    lim.max_depth = (int)depth;
+    lim.max_len = (uint64_t)max_len;
+    Py_ssize_t nskip = PyTuple_GET_SIZE(skip);
+    Py_ssize_t skip_idx[8];
+    if (nskip > 8) {
+        PyErr_SetString(PyExc_ValueError, "check_structure: at most 8 skipped elements");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < nskip; k++) {
+        skip_idx[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(skip, k));
+        if (skip_idx[k] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)in.buf;
+    const Py_ssize_t len = in.len;
+    Py_ssize_t n = PyList_GET_SIZE(offsets) - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* read both bounds on every turn: nothing here runs Python code, but
+         * the list is the caller's and is trusted for nothing */
+        Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, i));
+        Py_ssize_t end = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, i + 1));
+        if ((start == -1 || end == -1) && PyErr_Occurred()) {
+            goto done;
+        }
+        if (start < 0 || end < start || end > len) {
+            PyErr_Format(PyExc_ValueError,
+                         "check_structure: element %zd spans %zd..%zd of %zd bytes",
+                         i, start, end, len);
+            goto done;
+        }
+        Py_ssize_t k = 0;
+        while (k < nskip && skip_idx[k] != i) {
+            k++;
+        }
+        if (k < nskip) {
+            continue;
+        }
+        Py_ssize_t pos = start;
+        e.element = i;
+        int rc = walk_limits(p, end, &pos, 1, &lim, &e);
+        if (rc < 0) {
+            set_split_error(&e);
+            goto done;
+        }
+        if (rc > 0) {
+            result = Py_BuildValue("(inK)", lim.kind, i, (unsigned long long)lim.value);
+            goto done;
+        }
+        if (pos != end) {
+            PyErr_Format(PyExc_ValueError,
+                         "check_structure: element %zd is not one value (%zd of %zd bytes)",
+                         i, pos - start, end - start);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&in);
+    return result;
+}
+
 static PyMethodDef intcodec_methods[] = {
     {"array_len", (PyCFunction)intcodec_array_len, METH_O,
      "array_len(src) -> int\n\nElement count of the msgpack array in src "
@@ -1419,6 +1633,13 @@ static PyMethodDef intcodec_methods[] = {
      "arrays of width-int rows found at the given offsets of src (or nil) "
      "into one int64 buffer alloc(rows * width); bounds: first and end row "
      "per offset (-1, -1 for nil). ValueError for anything else."},
+    {"check_structure", (PyCFunction)(void (*)(void))intcodec_check_structure,
+     METH_FASTCALL,
+     "check_structure(src, offsets, skip, max_depth, max_len) -> None or "
+     "(kind, element, value)\n\nWalk the elements of split()'s offsets not in "
+     "skip against a nesting depth (the array: 1) and a container length "
+     "limit; the first breach: kind 1 array / 2 map (value: its length) or "
+     "3 depth (value: the depth reached)."},
     {"array_spans", (PyCFunction)intcodec_array_spans, METH_O,
      "array_spans(src) -> list\n\n5 ints per element of the msgpack array in "
      "src: start, end, count (-1: not an array), start of its element 1 and "

@@ -58,7 +58,10 @@ _intcodec: Any = _BUILT  # the extension; the _*_impl below say which one runs
 
 __all__ = [
     "HAVE_NATIVE",
+    "IntArrayTooLong",
+    "array_len",
     "array_spans",
+    "check_structure",
     "decode_int_array",
     "encode_int_array",
     "int_rows",
@@ -68,6 +71,7 @@ __all__ = [
 HAVE_NATIVE: bool = _intcodec is not None
 
 _INT64_MAX = 2**63 - 1
+MAX_DEPTH = 1024  # check_structure's ceiling for max_depth (the C walk's stack)
 _MAX_ARRAY_COUNT = 2**32 - 1
 _PREFIX = "msgpack int array: "
 
@@ -104,8 +108,47 @@ def encode_int_array(values: Any) -> bytes:
     return _encode_impl(_as_int64(values))
 
 
+class IntArrayTooLong(ValueError):
+    """An ``int_fields`` element of :func:`split_array` declares more than ``max_ints``
+    elements; raised from its header, before anything is allocated for it."""
+
+    def __init__(self, element: int, count: int, limit: int) -> None:
+        super().__init__(f"element {element}: an array of {count} elements, limit {limit}")
+        self.element, self.count, self.limit = element, count, limit
+
+
+def array_len(raw: Any) -> int:
+    """The element count of the msgpack array header at the start of ``raw``.
+
+    Header only; ``ValueError`` for a non-array, a cut header, or a count
+    larger than the bytes that follow (every element takes one byte at least).
+    """
+    return _len_impl(_as_bytes(raw))
+
+
+def check_structure(
+    raw: Any, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+) -> tuple[int, int, int] | None:
+    """Walk the elements of ``raw`` at :func:`split_array`'s ``offsets`` against limits.
+
+    Every element whose index is not in ``skip`` (at most 8) is walked, the
+    array itself counting as nesting depth 1: no container may sit deeper than
+    ``max_depth`` (1 to 1024) or declare more than ``max_len`` elements (an
+    array) or entries (a map). Returns None, or the first breach as ``(kind,
+    element, value)``: kind 1 (array) or 2 (map) with its length, 3 (depth)
+    with the depth reached; ``element`` the index holding it. The walk reads
+    headers only and allocates nothing. ``ValueError`` for offsets that do not
+    split ``raw`` into single values.
+    """
+    if not 1 <= max_depth <= MAX_DEPTH or max_len < 0:
+        raise ValueError(f"check_structure: max_depth must be 1..{MAX_DEPTH}, max_len >= 0")
+    if len(skip) > 8:
+        raise ValueError("check_structure: at most 8 skipped elements")
+    return _check_impl(_as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len)
+
+
 def split_array(
-    raw: Any, int_fields: tuple[int, ...] = ()
+    raw: Any, int_fields: tuple[int, ...] = (), max_ints: int | None = None
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     """Element boundaries of one msgpack array, int arrays decoded on the way.
 
@@ -118,11 +161,13 @@ def split_array(
     ints (decode it with :func:`decode_int_array` for the precise error).
     At most 8 distinct ``int_fields``. Raises ``ValueError`` for input that is
     not one well-formed msgpack array (not an array, truncated, the byte
-    ``0xc1``, trailing bytes).
+    ``0xc1``, trailing bytes), and :class:`IntArrayTooLong` for an
+    ``int_fields`` element that is an array of more than ``max_ints`` elements
+    (decided from its header: nothing is allocated for it).
     """
     if len(int_fields) > 8 or len(set(int_fields)) != len(int_fields):
         raise ValueError("split_array: at most 8 distinct int_fields")
-    return _split_impl(_as_bytes(raw), tuple(int_fields))
+    return _split_impl(_as_bytes(raw), tuple(int_fields), max_ints)
 
 
 def array_spans(raw: Any) -> list[int]:
@@ -208,12 +253,63 @@ def _alloc_int64(count: int) -> npt.NDArray[np.int64]:
     return np.empty(count, dtype=np.int64)
 
 
+class _BoundedAlloc:
+    """split's ``alloc``: refuses a count over ``limit`` (the header's, before any decode)."""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __call__(self, count: int) -> npt.NDArray[np.int64]:
+        if count > self.limit:
+            raise IntArrayTooLong(-1, count, self.limit)  # the element is found by the caller
+        return np.empty(count, dtype=np.int64)
+
+
+def _too_long_field(
+    buf: memoryview, offsets: list[int], int_fields: tuple[int, ...], max_ints: int
+) -> None:
+    """Raise :class:`IntArrayTooLong` for the first ``int_fields`` array over ``max_ints``."""
+    for field in sorted(int_fields):
+        if 0 <= field < len(offsets) - 1:
+            b = buf[offsets[field]]
+            if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+                count, _ = _parse_header(buf[offsets[field] : offsets[field + 1]])
+                if count > max_ints:
+                    raise IntArrayTooLong(field, count, max_ints)
+
+
 def _split_native(
-    buf: memoryview, int_fields: tuple[int, ...]
+    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     assert _intcodec is not None
-    offsets, ints = _intcodec.split(buf, int_fields, _alloc_int64)
+    if max_ints is None or not int_fields:
+        offsets, ints = _intcodec.split(buf, int_fields, _alloc_int64)
+        return offsets, ints
+    try:
+        offsets, ints = _intcodec.split(buf, int_fields, _BoundedAlloc(max_ints))
+    except IntArrayTooLong:
+        # which element: the split without decoding (a breach only) names it
+        _too_long_field(buf, _intcodec.split(buf, (), None)[0], int_fields, max_ints)
+        raise  # pragma: no cover - the walk above raises for the same header
     return offsets, ints
+
+
+def _len_native(buf: memoryview) -> int:
+    assert _intcodec is not None
+    count: int = _intcodec.array_len(buf)
+    return count
+
+
+def _check_native(
+    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+) -> tuple[int, int, int] | None:
+    assert _intcodec is not None
+    breach: tuple[int, int, int] | None = _intcodec.check_structure(
+        buf, offsets, skip, max_depth, max_len
+    )
+    return breach
 
 
 def _spans_native(buf: memoryview) -> list[int]:
@@ -337,7 +433,7 @@ _RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def _split_py(
-    buf: memoryview, int_fields: tuple[int, ...]
+    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     try:
         elems = _RAW_LIST_DECODER.decode(buf)
@@ -351,6 +447,8 @@ def _split_py(
         offsets = [len(buf) - sum(sizes)]
         for size in sizes:
             offsets.append(offsets[-1] + size)
+    if max_ints is not None:
+        _too_long_field(buf, offsets, int_fields, max_ints)
     ints: list[npt.NDArray[np.int64] | None] = []
     for field in int_fields:
         value = None
@@ -406,30 +504,10 @@ def _value_end_py(buf: memoryview, pos: int) -> int:
             raise ValueError(f"msgpack: truncated input at offset {pos}")
         b = buf[pos]
         pending -= 1
-        size, children = 1, 0
         if b <= 0x7F or b >= 0xE0:
-            pass
-        elif b <= 0x8F:
-            children = 2 * (b & 0x0F)
-        elif b <= 0x9F:
-            children = b & 0x0F
-        elif b <= 0xBF:
-            size = 1 + (b & 0x1F)
-        elif b == 0xC1:
-            raise ValueError(f"msgpack: invalid type byte 0xc1 at offset {pos}")
-        elif b in _FIXED_SIZE:
-            size = _FIXED_SIZE[b]
-        else:
-            width, ext, container = _LENGTH_FORMS[b]
-            if n - pos < 1 + width:
-                raise ValueError(f"msgpack: truncated input at offset {pos}")
-            m = int.from_bytes(buf[pos + 1 : pos + 1 + width], "big")
-            if container:
-                size, children = 1 + width, m * container
-            else:
-                size = 1 + width + ext + m
-        if size > n - pos:
-            raise ValueError(f"msgpack: truncated input at offset {pos}")
+            pos += 1
+            continue
+        size, children, _ = _head_py(buf, pos, n)
         pos += size
         pending += children
         if pending > n - pos:
@@ -449,6 +527,86 @@ _LENGTH_FORMS = {  # type byte -> (length field width, ext type byte, container:
     0xDC: (2, 0, 1), 0xDD: (4, 0, 1),  # array
     0xDE: (2, 0, 2), 0xDF: (4, 0, 2),  # map
 }  # fmt: skip
+
+
+def _len_py(buf: memoryview) -> int:
+    return _parse_header(buf)[0]
+
+
+def _check_py(
+    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+) -> tuple[int, int, int] | None:
+    """The C walk of check_structure: one counter per open container, headers only."""
+    n = len(buf)
+    for i, (start, end) in enumerate(pairwise(offsets)):
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"check_structure: element {i} spans {start}..{end} of {n} bytes")
+        if i in skip:
+            continue
+        pos, pending = start, [1]  # values left in each open level; level 0: the element
+        while True:
+            while pending[-1] == 0:
+                pending.pop()
+                if not pending:
+                    break
+            if not pending:
+                break
+            if pos >= end:
+                raise ValueError(f"msgpack: truncated input at offset {pos}")
+            pending[-1] -= 1
+            b = buf[pos]
+            if b <= 0x7F or b >= 0xE0:
+                pos += 1
+                continue
+            size, children, container = _head_py(buf, pos, end)
+            pos += size
+            if not container:
+                continue
+            entries = children // 2 if container == 2 else children
+            if entries > max_len:
+                return (container, i, entries)
+            depth = len(pending) + 1  # inside the array (1) and len(pending) - 1 levels
+            if depth > max_depth:
+                return (3, i, depth)
+            if children > end - pos:
+                raise ValueError(f"msgpack: truncated input at offset {pos}")
+            if children:
+                pending.append(children)
+        if pos != end:
+            raise ValueError(
+                f"check_structure: element {i} is not one value ({pos - start} of "
+                f"{end - start} bytes)"
+            )
+    return None
+
+
+def _head_py(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    """(size without children, children, container: 0, 1 array, 2 map) of a non-fixint."""
+    b = buf[pos]
+    size, children, container = 1, 0, 0
+    if b <= 0x8F:
+        children, container = 2 * (b & 0x0F), 2
+    elif b <= 0x9F:
+        children, container = b & 0x0F, 1
+    elif b <= 0xBF:
+        size = 1 + (b & 0x1F)
+    elif b == 0xC1:
+        raise ValueError(f"msgpack: invalid type byte 0xc1 at offset {pos}")
+    elif b in _FIXED_SIZE:
+        size = _FIXED_SIZE[b]
+    else:
+        width, ext, kind = _LENGTH_FORMS[b]
+        if end - pos < 1 + width:
+            raise ValueError(f"msgpack: truncated input at offset {pos}")
+        m = int.from_bytes(buf[pos + 1 : pos + 1 + width], "big")
+        if kind:
+            size, children, container = 1 + width, m * kind, kind
+        else:
+            size = 1 + width + ext + m
+    if size > end - pos:
+        raise ValueError(f"msgpack: truncated input at offset {pos}")
+    return size, children, container
+
 
 _ROWS_DECODER = msgspec.msgpack.Decoder(list[list[int]] | None)
 
@@ -499,11 +657,14 @@ _encode_impl = _encode_py
 _split_impl = _split_py
 _spans_impl = _spans_py
 _rows_impl = _rows_py
+_len_impl = _len_py
+_check_impl = _check_py
 
 
 def _use_native(on: bool) -> bool:
     """Point the public functions at the extension (when built and ``on``) or the fallback."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
+    global _len_impl, _check_impl
     HAVE_NATIVE = on and _BUILT is not None
     if HAVE_NATIVE:
         _decode_impl = _decode_native
@@ -511,12 +672,16 @@ def _use_native(on: bool) -> bool:
         _split_impl = _split_native
         _spans_impl = _spans_native
         _rows_impl = _rows_native
+        _len_impl = _len_native
+        _check_impl = _check_native
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
         _split_impl = _split_py
         _spans_impl = _spans_py
         _rows_impl = _rows_py
+        _len_impl = _len_py
+        _check_impl = _check_py
     return HAVE_NATIVE
 
 
