@@ -21,6 +21,7 @@ import pytest
 from mmadmit import kernels, native, planner, wire
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import Abort, AbortCode
+from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
@@ -70,7 +71,8 @@ def test_forged_grid_shape_is_not_trusted_by_the_planner() -> None:
     for rows in (2**61 + 1, 2**62 + 1, 2**63 - 1):
         forged = Tensor(parse_dtype("int64"), (rows, 3), data)
         req = _image_request(forged)
-        m = Materializer(load_profile("qwen3_5"))
+        # the dimension limit lifted: the byte check, not --max-tensor-dim, must refuse it
+        m = Materializer(load_profile("qwen3_5"), Limits(max_tensor_dim=2**63 - 1))
         assert req.mm is not None and m._ctx is not None
         ph = (IMG, VID, -1)
         assert planner._BUILT.plan(req.mm.items, req.input_ids, m._ctx, *ph, False) is None
@@ -82,7 +84,7 @@ def test_forged_grid_shape_is_not_trusted_by_the_planner() -> None:
 @needs_planner
 def test_forged_seconds_shape_is_not_trusted_by_the_planner() -> None:
     """``numel * 4`` of a timing tensor overflowed the same way (numel up to 2**63 - 1)."""
-    m = Materializer(load_profile("qwen2_5_vl"))
+    m = Materializer(load_profile("qwen2_5_vl"), Limits(max_tensor_dim=2**63 - 1))
     ids = np.array([1, *([151656] * 8), 2], np.int64)
     secs = Tensor(parse_dtype("float32"), (2**62 + 1,), np.ones(1, np.float32).data.cast("B"))
     grid = Tensor.from_numpy(np.array([[2, 4, 4]], np.int64))
@@ -93,6 +95,9 @@ def test_forged_seconds_shape_is_not_trusted_by_the_planner() -> None:
     assert planner._BUILT.plan([item], ids, m._ctx, 151655, 151656, -1, False) is None
     a, b = both_ways(m, req)
     assert isinstance(a, Abort) and a == b and a.code is AbortCode.INVALID_REQUEST
+    # within the default limits the shape alone is refused, before any byte is read
+    a, b = both_ways(Materializer(load_profile("qwen2_5_vl")), req)
+    assert isinstance(a, Abort) and a == b and a.code is AbortCode.TOO_LARGE
 
 
 # ------------------------------------------------ 2. placeholder override outside int64

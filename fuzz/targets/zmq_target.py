@@ -8,7 +8,8 @@ item decoder refused (the general per-item path, which alone decides what
 is accepted). Native and fallback must send the same reply bytes (or the
 same abort code to the same rid); the general path must reach the same
 outcome (the reply bytes may differ: the fast path splices received bytes).
-No outcome may be ``INTERNAL``.
+No outcome may be ``INTERNAL``. Half the inputs run under tight limits
+(:data:`TIGHT`), so that every codec limit's breach is reached and decided alike.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mmadmit import wire
 from mmadmit.cli import replay
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.frames import MAGIC, parse_frames
+from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
 
@@ -34,9 +36,17 @@ MAX_LEN = 1 << 16
 _PROFILES = ("qwen3_5", "qwen3_omni_moe", "llama", "qwen2_5_vl")
 
 
+# Tight limits for half the inputs (the first byte's top bit), so that breaches of
+# every codec limit are reached often, and decided the same way native and not.
+TIGHT = Limits(
+    max_tokens=1 << 14, max_items=4, max_tensor_bytes=1 << 22, max_tensor_rank=3,
+    max_tensor_dim=1 << 12, max_msgpack_depth=8, max_msgpack_len=64, max_abort_ids=16,
+)  # fmt: skip
+
+
 @functools.cache
-def _materializer(name: str) -> Materializer:
-    return Materializer(load_profile(name))
+def _materializer(name: str, tight: bool = False) -> Materializer:
+    return Materializer(load_profile(name), TIGHT if tight else DEFAULT_LIMITS)
 
 
 def _refuse(*_: Any) -> Any:
@@ -113,7 +123,7 @@ def one(data: bytes) -> None:
     frames = frames_of(data[1:])
     if len(frames) < 2:
         return
-    m = _materializer(profile)
+    m = _materializer(profile, bool(data[0] & 0x80))
     a, abort_a = _run(m, frames, "native")
     b, abort_b = _run(m, frames, "fallback")
     code_a = None if abort_a is None else abort_a.code

@@ -10,7 +10,7 @@
  * paths on valid and on mutated requests; this file never produces an error
  * message of its own.
  *
- *   check_tensors(items, ctx, rank_max, bytes_max) -> bool
+ *   check_tensors(items, ctx, rank_max, bytes_max[, dim_max]) -> bool
  *       True when every feature and side tensor of every item is within the
  *       rank and byte limits, holds exactly prod(shape) * itemsize bytes, and
  *       no feature_shm is set (False: let Python look).
@@ -151,6 +151,7 @@ typedef struct {
     Py_ssize_t rank;
     int64_t shape[8];
     int64_t numel;       /* -1 when it overflows */
+    int64_t maxdim;      /* the largest dimension (0 for a scalar) */
     const char *buf;
     Py_ssize_t nbytes;
 } tensor_t;
@@ -185,6 +186,7 @@ read_tensor(PyObject *obj, const ctx_t *c, tensor_t *t)
     t->buf = view->buf;
     t->nbytes = view->len;
     int64_t numel = 1;
+    t->maxdim = 0;
     for (Py_ssize_t d = 0; d < t->rank; d++) {
         PyObject *dim = PyTuple_GET_ITEM(shape, d);
         if (!PyLong_CheckExact(dim)) {
@@ -197,6 +199,9 @@ read_tensor(PyObject *obj, const ctx_t *c, tensor_t *t)
         }
         if (d < 8) {
             t->shape[d] = v;
+        }
+        if (v > t->maxdim) {
+            t->maxdim = v;
         }
         if (numel >= 0 && v != 0 && numel > INT64_MAX / v) {
             numel = -1;
@@ -220,14 +225,16 @@ done:
 
 /* 0: within limits and exact byte length; 1: not (or unusable); -1: error. */
 static int
-tensor_ok(PyObject *obj, const ctx_t *c, Py_ssize_t rank_max, int64_t bytes_max)
+tensor_ok(PyObject *obj, const ctx_t *c, Py_ssize_t rank_max, int64_t bytes_max,
+          int64_t dim_max)
 {
     tensor_t t;
     int rc = read_tensor(obj, c, &t);
     if (rc != 0) {
         return rc;
     }
-    if (t.rank > rank_max || t.nbytes > bytes_max || t.numel < 0 || t.itemsize <= 0
+    if (t.rank > rank_max || t.nbytes > bytes_max || t.maxdim > dim_max || t.numel < 0
+        || t.itemsize <= 0
         || t.numel > INT64_MAX / t.itemsize || t.numel * t.itemsize != t.nbytes) {
         return 1;
     }
@@ -238,8 +245,9 @@ static PyObject *
 planner_check_tensors(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ctx_t c;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "check_tensors(items, ctx, rank_max, bytes_max)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "check_tensors(items, ctx, rank_max, bytes_max[, dim_max])");
         return NULL;
     }
     PyObject *items = args[0];
@@ -251,6 +259,7 @@ planner_check_tensors(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
     }
     Py_ssize_t rank_max = PyLong_AsSsize_t(args[2]);
     int64_t bytes_max = PyLong_AsLongLong(args[3]);
+    int64_t dim_max = nargs == 5 ? PyLong_AsLongLong(args[4]) : INT64_MAX;
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -267,13 +276,13 @@ planner_check_tensors(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
             rc = 1;
         }
         else if (feature != Py_None) {
-            rc = tensor_ok(feature, &c, rank_max, bytes_max);
+            rc = tensor_ok(feature, &c, rank_max, bytes_max, dim_max);
         }
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (rc == 0 && PyDict_Next(side, &pos, &key, &value)) {
             if (Py_TYPE(value) == (PyTypeObject *)c.tensor_type) {
-                rc = tensor_ok(value, &c, rank_max, bytes_max);
+                rc = tensor_ok(value, &c, rank_max, bytes_max, dim_max);
             }
         }
         Py_XDECREF(feature);
@@ -921,7 +930,7 @@ planner_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef planner_methods[] = {
     {"check_tensors", (PyCFunction)(void (*)(void))planner_check_tensors, METH_FASTCALL,
-     "check_tensors(items, ctx, rank_max, bytes_max) -> bool"},
+     "check_tensors(items, ctx, rank_max, bytes_max[, dim_max]) -> bool"},
     {"plan", (PyCFunction)(void (*)(void))planner_plan, METH_FASTCALL,
      "plan(items, ids, ctx, ph_image, ph_video, ph_audio, need_pad) -> None | tuple"},
     {"first_outside", (PyCFunction)(void (*)(void))planner_first_outside, METH_FASTCALL,

@@ -34,9 +34,10 @@ def replay(materializer: Materializer, frames: Sequence[Any]) -> tuple[list[Any]
     """Exactly what reply mode does with one ADD message, minus the socket.
 
     Returns the reply frames ``[status, payload, *aux]`` and the abort, if any.
+    The message is decoded within the materializer's limits.
     """
     try:
-        msg = wire.decode_message(list(frames))
+        msg = wire.decode_message(list(frames), materializer.limits)
     except wire.WireError as exc:
         abort = exc.to_abort()
         return wire.encode_aborted(None, abort, exc.rid), abort

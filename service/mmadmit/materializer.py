@@ -32,6 +32,7 @@ from .errors import (
     abort_from_exception,
 )
 from .hashing import UINT64_MAX, feature_hash, pad_interval, pad_value
+from .limits import Limits
 from .model import (
     MODALITY_OF,
     Item,
@@ -49,16 +50,6 @@ logger = logging.getLogger(__name__)
 Outcome = Materialized | Abort
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-request limits (CLI.md); exceeding one is ``TOO_LARGE``."""
-
-    max_tokens: int = 262_144
-    max_items: int = 256
-    max_tensor_bytes: int = 536_870_912
-    max_tensor_rank: int = 8
 
 
 class ArrayOps(Protocol):
@@ -361,16 +352,25 @@ class Materializer:
                 f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)"
             )
         rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
+        dim_max = lim.max_tensor_dim
         if (
             self._ctx is not None
             and mm.mrope_positions is None
             and mm.mrope_position_delta is None
-            and planner.tensors_ok(mm.items, self._ctx, rank_max, bytes_max)
+            and planner.tensors_ok(mm.items, self._ctx, rank_max, bytes_max, dim_max)
         ):
             return  # the native pass vouches for every item tensor (no feature_shm)
         for what, t in self._tensors(mm):
             if len(t.shape) > rank_max:
-                raise TooLarge(f"{what()}: rank {len(t.shape)} exceeds the limit of {rank_max}")
+                raise TooLarge(
+                    f"{what()}: rank {len(t.shape)} exceeds the limit of {rank_max} "
+                    "(--max-tensor-rank)"
+                )
+            if t.shape and max(t.shape) > dim_max:
+                raise TooLarge(
+                    f"{what()}: dimension {max(t.shape)} exceeds the limit of {dim_max} "
+                    "(--max-tensor-dim)"
+                )
             nbytes = t.data.nbytes
             if nbytes > bytes_max:
                 raise TooLarge(
@@ -384,7 +384,10 @@ class Materializer:
         for i, item in enumerate(mm.items):
             shm = item.feature_shm
             if shm is not None and shm.shape is not None and len(shm.shape) > rank_max:
-                raise TooLarge(f"item {i} feature_shm: rank {len(shm.shape)} exceeds {rank_max}")
+                raise TooLarge(
+                    f"item {i} feature_shm: rank {len(shm.shape)} exceeds the limit of "
+                    f"{rank_max} (--max-tensor-rank)"
+                )
 
     @staticmethod
     def _tensors(mm: MultimodalInputs) -> Iterator[tuple[_TensorName, Tensor]]:

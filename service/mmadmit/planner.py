@@ -85,11 +85,17 @@ def make_ctx(profile: ModelProfile) -> tuple[Any, ...]:
     )
 
 
-def tensors_ok(items: list[Item], ctx: tuple[Any, ...], rank_max: int, bytes_max: int) -> bool:
+def tensors_ok(
+    items: list[Item],
+    ctx: tuple[Any, ...],
+    rank_max: int,
+    bytes_max: int,
+    dim_max: int = 2**63 - 1,
+) -> bool:
     """True when every item tensor is surely within limits and of exact byte length."""
     if _planner is None:
         return False
-    return bool(_planner.check_tensors(items, ctx, rank_max, bytes_max))
+    return bool(_planner.check_tensors(items, ctx, rank_max, bytes_max, dim_max))
 
 
 def fast_plan(

@@ -35,6 +35,13 @@ How it stays fast and loses nothing:
 * Every element that is not a token array is decoded by a decoder whose
   ext hook refuses every extension type but 3 (tensor data): pickle (1) and
   cloudpickle (2) are never accepted anywhere in a message.
+* Limits (:mod:`mmadmit.limits`) are decided before the decode they guard:
+  the payload's length from its header, each token array's length from its
+  header before its int64 buffer exists, every other element's container
+  lengths and nesting depth by a walk over headers only
+  (:func:`mmadmit.intcodec.check_structure`) before ``msgspec`` sees it, the
+  item count from its header, each tensor's rank, dimensions and bytes from
+  its shape before the byte check, an ABORT's id count from its header.
 """
 
 from __future__ import annotations
@@ -48,8 +55,18 @@ import msgspec
 import numpy as np
 
 from .dtypes import DType, parse_dtype
-from .errors import Abort, InvalidRequest
-from .intcodec import array_spans, decode_int_array, encode_int_array, int_rows, split_array
+from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
+from .intcodec import (
+    IntArrayTooLong,
+    array_len,
+    array_spans,
+    check_structure,
+    decode_int_array,
+    encode_int_array,
+    int_rows,
+    split_array,
+)
+from .limits import DEFAULT_LIMITS, Limits
 from .model import (
     Item,
     Materialized,
@@ -100,11 +117,15 @@ _NATIVE_SPLIT_MIN = 4 << 10  # smaller arrays are split by msgspec (see _split_v
 
 
 class WireError(InvalidRequest):
-    """A message that does not decode; ``rid`` is what could be recovered ("" if nothing)."""
+    """A message that does not decode, or breaks a limit (``code`` TOO_LARGE);
+    ``rid`` is what could be recovered ("" if nothing)."""
 
-    def __init__(self, message: str, rid: str = "") -> None:
+    def __init__(
+        self, message: str, rid: str = "", code: AbortCode = AbortCode.INVALID_REQUEST
+    ) -> None:
         super().__init__(message)
         self.rid = rid
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -135,7 +156,7 @@ def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw
 
 
 def _split_view(
-    buf: memoryview, what: str, int_fields: tuple[int, ...] = ()
+    buf: memoryview, what: str, int_fields: tuple[int, ...] = (), limits: Limits | None = None
 ) -> tuple[list[msgspec.Raw], list[np.ndarray | None]]:
     """The elements of the array in ``buf`` (views) and the int arrays asked for.
 
@@ -143,14 +164,103 @@ def _split_view(
     decode is None (the caller decodes it, for the precise error). A small
     array goes through ``msgspec``, quicker there than wrapping views (its
     int arrays are then all left to the caller).
+
+    With ``limits``: the array's own length (its header, before the split),
+    each ``int_fields`` array's length (``max_tokens``, from its header) and
+    every other element's structure (:func:`_check_elements`).
     """
+    if limits is not None:
+        _check_length(buf, what, limits)
     if len(buf) < _NATIVE_SPLIT_MIN:
-        return _split(buf, what), [None] * len(int_fields)
+        elems = _split(buf, what)
+        ints: list[np.ndarray | None] = [None] * len(int_fields)
+        if limits is not None:
+            offsets = [len(buf) - sum(len(r) for r in elems)]
+            for r in elems:
+                offsets.append(offsets[-1] + len(r))
+            _check_tokens(buf, offsets, int_fields, limits)
+            _check_elements(buf, offsets, int_fields, limits)
+        return elems, ints
     try:
-        offsets, ints = split_array(buf, int_fields)
+        offsets, ints = split_array(buf, int_fields, None if limits is None else limits.max_tokens)
+    except IntArrayTooLong as exc:
+        raise _tokens_too_long(exc) from exc
     except ValueError as exc:
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
+    if limits is not None:
+        _check_elements(buf, offsets, int_fields, limits)
     return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints
+
+
+_FIELD_NAMES = {
+    F_INPUT_IDS: "input_ids",
+    F_UNPADDED: "input_ids_unpadded",
+    F_MM: "multimodal_inputs",
+}
+
+
+def _element_name(i: int) -> str:
+    name = _FIELD_NAMES.get(i)
+    return f"element {i}" if name is None else f"element {i} ({name})"
+
+
+def _check_length(buf: memoryview, what: str, limits: Limits) -> None:
+    """The array's length from its header (an unreadable header: the split words it)."""
+    try:
+        n = array_len(buf)
+    except ValueError:
+        return
+    if n > limits.max_msgpack_len:
+        raise TooLarge(
+            f"{what} is an array of {n} elements, over the limit of {limits.max_msgpack_len} "
+            "(--max-msgpack-len)"
+        )
+
+
+def _tokens_too_long(exc: IntArrayTooLong) -> TooLarge:
+    name = _FIELD_NAMES.get(exc.element, f"element {exc.element}")
+    return TooLarge(f"{name}: {exc.count} tokens exceed the limit of {exc.limit} (--max-tokens)")
+
+
+def _check_tokens(
+    buf: memoryview, offsets: list[int], int_fields: tuple[int, ...], limits: Limits
+) -> None:
+    """Each token array's length from its header (the small path decodes them after)."""
+    for f in int_fields:
+        if f < len(offsets) - 1:
+            try:
+                n = array_len(buf[offsets[f] : offsets[f + 1]])
+            except ValueError:  # not an array: decoded after, for the precise error
+                continue
+            if n > limits.max_tokens:
+                raise _tokens_too_long(IntArrayTooLong(f, n, limits.max_tokens))
+
+
+def _check_elements(
+    buf: memoryview, offsets: list[int], skip: tuple[int, ...], limits: Limits
+) -> None:
+    """Container lengths and nesting depth of every element not in ``skip`` (headers only)."""
+    try:
+        breach = check_structure(
+            buf, offsets, skip, limits.max_msgpack_depth, limits.max_msgpack_len
+        )
+    except ValueError as exc:  # pragma: no cover - the split has checked the structure
+        raise InvalidRequest(f"undecodable msgpack ({exc})") from exc
+    if breach is None:
+        return
+    kind, element, value = breach
+    where = _element_name(element)
+    if kind == 3:
+        raise InvalidRequest(
+            f"{where}: msgpack nested {value} levels deep, over the limit of "
+            f"{limits.max_msgpack_depth} (--max-msgpack-depth)"
+        )
+    container = "an array of" if kind == 1 else "a map of"
+    unit = "elements" if kind == 1 else "entries"
+    raise TooLarge(
+        f"{where}: {container} {value} {unit}, over the limit of {limits.max_msgpack_len} "
+        "(--max-msgpack-len)"
+    )
 
 
 def _value(raw: msgspec.Raw, what: str) -> Any:
@@ -241,9 +351,34 @@ class _Name:
 
 
 class _TensorReader:
-    def __init__(self, aux: list[memoryview]) -> None:
+    def __init__(self, aux: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> None:
         self.aux = aux
         self.used: dict[int, str] = {}
+        self.limits = limits
+        self.max_rank = limits.max_tensor_rank
+        self.max_dim = limits.max_tensor_dim
+        self.max_bytes = limits.max_tensor_bytes
+
+    def check_size(self, what: _Name, shape: Any, dtype: DType) -> int:
+        """Rank, dimensions and bytes of a tensor from its shape; its byte length."""
+        lim = self.limits
+        if len(shape) > lim.max_tensor_rank:
+            raise TooLarge(
+                f"{what}: rank {len(shape)} exceeds the limit of {lim.max_tensor_rank} "
+                "(--max-tensor-rank)"
+            )
+        if shape and max(shape) > lim.max_tensor_dim:
+            raise TooLarge(
+                f"{what}: dimension {max(shape)} exceeds the limit of {lim.max_tensor_dim} "
+                "(--max-tensor-dim)"
+            )
+        expected = math.prod(shape) * dtype.itemsize
+        if expected > lim.max_tensor_bytes:
+            raise TooLarge(
+                f"{what}: shape {list(shape)} of {dtype.name} is {expected} bytes, over the "
+                f"limit of {lim.max_tensor_bytes} (--max-tensor-bytes)"
+            )
+        return expected
 
     def tensor(self, value: Any, item: int | None, key: str, role: str) -> Tensor:
         """Build a Tensor view; errors name ``item <item> <key>`` (or just ``key``)."""
@@ -261,6 +396,7 @@ class _TensorReader:
             raise InvalidRequest(
                 f"{what}: shape must be a list of non-negative ints, got {shape!r}"
             )
+        expected = self.check_size(what, shape, dtype)
         if isinstance(data, _InlineData):
             buf = memoryview(data.data)
         elif isinstance(data, int) and not isinstance(data, bool):
@@ -274,7 +410,6 @@ class _TensorReader:
             self.used[data] = role if prev in (None, role) else "shared"
         else:
             raise InvalidRequest(f"{what}: data must be ext type 3 or an aux frame index")
-        expected = math.prod(shape) * dtype.itemsize
         if buf.nbytes != expected:
             raise InvalidRequest(
                 f"{what}: {buf.nbytes} data bytes but shape {list(shape)} of {dtype.name} "
@@ -301,7 +436,10 @@ class _TensorReader:
         else:
             raise _NotFast  # pickle or an unknown ext code: refused by the general path
         shape = t.shape
-        if buf.nbytes != math.prod(shape) * dtype.itemsize:
+        if len(shape) > self.max_rank or (shape and max(shape) > self.max_dim):
+            raise _NotFast  # over a limit: the general path words it
+        nbytes = math.prod(shape) * dtype.itemsize
+        if buf.nbytes != nbytes or nbytes > self.max_bytes:
             raise _NotFast
         return Tensor(dtype, shape, buf)
 
@@ -447,7 +585,19 @@ class _ItemSrc(msgspec.Struct, gc=False):
         return True
 
 
+def _check_items(view: memoryview, reader: _TensorReader) -> None:
+    """The item count from the mm_items header, before any item is decoded."""
+    try:
+        n = array_len(view)
+    except ValueError:  # not an array: the decoders word it
+        return
+    limit = reader.limits.max_items
+    if n > limit:
+        raise TooLarge(f"{n} items exceed the limit of {limit} (--max-items)")
+
+
 def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
+    _check_items(view, reader)
     spans = array_spans(view)
     wire_items = _FAST_ITEMS.decode(view)
     fast = reader.fast
@@ -566,6 +716,8 @@ def _decode_mm_fast(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs
 
 def _decode_mm_general(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
     elems = _split(raw, "multimodal_inputs")
+    if elems and not _is_nil(elems[0]):
+        _check_items(memoryview(elems[0]), reader)
     items_raw = _split(elems[0], "mm_items") if elems and not _is_nil(elems[0]) else []
     items = [_decode_item(r, i, reader) for i, r in enumerate(items_raw)]
     return _mm_with(items, elems, reader)
@@ -602,24 +754,34 @@ def _ids(raw: msgspec.Raw, what: str) -> np.ndarray:
         raise InvalidRequest(f"{what} must be an array of integers ({exc})") from exc
 
 
+class _RidProbe(msgspec.Struct, array_like=True, gc=False):
+    """Elements 0 and 1 of a payload; msgspec skips the rest without building it."""
+
+    tag: msgspec.Raw = _NIL
+    rid: msgspec.Raw = _NIL
+
+
+_RID_PROBE = msgspec.msgpack.Decoder(_RidProbe)
+_STR = msgspec.msgpack.Decoder(str)
+
+
 def recover_rid(payload: Any) -> str:
-    """Best effort: the rid of a payload that failed to decode ("" if unreadable)."""
+    """Best effort: the rid of a payload that failed to decode ("" if unreadable).
+
+    Allocates nothing sized by the payload (no split of a forged huge array).
+    """
     try:
-        buf = _as_buffer(payload)
-        offsets, _ = split_array(buf)
-        if len(offsets) <= F_RID + 1:
-            return ""
-        rid = msgspec.msgpack.decode(buf[offsets[F_RID] : offsets[F_RID + 1]])
-        return rid if isinstance(rid, str) else ""
+        return _STR.decode(_RID_PROBE.decode(_as_buffer(payload)).rid)
     except Exception:  # noqa: BLE001 - any failure means "no rid"
         return ""
 
 
-def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
-    """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong."""
+def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong
+    (its ``code`` TOO_LARGE for a breach of ``limits``, else INVALID_REQUEST)."""
     buf = _as_buffer(payload)
     try:
-        elems, ints = _split_view(buf, "the payload", _INT_FIELDS)
+        elems, ints = _split_view(buf, "the payload", _INT_FIELDS, limits)
         if not elems:
             raise InvalidRequest("the payload is an empty array")
         tag = _value(elems[0], "tag")
@@ -628,11 +790,11 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
         rid = _value(elems[F_RID], "rid") if len(elems) > F_RID else None
         if not isinstance(rid, str):
             raise InvalidRequest(f"rid must be a string, got {type(rid).__name__}")
-    except InvalidRequest as exc:
-        raise WireError(exc.message, recover_rid(buf)) from exc
+    except AdmissionError as exc:  # InvalidRequest, TooLarge
+        raise WireError(exc.message, recover_rid(buf), exc.code) from exc
     try:
         aux = [_as_buffer(f) for f in aux_frames]
-        reader = _TensorReader(aux)
+        reader = _TensorReader(aux, limits)
         for i, raw in enumerate(elems):
             if i in (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM):
                 continue
@@ -658,8 +820,8 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
             verr = _value(elems[F_VALIDATION_ERROR], "validation_error")
             if verr is not None and not isinstance(verr, str):
                 raise InvalidRequest("validation_error must be nil or a string")
-    except InvalidRequest as exc:
-        raise WireError(exc.message, rid) from exc
+    except AdmissionError as exc:  # InvalidRequest, TooLarge
+        raise WireError(exc.message, rid, exc.code) from exc
     extra = WireExtra(
         raw=elems,
         aux=aux,
@@ -677,22 +839,39 @@ def decode_request(payload: Any, aux_frames: list[Any]) -> Request:
     )
 
 
-def decode_message(frames: list[Any]) -> WireMessage:
-    """Decode ``[type, payload, *aux]``; :class:`WireError` for anything malformed."""
+_ABORT_IDS = msgspec.msgpack.Decoder(list[str])
+
+
+def decode_message(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> WireMessage:
+    """Decode ``[type, payload, *aux]``; :class:`WireError` for anything malformed or
+    over ``limits``."""
     if len(frames) < 2:
         raise WireError(f"a message needs at least 2 frames (type, payload), got {len(frames)}")
     kind = bytes(_as_buffer(frames[0]))
     if kind == bytes([MSG_ADD]):
-        return WireMessage(MSG_ADD, request=decode_request(frames[1], list(frames[2:])))
+        return WireMessage(MSG_ADD, request=decode_request(frames[1], list(frames[2:]), limits))
     if kind == bytes([MSG_ABORT]):
         if len(frames) != 2:
             raise WireError(f"an ABORT message has exactly 2 frames, got {len(frames)}")
+        buf = _as_buffer(frames[1])
         try:
-            rids = _ANY.decode(_as_buffer(frames[1]))
-        except (msgspec.DecodeError, RecursionError, InvalidRequest) as exc:
+            n = array_len(buf)
+        except ValueError:
+            n = 0  # not an array: the decode below words it
+        if n > limits.max_abort_ids:
+            raise WireError(
+                f"ABORT payload: {n} request ids exceed the limit of {limits.max_abort_ids} "
+                "(--max-abort-ids)",
+                code=AbortCode.TOO_LARGE,
+            )
+        try:
+            rids = _ABORT_IDS.decode(buf)  # typed: nothing but strings is ever built
+        except msgspec.ValidationError as exc:
+            raise WireError(
+                f"ABORT payload must be an array of request id strings ({exc})"
+            ) from exc
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise WireError(f"ABORT payload: undecodable ({exc})") from exc
-        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
-            raise WireError("ABORT payload must be an array of request id strings")
         return WireMessage(MSG_ABORT, abort_rids=rids)
     raise WireError(
         f"unknown message type byte {kind.hex() or '(empty)'}; expected 00 (ADD) or 01 (ABORT)",
