@@ -43,7 +43,7 @@ from mmadmit.model import Modality, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import ModelProfile, load_profile
 from mmadmit.wire import decode_message
-from mmadmit_client import ClientStateError, RequestTimeout
+from mmadmit_client import ClientStateError, RequestTimeout, TransportError
 from mmadmit_client.grpc import (
     Aborted,
     AdmissionClient,
@@ -108,12 +108,15 @@ async def running(
     max_inflight: int = 64,
     gate: Gate | None = None,
     serving: bool = True,
+    **server_kw: Any,
 ) -> AsyncIterator[Running]:
     profile = load_profile(str(MODEL_CONFIG[family]))
     pool = MaterializerPool(
         Materializer(profile), workers=workers, max_inflight=max_inflight, before_run=gate
     )
-    server = GrpcServer(pool, profile, listen="127.0.0.1:0", max_message_bytes=64 << 20)
+    server = GrpcServer(
+        pool, profile, listen="127.0.0.1:0", max_message_bytes=64 << 20, **server_kw
+    )
     try:
         address = await server.start()
         if serving:
@@ -766,6 +769,52 @@ async def test_stream_window_queues_instead_of_overloading(gate: Gate) -> None:
         assert sorted(o.request_id for o in outcomes) == sorted(q.request_id for q in reqs)
         assert all(isinstance(o, Materialized) for o in outcomes), outcomes
         assert r.pool.stats.overloaded == 0
+
+
+async def test_stream_inflight_limit_bounds_one_stream(gate: Gate) -> None:
+    """--max-stream-inflight: one stream has at most that many requests admitted; the
+    rest stay unread (nothing refused) until outcomes are written."""
+    async with running("qwen3_5", workers=1, max_inflight=16, gate=gate,
+                       max_stream_inflight=3) as r:  # fmt: skip
+        reqs = [_image_request(r.profile, f"s{k}") for k in range(8)]
+
+        async def drain() -> list[Any]:
+            return [o async for o in r.client.admit_many(reqs)]
+
+        job = asyncio.ensure_future(drain())
+        await until(lambda: r.pool.stats.admitted == 3)
+        # the stream is blocked on its window: another stream's request still gets in
+        other = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "other")))
+        await until(lambda: r.pool.stats.admitted == 4)
+        assert r.pool.stats.admitted == 4 and not job.done()  # the 4th of the stream waits
+        gate.open()
+        outcomes = await job
+        assert sorted(o.request_id for o in outcomes) == sorted(q.request_id for q in reqs)
+        assert all(isinstance(o, Materialized) for o in outcomes), outcomes
+        assert isinstance(await other, Materialized)
+        assert r.pool.stats.overloaded == 0
+
+
+async def test_max_grpc_streams_refuses_calls_past_it(gate: Gate) -> None:
+    """--max-grpc-streams: past it, a call on another connection is RESOURCE_EXHAUSTED
+    (by gRPC itself); one connection waits for a free stream instead."""
+    async with running("qwen3_5", workers=2, max_inflight=8, gate=gate, max_streams=2) as r:
+        held = [
+            asyncio.ensure_future(r.client.admit(_image_request(r.profile, f"c{k}")))
+            for k in range(2)
+        ]
+        await until(lambda: r.pool.inflight == 2)
+        queued = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "queued")))
+        # its own TCP connection (channels with equal arguments share one)
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        async with AsyncAdmissionClient(r.address, channel_options=own) as second:
+            with pytest.raises(TransportError, match="RESOURCE_EXHAUSTED"):
+                await second.admit(_image_request(r.profile, "refused"))
+            assert r.pool.stats.admitted == 2  # neither the refused nor the queued one
+            gate.open()
+            for fut in [*held, queued]:
+                assert isinstance(await fut, Materialized)
+            assert isinstance(await second.admit(_image_request(r.profile, "later")), Materialized)
 
 
 async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running) -> None:

@@ -48,6 +48,7 @@ import zmq
 import zmq.asyncio
 from conftest import CONFIGS, Sockets, Vector, load_vector, vector_names
 from mmadmit import wire
+from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.pool import MaterializerPool
@@ -723,6 +724,85 @@ async def test_overloaded_when_pool_full(service: Factory) -> None:
         assert not any(job.done() for job in held)
         svc.gate.open()
         assert [o.status for o in await asyncio.gather(*held)] == ["materialized"] * 2
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@needs_vectors
+async def test_too_many_frames_is_too_large_and_the_rest_is_released(
+    service: Factory, zctx: Sockets
+) -> None:
+    """A message over --max-frames keeps only its first frames; the ADD is answered
+    TOO_LARGE with its rid, an ABORT is dropped, and the service keeps serving."""
+    v = load_vector(SMALL)
+    good = frames_of(v, "within")
+    svc = await service("qwen3_5", max_frames=len(good), inline_max_tokens=1 << 20)
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(good, copy=False)
+    assert as_outcome(await recv(sock)).materialized
+    over = [*frames_of(v, "many"), *([b"x" * 10] * 500)]
+    before = svc.ingest.stats.received_bytes
+    await sock.send_multipart(over, copy=False)
+    reply = as_outcome(await recv(sock))
+    assert (reply.rid, reply.abort_code) == ("many", "TOO_LARGE")
+    assert f"message of {len(over)} frames exceeds the limit of {len(good)}" in reply.abort_message
+    assert "--max-frames" in reply.abort_message
+    # every byte is counted though only the first frames were kept
+    assert svc.ingest.stats.received_bytes - before == sum(len(bytes(f)) for f in over[1:]) + 1
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["x"]), *([b""] * len(good))])
+    assert await silent(sock, 0.2)
+    await sock.send_multipart(frames_of(v, "after"), copy=False)
+    assert as_outcome(await recv(sock)).materialized
+
+
+@needs_vectors
+async def test_codec_limits_are_the_ingests(service: Factory, zctx: Sockets) -> None:
+    """The ingest decodes with its ``limits``: a breach is answered with its code."""
+    v = load_vector(SMALL)
+    n = len(request_of(v).input_ids)
+    svc = await service("qwen3_5", limits=Limits(max_tokens=n - 1, max_abort_ids=2))
+    sock = dealer(zctx, svc.endpoint)
+    await sock.send_multipart(frames_of(v, "long"), copy=False)
+    reply = as_outcome(await recv(sock))
+    assert (reply.rid, reply.abort_code) == ("long", "TOO_LARGE")
+    expected = f"input_ids: {n} tokens exceed the limit of {n - 1} (--max-tokens)"
+    assert reply.abort_message == expected
+    # an ABORT over --max-abort-ids is dropped: it cancels nothing
+    svc.gate.open()
+    assert svc.ingest.stats.aborts_received == 0
+    await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["a", "b", "c"])])
+    assert await silent(sock, 0.2)
+    stats = svc.ingest.stats  # a dropped ABORT counts as malformed, an ADD by its code
+    assert (stats.malformed, stats.aborts_received, stats.aborted_by_code) == (
+        1, 0, {"TOO_LARGE": 1}
+    )  # fmt: skip
+
+
+@needs_vectors
+async def test_one_peer_cannot_take_the_whole_pool(service: Factory, zctx: Sockets) -> None:
+    """--max-peer-inflight: a peer's next request past it is OVERLOADED, another peer's
+    is admitted; the count goes down as outcomes are sent."""
+    v = load_vector(SMALL)
+    svc = await service("qwen3_5", workers=1, max_inflight=8, max_peer_inflight=2)
+    greedy, other = dealer(zctx, svc.endpoint, b"greedy"), dealer(zctx, svc.endpoint, b"other")
+    for i in range(2):
+        await greedy.send_multipart(frames_of(v, f"hold-{i}"), copy=False)
+    await until(lambda: svc.ingest.inflight == 2)
+    await greedy.send_multipart(frames_of(v, "third"), copy=False)
+    reply = as_outcome(await recv(greedy))
+    assert (reply.rid, reply.abort_code) == ("third", "OVERLOADED")
+    assert "2 requests in flight" in reply.abort_message
+    assert "--max-peer-inflight" in reply.abort_message
+    await other.send_multipart(frames_of(v, "hold-other"), copy=False)
+    await until(lambda: svc.ingest.inflight == 3)  # admitted, not refused
+    svc.gate.open()
+    got = sorted([as_outcome(await recv(greedy)).rid for _ in range(2)])
+    assert got == ["hold-0", "hold-1"]
+    assert as_outcome(await recv(other)).materialized
+    await until(lambda: not svc.ingest._peer_counts)  # nothing kept per peer once idle
+    await greedy.send_multipart(frames_of(v, "again"), copy=False)
+    assert as_outcome(await recv(greedy)).materialized
 
 
 @needs_vectors

@@ -85,6 +85,7 @@ from .handshake import (
     parse_status,
     status_message,
 )
+from .limits import DEFAULT_LIMITS, Limits
 from .pool import MaterializerPool
 from .telemetry import Telemetry
 from .zmq_ingest import ZmqIngest, ZmqIngestStats
@@ -196,8 +197,12 @@ class EngineRelay:
         watchdog_s: float | None = WATCHDOG_S,
         max_pending_outputs: int = MAX_PENDING_OUTPUTS,
         output_hook: Callable[[list[Any]], None] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        max_frames: int | None = None,
     ) -> None:
         self.pool = pool
+        self.limits = limits
+        self.max_frames = max_frames
         self.smg_handshake = smg_handshake
         self.listen = listen
         self.engine_index = engine_index
@@ -476,6 +481,8 @@ class EngineRelay:
             stats=self.stats,
             on_forward=self._forwarded,
             passthrough=True,
+            limits=self.limits,
+            max_frames=self.max_frames,
         )
         assert self._scheduler_identity is not None
         # The ingest owns these two from here (it closes them at stop).
@@ -554,9 +561,7 @@ class EngineRelay:
             return
         self._dead = True
         self.stats.scheduler_alive = 0
-        logger.error(
-            "engine mode: the scheduler went away (%s); ENGINE_CORE_DEAD to SMG", why
-        )
+        logger.error("engine mode: the scheduler went away (%s); ENGINE_CORE_DEAD to SMG", why)
         self._send_dead()
         if self._on_gone is not None:
             self._on_gone(why)

@@ -141,12 +141,19 @@ class GrpcServer:
         *,
         listen: str,
         max_message_bytes: int,
+        max_streams: int | None = None,
+        max_stream_inflight: int | None = None,
         extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
         telemetry: Telemetry | None = None,
         credentials: grpc.ServerCredentials | None = None,
         security: str = "plaintext",
     ) -> None:
-        self.servicer = AdmissionServicer(pool, profile, telemetry)
+        if max_streams is not None and max_streams < 1:
+            raise ValueError("max_streams must be positive")
+        self.max_streams = max_streams
+        self.servicer = AdmissionServicer(
+            pool, profile, telemetry, max_stream_inflight=max_stream_inflight
+        )
         self.health = health_aio.HealthServicer()
         self.listen = listen
         self.max_message_bytes = clamp_message_bytes(max_message_bytes)
@@ -177,14 +184,18 @@ class GrpcServer:
         host, sep, _ = self.listen.rpartition(":")
         if not sep:
             raise ValueError(f"listen address must be HOST:PORT, got {self.listen!r}")
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes),
-                # Refuse a port another process already serves instead of sharing it.
-                ("grpc.so_reuseport", 0),
-            ]
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            # Refuse a port another process already serves instead of sharing it.
+            ("grpc.so_reuseport", 0),
+        ]
+        if self.max_streams is not None:
+            # one connection opens no more HTTP/2 streams than that (the client
+            # waits for one to end); the whole server runs no more calls (beyond:
+            # RESOURCE_EXHAUSTED, from gRPC itself)
+            options.append(("grpc.max_concurrent_streams", self.max_streams))
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_streams)
         handlers = admission_handlers(self.servicer)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(ADMISSION_SERVICE, handlers),)

@@ -439,8 +439,18 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
     """
 
     def __init__(
-        self, pool: MaterializerPool, profile: ModelProfile, telemetry: Telemetry | None = None
+        self,
+        pool: MaterializerPool,
+        profile: ModelProfile,
+        telemetry: Telemetry | None = None,
+        *,
+        max_stream_inflight: int | None = None,
     ) -> None:
+        if max_stream_inflight is not None and max_stream_inflight < 1:
+            raise ValueError("max_stream_inflight must be positive")
+        self.max_stream_inflight = (
+            max_stream_inflight if max_stream_inflight is not None else pool.max_inflight
+        )
         self._pool = pool
         self._profile = profile
         self.telemetry = telemetry
@@ -528,7 +538,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
     ) -> None:
         """Read requests while earlier ones run; write each outcome as soon as it is known.
 
-        At most ``pool.max_inflight`` requests of one stream are outstanding
+        At most ``max_stream_inflight`` requests of one stream are outstanding
         (admitted, or answered but not yet written): past that the stream stops
         reading and gRPC flow control pushes back on the client. Only this
         coroutine writes (gRPC allows one write at a time).
@@ -541,7 +551,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         transport's limit sits far above the per-request limits (GRPC.md).
         """
         self.stats.streams += 1
-        window = asyncio.Semaphore(self._pool.max_inflight)
+        window = asyncio.Semaphore(self.max_stream_inflight)
         responses: asyncio.Queue[pb.AdmitResponse | None] = asyncio.Queue()
         workers: set[asyncio.Task[None]] = set()
 

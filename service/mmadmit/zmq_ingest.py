@@ -78,9 +78,15 @@ How the hard parts work:
   stopped before the context terminates (``term()`` would wait for its sockets
   forever). A peer refused by ZAP, or one without CURVE, never completes the
   handshake, so none of its messages reaches intake. The forward PUSH stays plain.
-* **Size limit**: the bytes of all frames of a message are summed as received;
+* **Size limits**: the bytes of all frames of a message are summed as received;
   above ``max_message_bytes`` the ADD is answered ``TOO_LARGE``. ``ZMQ_MAXMSGSIZE``
-  is never set: libzmq would drop the peer's connection without a reply.
+  is never set: libzmq would drop the peer's connection without a reply. A
+  message of more than ``max_frames`` frames keeps only its first ones in
+  Python (:class:`~mmadmit.zsock.CutMessage`) and is answered ``TOO_LARGE``.
+  The codec decides the per-request ``limits`` before it decodes
+  (:mod:`mmadmit.wire`). A peer with ``max_peer_inflight`` requests already
+  in flight has the next one answered ``OVERLOADED``, so that one sender
+  cannot take the whole pool.
 
 Threading: everything runs on the event loop that called :meth:`ZmqIngest.start`;
 no zmq call here blocks, and materialization runs on the pool's workers (or,
@@ -102,11 +108,20 @@ import zmq.asyncio
 
 from . import wire
 from .errors import Abort, AbortCode, AdmissionError, abort_from_exception
+from .limits import DEFAULT_LIMITS, Limits
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
 from .security import CurveAuthenticator, CurveServer
 from .telemetry import Telemetry
-from .zsock import WATCHDOG_S, OrderedSender, RetryingSender, Slot, SocketReader, sizes
+from .zsock import (
+    WATCHDOG_S,
+    CutMessage,
+    OrderedSender,
+    RetryingSender,
+    Slot,
+    SocketReader,
+    sizes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +270,20 @@ class ZmqIngest:
         on_forward: Callable[[str], None] | None = None,
         passthrough: bool = False,
         curve: CurveServer | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        max_frames: int | None = None,
+        max_peer_inflight: int | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
+        if max_frames is not None and max_frames < 2:
+            raise ValueError("max_frames must be at least 2 (type and payload)")
+        if max_peer_inflight is not None and max_peer_inflight < 1:
+            raise ValueError("max_peer_inflight must be positive")
+        self.limits = limits
+        self.max_frames = max_frames
+        self.max_peer_inflight = max_peer_inflight
+        self._peer_counts: dict[bytes, int] = {}  # async in-flight requests per peer
         if not send_timeout_s >= 0:
             raise ValueError("send_timeout_s must be a non-negative number")
         self.pool = pool
@@ -402,12 +428,15 @@ class ZmqIngest:
         prefix: list[Any] | None,
     ) -> None:
         res = self._res
+        limit = self.max_frames
         reader = SocketReader(
             intake,
             self._on_message,
             stats=self.stats,
             name=f"{self.transport} {self.mode}",
             watchdog_s=self._watchdog_s,
+            # a ROUTER's messages start with the peer's identity frame
+            max_frames=None if limit is None else limit + (self._peer is None),
         )
         res.intake = self._intake = reader
         if push is not None:
@@ -520,6 +549,9 @@ class ZmqIngest:
             identity, body = peer, frames
         self._answered = False
         try:
+            if isinstance(frames, CutMessage):
+                self._on_cut(identity, body, frames)
+                return
             self._handle(identity, body)
         except Exception as exc:  # noqa: BLE001 - one bad message must not kill intake
             logger.exception("unexpected error handling a ZMQ message (frames %s)", sizes(body))
@@ -568,12 +600,14 @@ class ZmqIngest:
             )
             return
         try:
-            msg = wire.decode_message(body)
+            msg = wire.decode_message(body, self.limits)
         except wire.WireError as exc:
-            self.stats.malformed += 1
+            if exc.code is AbortCode.INVALID_REQUEST:  # a breach is counted by its code
+                self.stats.malformed += 1
             logger.warning(
-                "rid=%s: malformed message from peer %s (frames %s): %s",
+                "rid=%s: %s message from peer %s (frames %s): %s",
                 exc.rid,
+                "malformed" if exc.code is AbortCode.INVALID_REQUEST else "oversized",
                 identity.bytes.hex(),
                 sizes(body),
                 exc.message,
@@ -612,6 +646,20 @@ class ZmqIngest:
                 t0,
             )
             return
+        peer_count = self._peer_counts.get(key[0], 0)
+        if self.max_peer_inflight is not None and peer_count >= self.max_peer_inflight:
+            self._abort_now(
+                identity,
+                request,
+                request.rid,
+                Abort(
+                    AbortCode.OVERLOADED,
+                    f"this peer has {peer_count} requests in flight, the limit per peer "
+                    f"(--max-peer-inflight); retry once one has its outcome",
+                ),
+                t0,
+            )
+            return
         try:
             ticket = self.pool.submit(request)
         except AdmissionError as exc:  # Overloaded, ShuttingDown
@@ -623,12 +671,56 @@ class ZmqIngest:
             self._emit_now(identity, request.rid, frames_out)
             return
         self._inflight[key] = ticket
+        self._peer_counts[key[0]] = peer_count + 1
         slot = None
         if self._fwd is not None:
             self._fwd.add_pending()
             slot = self._fwd.slot([key])
         self._answered = True
         self._spawn(self._complete(identity, key, request, ticket, slot, t0))
+
+    def _peer_done(self, peer: bytes) -> None:
+        left = self._peer_counts.get(peer, 1) - 1
+        if left > 0:
+            self._peer_counts[peer] = left
+        else:
+            self._peer_counts.pop(peer, None)  # no entry per peer that ever sent
+
+    def _on_cut(self, identity: zmq.Frame, body: list[zmq.Frame], cut: CutMessage) -> None:
+        """A message of more than ``max_frames`` frames (only its first ones kept)."""
+        t0 = time.perf_counter()
+        extra_bytes = cut.total_bytes - sum(sizes(cut))
+        n_frames = cut.total_frames - (len(cut) - len(body))  # without the identity
+        self.stats.received += 1
+        self.stats.received_bytes += sum(sizes(body)) + extra_bytes
+        if body[0].bytes == ABORT:
+            self.stats.malformed += 1
+            logger.warning(
+                "ABORT from peer %s of %d frames dropped (an ABORT has 2)",
+                identity.bytes.hex(),
+                n_frames,
+            )
+            self._answered = True
+            return
+        rid = wire.recover_rid(body[1]) if len(body) > 1 else ""
+        logger.warning(
+            "rid=%s: message of %d frames from peer %s exceeds the limit of %d",
+            rid,
+            n_frames,
+            identity.bytes.hex(),
+            self.max_frames,
+        )
+        self._abort_now(
+            identity,
+            None,
+            rid,
+            Abort(
+                AbortCode.TOO_LARGE,
+                f"message of {n_frames} frames exceeds the limit of {self.max_frames} "
+                "frames (--max-frames)",
+            ),
+            t0,
+        )
 
     def _on_abort(self, identity: zmq.Frame, body: list[zmq.Frame], total: int) -> None:
         peer = identity.bytes
@@ -639,7 +731,7 @@ class ZmqIngest:
             )
             return
         try:
-            rids = wire.decode_message(body).abort_rids
+            rids = wire.decode_message(body, self.limits).abort_rids
         except wire.WireError as exc:
             self.stats.malformed += 1
             logger.warning(
@@ -746,6 +838,7 @@ class ZmqIngest:
             finally:
                 if self._inflight.get(key) is ticket:
                     del self._inflight[key]
+                    self._peer_done(key[0])
             try:
                 frames = self._outcome_frames(request, outcome, t0)
             except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer

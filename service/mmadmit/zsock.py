@@ -121,7 +121,9 @@ class SocketReader:
     ``await`` in between; it should not raise (an exception is logged and
     reading goes on). ``stats`` receives ``wakeups`` and ``watchdog_reads``.
     ``watchdog_s=None`` turns the watchdog off (tests: a lost wake-up must
-    show as a stall).
+    show as a stall). With ``max_frames``, a message of more frames is handed
+    over as a :class:`CutMessage` of its first ``max_frames`` frames: the rest
+    are received and released one by one, never held together in Python.
     """
 
     def __init__(
@@ -133,8 +135,12 @@ class SocketReader:
         name: str,
         batch: int = RECV_BATCH,
         watchdog_s: float | None = WATCHDOG_S,
+        max_frames: int | None = None,
     ) -> None:
+        if max_frames is not None and max_frames < 1:
+            raise ValueError("max_frames must be positive")
         self.sock = sock
+        self.max_frames = max_frames
         self.stats = stats
         self.name = name
         self.batch = batch
@@ -247,7 +253,10 @@ class SocketReader:
             try:
                 if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:
                     return False
-                frames = cast(list[zmq.Frame], sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                if self.max_frames is None:
+                    frames = cast(list[zmq.Frame], sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                else:
+                    frames = self._recv_bounded(sock, self.max_frames)
             except zmq.Again:
                 return False
             except zmq.ZMQError as exc:  # the socket is closing
@@ -255,6 +264,33 @@ class SocketReader:
                 return False
             handler(frames)
         return True
+
+    @staticmethod
+    def _recv_bounded(sock: zmq.Socket[Any], max_frames: int) -> list[zmq.Frame]:
+        """One whole message (libzmq delivers its parts together), at most
+        ``max_frames`` of them kept; a longer one comes back as a CutMessage."""
+        frames: list[zmq.Frame] = [cast(zmq.Frame, sock.recv(zmq.NOBLOCK, copy=False))]
+        while sock.getsockopt(zmq.RCVMORE):
+            frame = cast(zmq.Frame, sock.recv(zmq.NOBLOCK, copy=False))
+            if len(frames) < max_frames:
+                frames.append(frame)
+                continue
+            cut = CutMessage(frames)
+            cut.total_frames = len(frames) + 1
+            cut.total_bytes = sum(len(f) for f in frames) + len(frame)
+            del frame
+            while sock.getsockopt(zmq.RCVMORE):  # the rest: counted, then released
+                cut.total_bytes += len(sock.recv(zmq.NOBLOCK, copy=False))
+                cut.total_frames += 1
+            return cut
+        return frames
+
+
+class CutMessage(list):  # type: ignore[type-arg]
+    """The first ``max_frames`` frames of a longer message, with its real size."""
+
+    total_frames: int = 0
+    total_bytes: int = 0
 
 
 # --------------------------------------------------------------------------- delivery
@@ -552,6 +588,7 @@ async def _sender_loop(ref: weakref.ref[OrderedSender], wake: asyncio.Event) -> 
 __all__ = [
     "RECV_BATCH",
     "WATCHDOG_S",
+    "CutMessage",
     "OrderedSender",
     "RetryingSender",
     "Slot",
