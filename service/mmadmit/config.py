@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .materializer import Limits
+from .limits import MAX_DEPTH, Limits
 from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
 from .security import check_config as check_security
 
@@ -53,6 +53,20 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:  # also rejects NaN
         raise ValueError("must be a positive number")
+    return value
+
+
+def _depth(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= MAX_DEPTH:
+        raise ValueError(f"must be 2..{MAX_DEPTH}")
+    return value
+
+
+def _frames(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise ValueError("must be at least 2 (a message has a type and a payload frame)")
     return value
 
 
@@ -242,6 +256,67 @@ class ServeConfig:
             "help": "bytes of one received message (gRPC receive limit too)",
         },
     )
+    max_tensor_rank: int = field(
+        default=8, metadata={"parse": _positive_int, "help": "dimensions of one tensor"}
+    )
+    max_tensor_dim: int = field(
+        default=2**31 - 1,
+        metadata={"parse": _positive_int, "help": "size of any one dimension of a tensor"},
+    )
+    max_msgpack_depth: int = field(
+        default=32,
+        metadata={
+            "parse": _depth,
+            "help": "ZMQ: nesting depth of a payload's msgpack, the payload array being 1 "
+            f"(2..{MAX_DEPTH}; deeper is INVALID_REQUEST)",
+        },
+    )
+    max_msgpack_len: int = field(
+        default=65_536,
+        metadata={
+            "parse": _positive_int,
+            "help": "ZMQ: elements of one msgpack array or entries of one map, token arrays "
+            "excepted (--max-tokens bounds those)",
+        },
+    )
+    max_abort_ids: int = field(
+        default=4096,
+        metadata={
+            "parse": _positive_int,
+            "help": "ZMQ: request ids in one ABORT message (a longer one is dropped)",
+        },
+    )
+    max_frames: int = field(
+        default=1024,
+        metadata={
+            "parse": _frames,
+            "help": "ZMQ: frames of one message (type, payload and aux frames; at least 2)",
+        },
+    )
+    max_peer_inflight: int | None = field(
+        default=None,
+        metadata={
+            "parse": _positive_int,
+            "help": "ZMQ: requests one peer may have in flight before OVERLOADED (unset: "
+            "--max-inflight); set it lower when several frontends share a replica",
+        },
+    )
+    max_grpc_streams: int = field(
+        default=1024,
+        metadata={
+            "parse": _positive_int,
+            "help": "gRPC: concurrent calls, streams and unary alike (beyond: "
+            "RESOURCE_EXHAUSTED), and the HTTP/2 streams one connection may open",
+        },
+    )
+    max_stream_inflight: int = field(
+        default=64,
+        metadata={
+            "parse": _positive_int,
+            "help": "gRPC: requests of one AdmitStream awaiting their outcome; the stream "
+            "reads no further request until one is answered",
+        },
+    )
     cuda_min_tokens: int = field(
         default=32_768,
         metadata={
@@ -295,6 +370,11 @@ class ServeConfig:
             max_tokens=self.max_tokens,
             max_items=self.max_items,
             max_tensor_bytes=self.max_tensor_bytes,
+            max_tensor_rank=self.max_tensor_rank,
+            max_tensor_dim=self.max_tensor_dim,
+            max_msgpack_depth=self.max_msgpack_depth,
+            max_msgpack_len=self.max_msgpack_len,
+            max_abort_ids=self.max_abort_ids,
         )
 
     def load_profile(self) -> ModelProfile:

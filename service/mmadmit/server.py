@@ -193,6 +193,8 @@ async def start_server(
             profile,
             listen=config.grpc_listen,
             max_message_bytes=config.max_message_bytes,
+            max_streams=config.max_grpc_streams,
+            max_stream_inflight=config.max_stream_inflight,
             telemetry=telemetry,
             credentials=tls.server_credentials() if tls is not None else None,
             security=("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
@@ -210,6 +212,9 @@ async def start_server(
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
             curve=security.curve_from_config(config),
+            limits=config.limits,
+            max_frames=config.max_frames,
+            max_peer_inflight=config.max_peer_inflight,
         )
         stack.push_async_callback(ingest.stop, 0.0)
         handle.addresses["zmq"] = await ingest.start()
@@ -227,6 +232,8 @@ async def start_server(
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
             on_gone=lambda why: _scheduler_gone(handle, why),
+            limits=config.limits,
+            max_frames=config.max_frames,
         )
         stack.push_async_callback(relay.stop, 0.0)
         handle.addresses["engine"] = await relay.bind()

@@ -325,16 +325,16 @@ class StatsCollector(Collector):
             yield from _engine_families(engine.stats)
         heap = heap_stats()
         if heap is not None:  # glibc only
-            family = GaugeMetricFamily(
+            heap_family = GaugeMetricFamily(
                 "mmadmit_heap_bytes",
                 "glibc's heap over all arenas: bytes in use by the process (state=in_use) and "
                 "bytes the allocator holds free without returning them (state=free); a leak "
                 "grows in_use, fragmentation grows free.",
                 labels=["state"],
             )
-            family.add_metric(["in_use"], heap.in_use)
-            family.add_metric(["free"], heap.free)
-            yield family
+            heap_family.add_metric(["in_use"], heap.in_use)
+            heap_family.add_metric(["free"], heap.free)
+            yield heap_family
         info = GaugeMetricFamily(
             "mmadmit_build_info",
             "The running profile and device (value 1).",

@@ -1,0 +1,409 @@
+"""Request limits (issue 12 item 3): each breach is its own outcome, decided before
+anything sized by the sender is built.
+
+Pinned here, with native code on and off (``conftest.native_mode``):
+
+* the structure walk (:func:`mmadmit.intcodec.check_structure`) and the bounded
+  split: native and Python give the same answer on random nested values, on
+  mutated bytes and at every limit boundary;
+* every codec limit over the wire codec: the payload's length, tokens
+  (``input_ids`` and ``input_ids_unpadded``, small and large payloads), one
+  container's length, nesting depth, items (fast and general item paths),
+  tensor rank, one dimension, bytes from the shape, ABORT ids; each at its limit
+  accepted, one over refused with the code and the flag named, the rid kept;
+* memory: a hostile message decoded under ``tracemalloc`` peaks far below what
+  decoding it would take, and a control with the limit lifted shows that the
+  same message does take it (so the bound is the limit's doing);
+* configuration: every limit is a setting with its default, parsed and checked.
+
+Transport limits (frames, in flight per peer, gRPC calls and requests per
+stream) are tested on real sockets in ``test_zmq_ingest.py`` and
+``test_grpc_api.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from conftest import CONFIGS
+from mmadmit import intcodec, wire
+from mmadmit.config import ServeConfig, build_config
+from mmadmit.errors import Abort, AbortCode, ConfigError
+from mmadmit.limits import DEFAULT_LIMITS, Limits
+from mmadmit.materializer import Materializer
+from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+from mmadmit.profile import load_profile
+
+pytestmark = pytest.mark.usefixtures("native_mode")
+
+ENC = msgspec.msgpack.Encoder()
+IMAGE = 248056  # Qwen3.5 <|image_pad|>
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def text_payload(rid: str = "r", n: int = 8, **elements: Any) -> bytes:
+    """A text ADD payload with ``n`` tokens, element overrides by index (``e13=...``)."""
+    raw = msgspec.msgpack.decode(
+        wire.encode_request(Request(rid, np.arange(n, dtype=np.int64)))[0],
+        type=list[msgspec.Raw],
+    )
+    for key, value in elements.items():
+        i = int(key.removeprefix("e"))
+        raw += [msgspec.Raw(b"\xc0")] * (i + 1 - len(raw))
+        raw[i] = value if isinstance(value, msgspec.Raw) else msgspec.Raw(ENC.encode(value))
+    return ENC.encode(raw)
+
+
+def image_request(rid: str = "img", *, items: int = 1, shape: tuple[int, ...] = (16, 256),
+                  side_extra: Any = None) -> Request:  # fmt: skip
+    """A Qwen3.5 request with ``items`` 8x8 images (16 placeholders each)."""
+    ids = np.full(8 + 20 * items, 100, np.int64)
+    its = []
+    for k in range(items):
+        start = 4 + 20 * k
+        ids[start : start + 16] = IMAGE
+        side: dict[str, Any] = {"image_grid_thw": Tensor.from_numpy(np.array([[1, 8, 8]]))}
+        if side_extra is not None:
+            side["note"] = side_extra  # not a tensor: the fast item decoder declines
+        its.append(
+            Item(
+                modality=int(Modality.IMAGE),
+                offsets=np.array([[start, start + 15]], np.int64),
+                feature=Tensor.from_numpy(np.zeros(shape, np.float32)),
+                side=side,
+            )
+        )
+    return Request(rid=rid, input_ids=ids, mm=MultimodalInputs(items=its))
+
+
+def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> wire.WireMessage:
+    return wire.decode_message(frames, limits)
+
+
+def refused(frames: list[Any], limits: Limits) -> wire.WireError:
+    with pytest.raises(wire.WireError) as info:
+        decode(frames, limits)
+    return info.value
+
+
+def add(payload: bytes, *aux: Any) -> list[Any]:
+    return [b"\x00", payload, *aux]
+
+
+def nested(depth: int) -> Any:
+    """A value of ``depth`` nested arrays (``depth`` 0: an int)."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def _random_value(rng: random.Random, depth: int) -> Any:
+    roll = rng.random()
+    if depth <= 0 or roll < 0.35:
+        return rng.choice([0, -3, 200, 70_000, 2**40, -(2**40), 1.5, "s", "x" * 40, b"b", None,
+                           True, msgspec.msgpack.Ext(3, b"ab")])  # fmt: skip
+    # mostly short containers; the longer ones (past the fix forms) near the leaves
+    n = rng.choice([0, 1, 2, 3, 15, 16, 17, 40] if depth <= 1 else [0, 1, 2, 3])
+    if roll < 0.7:
+        return [_random_value(rng, depth - 1) for _ in range(n)]
+    return {f"k{i}": _random_value(rng, depth - 1) for i in range(n)}
+
+
+def _both(buf: bytes, offsets: list[int], skip: tuple[int, ...], depth: int, length: int) -> Any:
+    """(native result, Python result); a ValueError is the result ``"ValueError"``."""
+    out = []
+    for impl in (intcodec._check_native, intcodec._check_py):
+        try:
+            out.append(impl(memoryview(buf), list(offsets), skip, depth, length))
+        except ValueError:
+            out.append("ValueError")
+    return tuple(out)
+
+
+@pytest.mark.skipif(not intcodec._BUILT, reason="the C extension is not built")
+def test_structure_walk_native_and_python_agree_on_random_and_mutated_input() -> None:
+    rng = random.Random(12)
+    breaches = {1: 0, 2: 0, 3: 0, None: 0}
+    for _ in range(400):
+        value = [_random_value(rng, 6) for _ in range(rng.randint(1, 6))]
+        buf = ENC.encode(value)
+        offsets, _ = intcodec.split_array(buf)
+        skip = tuple(i for i in range(len(value)) if rng.random() < 0.2)
+        for depth, length in ((1, 0), (2, 3), (3, 16), (4, 15), (32, 65_536), (1024, 2**40)):
+            native, python = _both(buf, offsets, skip, depth, length)
+            assert native == python, (value, skip, depth, length)
+            breaches[None if native is None else native[0]] += 1
+        # mutated bytes inside the elements, offsets kept: the same verdict or both refuse
+        for _ in range(4):
+            bad = bytearray(buf)
+            bad[rng.randrange(offsets[0], len(bad))] = rng.randrange(256)
+            native, python = _both(bytes(bad), offsets, skip, 4, 15)
+            assert native == python, (bytes(bad).hex(), skip)
+    assert all(count > 50 for count in breaches.values()), breaches  # every verdict seen
+
+
+def test_structure_walk_boundaries() -> None:
+    buf = ENC.encode(["tag", nested(3), {"a": [1, 2, 3]}, list(range(5))])
+    offsets, _ = intcodec.split_array(buf)
+    check = intcodec.check_structure
+    assert check(buf, offsets, (), 4, 5) is None  # element 1: depth 4 (3 arrays in the payload)
+    assert check(buf, offsets, (), 3, 5) == (3, 1, 4)
+    assert check(buf, offsets, (1,), 3, 5) is None  # skipped
+    assert check(buf, offsets, (1,), 3, 4) == (1, 3, 5)  # array of 5 over 4
+    assert check(buf, offsets, (1, 3), 3, 2) == (1, 2, 3)  # element 2's [1, 2, 3]
+    assert check(buf, offsets, (1, 3), 3, 0) == (2, 2, 1)  # the map of 1 entry
+    with pytest.raises(ValueError, match="spans"):
+        check(buf, [offsets[0], len(buf) + 1], (), 4, 5)
+    with pytest.raises(ValueError, match="one value"):
+        check(buf, [offsets[0], offsets[2]], (), 4, 5)
+    with pytest.raises(ValueError, match="max_depth"):
+        check(buf, offsets, (), 0, 5)
+
+
+def test_bounded_split_refuses_from_the_header() -> None:
+    buf = ENC.encode(["t", list(range(50)), 3, list(range(20))])
+    offsets, ints = intcodec.split_array(buf, (1, 3), 50)
+    assert [a.tolist() for a in ints] == [list(range(50)), list(range(20))]
+    with pytest.raises(intcodec.IntArrayTooLong) as info:
+        intcodec.split_array(buf, (1, 3), 49)
+    assert (info.value.element, info.value.count, info.value.limit) == (1, 50, 49)
+    with pytest.raises(intcodec.IntArrayTooLong) as info:
+        intcodec.split_array(ENC.encode(["t", [1], 3, ["a"] * 30]), (1, 3), 20)
+    assert info.value.element == 3  # an array of non-ints is refused from its header too
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+def test_payload_length() -> None:
+    n = DEFAULT_LIMITS.max_msgpack_len
+    err = refused(add(text_payload()), Limits(max_msgpack_len=23))  # 24 elements
+    assert err.code is AbortCode.TOO_LARGE and "--max-msgpack-len" in err.message
+    assert err.rid == "r"
+    assert decode(add(text_payload()), Limits(max_msgpack_len=24)).request is not None
+    huge = ENC.encode(["TokenizedGenerateReqInput", "big", *([None] * n)])
+    err = refused(add(huge), DEFAULT_LIMITS)
+    assert err.code is AbortCode.TOO_LARGE and f"{n + 2} elements" in err.message
+    assert err.rid == "big"
+
+
+@pytest.mark.parametrize("n", [100, 5000])  # msgspec split (< 4 KiB) and the native walk
+@pytest.mark.parametrize("field", ["input_ids", "input_ids_unpadded"])
+def test_tokens(n: int, field: str) -> None:
+    ids = list(range(n))
+    payload = text_payload(n=8, e4=ids) if field == "input_ids" else text_payload(n=8, e21=ids)
+    assert decode(add(payload), Limits(max_tokens=n)).request is not None
+    err = refused(add(payload), Limits(max_tokens=n - 1))
+    assert err.code is AbortCode.TOO_LARGE
+    assert err.message == f"{field}: {n} tokens exceed the limit of {n - 1} (--max-tokens)"
+    assert err.rid == "r"
+
+
+def test_container_length() -> None:
+    sampling = {f"k{i}": i for i in range(300)}
+    payload = text_payload(e5=sampling)
+    assert decode(add(payload), Limits(max_msgpack_len=300)).request is not None
+    err = refused(add(payload), Limits(max_msgpack_len=299))
+    assert err.code is AbortCode.TOO_LARGE
+    assert err.message == (
+        "element 5: a map of 300 entries, over the limit of 299 (--max-msgpack-len)"
+    )
+    err = refused(add(text_payload(e13=[[0] * 300])), Limits(max_msgpack_len=299))
+    assert "element 13: an array of 300 elements" in err.message
+
+
+def test_depth() -> None:
+    payload = text_payload(e13=nested(31))  # the payload (1) + 31 arrays = depth 32
+    assert decode(add(payload)).request is not None
+    err = refused(add(text_payload(e13=nested(32))), DEFAULT_LIMITS)
+    assert err.code is AbortCode.INVALID_REQUEST
+    assert err.message == (
+        "element 13: msgpack nested 33 levels deep, over the limit of 32 (--max-msgpack-depth)"
+    )
+    # deeper than msgspec or any recursion would go: refused by the walk all the same
+    err = refused(add(text_payload(e13=msgspec.Raw(b"\x91" * 200_000 + b"\x01"))), DEFAULT_LIMITS)
+    assert err.code is AbortCode.INVALID_REQUEST and "--max-msgpack-depth" in err.message
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_items(path: str) -> None:
+    req = image_request(items=3, side_extra="x" if path == "general" else None)
+    frames = add(*wire.encode_request(req))
+    assert len(decode(frames, Limits(max_items=3)).request.mm.items) == 3
+    err = refused(frames, Limits(max_items=2))
+    assert err.code is AbortCode.TOO_LARGE
+    assert err.message == "3 items exceed the limit of 2 (--max-items)"
+    assert err.rid == "img"
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize(
+    ("shape", "at_limit", "over", "flag"),
+    [
+        ((1,) * 8 + (16,), Limits(max_tensor_rank=9), Limits(max_tensor_rank=8),
+         "--max-tensor-rank"),
+        ((16, 256), Limits(max_tensor_dim=256), Limits(max_tensor_dim=255), "--max-tensor-dim"),
+        ((16, 256), Limits(max_tensor_bytes=16 * 256 * 4),
+         Limits(max_tensor_bytes=16 * 256 * 4 - 1), "--max-tensor-bytes"),
+    ],
+)  # fmt: skip
+def test_tensor_limits(
+    path: str, shape: tuple[int, ...], at_limit: Limits, over: Limits, flag: str
+) -> None:
+    req = image_request(shape=shape, side_extra="x" if path == "general" else None)
+    frames = add(*wire.encode_request(req))
+    assert decode(frames, at_limit).request is not None
+    err = refused(frames, over)
+    assert err.code is AbortCode.TOO_LARGE and flag in err.message, err.message
+    assert err.message.startswith("item 0 feature:")
+
+
+def test_tensor_bytes_are_judged_from_the_shape() -> None:
+    """A shape promising 4 TiB (each dimension in range) over a small frame: TOO_LARGE,
+    not a byte mismatch."""
+    req = image_request()
+    payload, *aux = wire.encode_request(req)
+    feature = msgspec.Raw(ENC.encode(["float32", [2**20, 2**20], 1]))
+    elems = msgspec.msgpack.decode(payload, type=list[msgspec.Raw])
+    mm = msgspec.msgpack.decode(elems[22], type=list[msgspec.Raw])
+    items = msgspec.msgpack.decode(mm[0], type=list[list[msgspec.Raw]])
+    items[0][4] = feature
+    mm[0] = msgspec.Raw(ENC.encode(items))
+    elems[22] = msgspec.Raw(ENC.encode(mm))
+    err = refused(add(ENC.encode(elems), *aux), DEFAULT_LIMITS)
+    assert err.code is AbortCode.TOO_LARGE and "--max-tensor-bytes" in err.message
+
+
+def test_abort_ids() -> None:
+    ids = [f"r{i}" for i in range(50)]
+    assert decode([b"\x01", ENC.encode(ids)], Limits(max_abort_ids=50)).abort_rids == ids
+    err = refused([b"\x01", ENC.encode(ids)], Limits(max_abort_ids=49))
+    assert err.code is AbortCode.TOO_LARGE
+    assert err.message == "ABORT payload: 50 request ids exceed the limit of 49 (--max-abort-ids)"
+    err = refused([b"\x01", ENC.encode(["a", ["b"]])], DEFAULT_LIMITS)
+    assert err.code is AbortCode.INVALID_REQUEST and "request id strings" in err.message
+
+
+def test_materializer_checks_dimensions_for_every_transport() -> None:
+    """gRPC requests reach the materializer without the codec: it checks the same limits."""
+    m = Materializer(load_profile(str(CONFIGS / "qwen3_5.json")), Limits(max_tensor_dim=255))
+    out = m.run(image_request())
+    assert isinstance(out, Abort) and out.code is AbortCode.TOO_LARGE
+    assert "dimension 256 exceeds the limit of 255 (--max-tensor-dim)" in out.message
+    ok = Materializer(load_profile(str(CONFIGS / "qwen3_5.json")), Limits(max_tensor_dim=256))
+    assert not isinstance(ok.run(image_request()), Abort)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _peak(fn: Callable[[], Any]) -> int:
+    """Peak bytes traced while ``fn`` runs (numpy's buffers included)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        try:
+            fn()
+        except wire.WireError:
+            pass
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+HOSTILE: dict[str, tuple[Callable[[], list[Any]], Limits, Limits]] = {
+    # 2 M one-byte tokens: 16 MB as int64 (more through Python ints)
+    "tokens": (
+        lambda: add(text_payload(e4=msgspec.Raw(b"\xdd\x00\x20\x00\x00" + b"\x01" * (2 << 20)))),
+        Limits(max_tokens=1000),
+        Limits(max_tokens=1 << 30),
+    ),
+    # an array of 1 M empty maps (1 MB): 1 M dicts, about 64 MB
+    "container": (
+        lambda: add(text_payload(e13=msgspec.Raw(b"\xdd\x00\x10\x00\x00" + b"\x80" * (1 << 20)))),
+        DEFAULT_LIMITS,
+        Limits(max_msgpack_len=1 << 30),
+    ),
+    # 1 M empty request ids (1 MB): a list of 1 M str, 8 MB at least
+    "abort_ids": (
+        lambda: [b"\x01", b"\xdd\x00\x10\x00\x00" + b"\xa0" * (1 << 20)],
+        DEFAULT_LIMITS,
+        Limits(max_abort_ids=1 << 30),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_breach_allocates_nothing_sized_by_the_sender(case: str) -> None:
+    build, limits, lifted = HOSTILE[case]
+    frames = build()
+    size = len(frames[1])
+    refused_peak = _peak(lambda: decode(frames, limits))
+    lifted_peak = _peak(lambda: decode(frames, lifted))
+    assert refused_peak < size // 4, (refused_peak, size)  # headers only, nothing per element
+    assert lifted_peak > 4 * size, (lifted_peak, size)  # the control: decoding it does cost
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+LIMIT_DEFAULTS = {
+    "max_tokens": 262_144,
+    "max_items": 256,
+    "max_tensor_bytes": 536_870_912,
+    "max_tensor_rank": 8,
+    "max_tensor_dim": 2**31 - 1,
+    "max_msgpack_depth": 32,
+    "max_msgpack_len": 65_536,
+    "max_abort_ids": 4096,
+    "max_message_bytes": 1_073_741_824,
+    "max_frames": 1024,
+    "max_peer_inflight": None,
+    "max_grpc_streams": 1024,
+    "max_stream_inflight": 64,
+}
+
+
+def test_every_limit_is_a_setting_with_its_default() -> None:
+    config = build_config({}, environ={})
+    assert {k: getattr(config, k) for k in LIMIT_DEFAULTS} == LIMIT_DEFAULTS
+    assert config.limits == DEFAULT_LIMITS  # the codec's and materializer's defaults agree
+    env = {f"MMADMIT_{k.upper()}": "7" for k in LIMIT_DEFAULTS}
+    config = build_config({}, environ=env)
+    assert all(getattr(config, k) == 7 for k in LIMIT_DEFAULTS)
+    lim = config.limits
+    assert (lim.max_msgpack_depth, lim.max_msgpack_len, lim.max_abort_ids) == (7, 7, 7)
+    assert (lim.max_tensor_rank, lim.max_tensor_dim) == (7, 7)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("max_msgpack_depth", "1", "2..1024"),
+        ("max_msgpack_depth", "1025", "2..1024"),
+        ("max_frames", "1", "at least 2"),
+        ("max_peer_inflight", "0", "positive"),
+        ("max_grpc_streams", "-1", "positive"),
+        ("max_tensor_dim", "x", "invalid literal"),
+    ],
+)
+def test_limit_settings_are_checked(flag: str, value: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        build_config({flag: value}, environ={})
+
+
+def test_limits_reach_the_fields_of_serve_config() -> None:
+    assert set(LIMIT_DEFAULTS) <= {f for f in ServeConfig.__dataclass_fields__}
