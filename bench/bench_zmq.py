@@ -204,7 +204,7 @@ async def _serve_mmadmit(workers: int, inline: bool) -> None:
 def serve(kind: str, workers: int) -> None:
     from mmadmit.runtime import tune_allocator
 
-    tune_allocator()  # every server of the comparison runs as `mmadmit serve` would
+    tune_allocator()  # every server of the comparison runs as `mmadmit serve` would (arenas too)
     _use_uvloop()
     if kind.startswith("mmadmit"):
         asyncio.run(_serve_mmadmit(workers, inline=kind == "mmadmit"))

@@ -93,3 +93,38 @@ def test_allocator_tuning_applies_on_glibc() -> None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert tune_allocator() is True
+
+
+_ARENA_PROBE = """
+import ctypes, ctypes.util, sys, threading
+from mmadmit.runtime import tune_allocator
+tune_allocator(arena_max=int(sys.argv[1]))
+start = threading.Barrier(8)
+def work():
+    start.wait()
+    for _ in range(200):
+        blocks = [ctypes.create_string_buffer(4096) for _ in range(50)]
+        del blocks
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+ctypes.CDLL(ctypes.util.find_library("c")).malloc_stats()  # one "Arena N:" per arena
+"""
+
+
+@pytest.mark.parametrize(("arena_max", "most"), [(1, 1), (2, 2)])
+def test_arena_cap_holds_under_concurrent_threads(arena_max: int, most: int) -> None:
+    """--malloc-arenas: 8 threads allocating at once share at most that many arenas
+    (glibc's own default gives them several)."""
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+
+    def arenas(n: int) -> int:
+        out = subprocess.run([sys.executable, "-c", _ARENA_PROBE, str(n)],
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+    assert 1 <= arenas(arena_max) <= most
+    assert arenas(0) > 2  # the control: uncapped, the same threads take more

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from .errors import ConfigError
 from .limits import MAX_DEPTH, Limits
 from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
+from .runtime import ARENA_MAX
 from .security import check_config as check_security
 
 ENV_PREFIX = "MMADMIT_"
@@ -345,6 +346,14 @@ class ServeConfig:
             "parse": _bool,
             "help": "one info line per terminal outcome (rid, transport, outcome, code, tokens, "
             "items, latency); off to silence them",
+        },
+    )
+    malloc_arenas: int = field(
+        default=ARENA_MAX,
+        metadata={
+            "parse": _nonneg_int,
+            "help": "glibc malloc arenas the process may use (0: glibc's default, 8 per "
+            "core); few arenas keep freed memory reused under a long mixed load",
         },
     )
     native: bool = field(

@@ -409,7 +409,7 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Even
 def run(config: ServeConfig) -> int:
     """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
     configure_logging(config.log_level, config.log_format)
-    tune_allocator()
+    tune_allocator(arena_max=config.malloc_arenas)
     # No `*_created` timestamp series beside every counter and histogram: they double
     # the exposition and Prometheus does not need them (process-wide switch).
     disable_created_metrics()
