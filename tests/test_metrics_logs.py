@@ -144,8 +144,9 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
 
             add = bytes([wire.MSG_ADD])
             await zmq_send([add, b"\xc1 not msgpack"], "", "INVALID_REQUEST", 0, 0)
+            # refused from input_ids' header, never decoded: no token count is known
             await zmq_send([add, *wire.encode_request(too_long("z-long"))], "z-long",
-                           "TOO_LARGE", MAX_TOKENS + 1, 0)  # fmt: skip
+                           "TOO_LARGE", 0, 0)  # fmt: skip
             await zmq_send([add, *wire.encode_request(span_mismatch("z-span"))], "z-span",
                            "INVALID_REQUEST", 40, 1)  # fmt: skip
             # CANCELLED: an ABORT while the worker hashes ~46 MB of features

@@ -765,13 +765,24 @@ _RID_PROBE = msgspec.msgpack.Decoder(_RidProbe)
 _STR = msgspec.msgpack.Decoder(str)
 
 
+_RECOVER_SPLIT_MAX = DEFAULT_LIMITS.max_msgpack_len
+
+
 def recover_rid(payload: Any) -> str:
     """Best effort: the rid of a payload that failed to decode ("" if unreadable).
 
-    Allocates nothing sized by the payload (no split of a forged huge array).
+    Allocates nothing sized by the payload: an array of up to the default
+    ``max_msgpack_len`` elements is split (an iterative walk: any nesting depth),
+    a longer one is probed for its first two elements by msgspec instead.
     """
     try:
-        return _STR.decode(_RID_PROBE.decode(_as_buffer(payload)).rid)
+        buf = _as_buffer(payload)
+        if array_len(buf) > _RECOVER_SPLIT_MAX:
+            return _STR.decode(_RID_PROBE.decode(buf).rid)
+        offsets, _ = split_array(buf)
+        if len(offsets) <= F_RID + 1:
+            return ""
+        return _STR.decode(buf[offsets[F_RID] : offsets[F_RID + 1]])
     except Exception:  # noqa: BLE001 - any failure means "no rid"
         return ""
 

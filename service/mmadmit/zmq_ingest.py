@@ -579,25 +579,10 @@ class ZmqIngest:
             self._forward_now(list(body), [])
             return
         if total > self.max_message_bytes:
-            rid = wire.recover_rid(body[1]) if len(body) >= 2 else ""
-            logger.warning(
-                "rid=%s: message of %d bytes (frames %s) exceeds the limit of %d",
-                rid,
-                total,
-                sizes(body),
-                self.max_message_bytes,
-            )
-            self._abort_now(
-                identity,
-                None,
-                rid,
-                Abort(
-                    AbortCode.TOO_LARGE,
-                    f"message of {total} bytes exceeds the limit of {self.max_message_bytes} "
-                    "bytes (--max-message-bytes)",
-                ),
-                t0,
-            )
+            self._oversized(
+                identity, body, t0, f"message of {total} bytes exceeds the limit of "
+                f"{self.max_message_bytes} bytes (--max-message-bytes)"
+            )  # fmt: skip
             return
         try:
             msg = wire.decode_message(body, self.limits)
@@ -702,25 +687,16 @@ class ZmqIngest:
             )
             self._answered = True
             return
+        self._oversized(
+            identity, body, t0, f"message of {n_frames} frames exceeds the limit of "
+            f"{self.max_frames} frames (--max-frames)"
+        )  # fmt: skip
+
+    def _oversized(self, identity: zmq.Frame, body: list[zmq.Frame], t0: float, why: str) -> None:
+        """An ADD over a transport limit: TOO_LARGE to the rid its payload names, undecoded."""
         rid = wire.recover_rid(body[1]) if len(body) > 1 else ""
-        logger.warning(
-            "rid=%s: message of %d frames from peer %s exceeds the limit of %d",
-            rid,
-            n_frames,
-            identity.bytes.hex(),
-            self.max_frames,
-        )
-        self._abort_now(
-            identity,
-            None,
-            rid,
-            Abort(
-                AbortCode.TOO_LARGE,
-                f"message of {n_frames} frames exceeds the limit of {self.max_frames} "
-                "frames (--max-frames)",
-            ),
-            t0,
-        )
+        logger.warning("rid=%s: from peer %s: %s", rid, identity.bytes.hex(), why)
+        self._abort_now(identity, None, rid, Abort(AbortCode.TOO_LARGE, why), t0)
 
     def _on_abort(self, identity: zmq.Frame, body: list[zmq.Frame], total: int) -> None:
         peer = identity.bytes
