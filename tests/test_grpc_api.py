@@ -817,6 +817,27 @@ async def test_max_grpc_streams_refuses_calls_past_it(gate: Gate) -> None:
             assert isinstance(await second.admit(_image_request(r.profile, "later")), Materialized)
 
 
+async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
+    """A large request over a limit is answered in band TOO_LARGE, with its request_id,
+    from its counted bytes (pbwire.check_admit_limits); the server keeps serving."""
+    req = _image_request(qwen.profile, "many-items")
+    for _ in range(300):
+        req.mm_inputs.items.add().CopyFrom(req.mm_inputs.items[0])
+    assert req.ByteSize() >= 64 << 10
+    for call in (qwen.client.admit(req), _first(qwen.client.admit_many([req]))):
+        outcome = await call
+        assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
+        assert outcome.request_id == "many-items"
+        assert outcome.message == "more than 256 items, the limit (--max-items)"
+    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "ok")), Materialized)
+
+
+async def _first(stream: Any) -> Any:
+    async for outcome in stream:
+        return outcome
+    raise AssertionError("the stream ended without an outcome")
+
+
 async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running) -> None:
     """Earlier requests are still answered; then the call ends INVALID_ARGUMENT."""
     channel = qwen.client._channel

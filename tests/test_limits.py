@@ -407,3 +407,89 @@ def test_limit_settings_are_checked(flag: str, value: str, why: str) -> None:
 
 def test_limits_reach_the_fields_of_serve_config() -> None:
     assert set(LIMIT_DEFAULTS) <= {f for f in ServeConfig.__dataclass_fields__}
+
+
+# --------------------------------------------------------------------------- gRPC, pre-parse
+
+from mmadmit import pbwire  # noqa: E402
+from mmadmit._proto import admission_pb2 as pb  # noqa: E402
+
+PAD = "x" * pbwire.PRECHECK_MIN_BYTES  # original_text: makes a message big enough to count
+
+
+def admit_bytes(*, tokens: int = 8, items: int = 0, shape: int = 2, pad: str = PAD,
+                unpadded: int = 0, placeholders: int = 1, extra: bytes = b"") -> bytes:  # fmt: skip
+    req = pb.AdmitRequest(request_id="g1")
+    req.tokenized.input_ids.extend(range(tokens))
+    req.tokenized.original_text = pad
+    req.input_ids_unpadded.extend(range(unpadded))
+    for _ in range(items):
+        item = req.mm_inputs.items.add()
+        item.encoder_input.shape.extend([1] * shape)
+        for _ in range(placeholders):
+            item.placeholders.add(offset=0, length=1)
+    return req.SerializeToString() + extra
+
+
+def varint(v: int) -> bytes:
+    return pbwire.encode_varint(v)
+
+
+@pytest.mark.parametrize(
+    ("build", "limits", "expected"),
+    [
+        (lambda: admit_bytes(tokens=1001), Limits(max_tokens=1000),
+         "input_ids: at least 1001 tokens, over the limit of 1000 (--max-tokens)"),
+        (lambda: admit_bytes(unpadded=1001), Limits(max_tokens=1000),
+         "input_ids_unpadded: at least 1001 tokens"),
+        (lambda: admit_bytes(items=257), DEFAULT_LIMITS,
+         "more than 256 items, the limit (--max-items)"),
+        (lambda: admit_bytes(items=1, placeholders=1001), Limits(max_tokens=1000),
+         "item 0: more than 1000 placeholders (--max-tokens)"),
+        # 65,537 unknown varint fields (number 50) at the top level
+        (lambda: admit_bytes(extra=(varint(50 << 3) + b"\x00") * 65_537), DEFAULT_LIMITS,
+         "AdmitRequest: more than 65536 fields (--max-msgpack-len)"),
+        # input_ids not packed: each id its own field 1 of TokenizedInput, counted the same
+        (lambda: admit_bytes(tokens=0, extra=b"\x12" + varint(1001 * 2) + b"\x08\x05" * 1001),
+         Limits(max_tokens=1000), "input_ids: at least 1001 tokens"),
+    ],
+)  # fmt: skip
+def test_grpc_request_counted_before_protobuf_parses_it(
+    build: Callable[[], bytes], limits: Limits, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = build()
+    assert len(data) >= pbwire.PRECHECK_MIN_BYTES
+    parsed: list[int] = []
+    real = pb.AdmitRequest.FromString
+    monkeypatch.setattr(pb.AdmitRequest, "FromString", lambda b: parsed.append(1) or real(b))
+    out = pbwire.parse_admit_request(data, limits=limits)
+    assert isinstance(out, pbwire.RefusedRequest), out
+    assert (out.request_id, out.code) == ("g1", AbortCode.TOO_LARGE)
+    assert out.message.startswith(expected), out.message
+    assert not parsed  # protobuf never saw it
+    # within the limits (or the check off) the same bytes parse as before
+    lifted = Limits(max_tokens=1 << 20, max_items=1 << 20, max_msgpack_len=1 << 20)
+    assert isinstance(pbwire.parse_admit_request(data, limits=lifted), pb.AdmitRequest)
+    assert parsed
+
+
+def test_grpc_precheck_at_the_limits_and_small_messages() -> None:
+    at = admit_bytes(tokens=1000, items=256, unpadded=1000, placeholders=4)
+    assert pbwire.check_admit_limits(at, Limits(max_tokens=1000)) is None
+    # tensors are not entered: rank is the materializer's, after the parse
+    assert pbwire.check_admit_limits(admit_bytes(items=1, shape=9), DEFAULT_LIMITS) is None
+    small = admit_bytes(tokens=5000, pad="")  # under PRECHECK_MIN_BYTES: parsed, then checked
+    assert len(small) < pbwire.PRECHECK_MIN_BYTES
+    assert isinstance(pbwire.parse_admit_request(small, limits=Limits(max_tokens=10)),
+                      pb.AdmitRequest)  # fmt: skip
+    # bytes the walk does not understand are left to protobuf (and its own error)
+    assert pbwire.check_admit_limits(PAD.encode() + b"\x0b", DEFAULT_LIMITS) is None
+
+
+def test_grpc_precheck_allocates_nothing_per_element() -> None:
+    """1 M empty items (2 MB): refused after 257 of them, nothing built for the rest."""
+    data = b"\x4a" + varint(2 << 20) + b"\x0a\x00" * (1 << 20)
+    peak = _peak(lambda: pbwire.check_admit_limits(data, DEFAULT_LIMITS))
+    assert peak < 64 << 10, peak
+    out = pbwire.check_admit_limits(data, DEFAULT_LIMITS)
+    assert out is not None and "--max-items" in out.message

@@ -7,6 +7,8 @@ inline-payload stripping), ``servicer.request_from_proto``, the materializer,
 ``servicer.response_from_outcome``; once with native code on and once off. The
 two must answer the same: both refuse the bytes (protobuf's ``DecodeError``),
 or both produce byte-identical responses. No response may carry ``INTERNAL``.
+The pre-parse count (``pbwire.check_admit_limits``) runs on every input under
+tight limits and is held to protobuf's parse of the same bytes (:func:`_counted`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import functools
 from google.protobuf.message import DecodeError
 from mmadmit import pbwire, servicer
 from mmadmit._proto import admission_pb2 as pb
-from mmadmit.errors import AdmissionError
+from mmadmit.errors import AbortCode, AdmissionError
+from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
 
@@ -55,12 +58,55 @@ def _admit(m: Materializer, data: bytes, min_bytes: int) -> bytes | None:
     return resp.SerializeToString(deterministic=True)
 
 
+# Tight limits for the pre-parse count (pbwire.check_admit_limits), held to what
+# protobuf then parses from the same bytes.
+TIGHT = Limits(max_tokens=64, max_items=4, max_msgpack_len=32)
+
+
+def _counted(body: bytes) -> None:
+    """The count's verdict agrees with protobuf's parse of the same bytes: a walk that
+    neither bailed nor refused saw everything within the limits; a refusal for tokens,
+    items or placeholders is a real excess."""
+    count = pbwire._Count(body, TIGHT)
+    try:
+        count.message(0, len(count.view), pbwire._C_ADMIT)
+        verdict: str | None = None
+    except pbwire._Breach as exc:
+        assert exc.code is AbortCode.TOO_LARGE
+        verdict = exc.message
+    except pbwire._Bail:
+        return  # not understood: left to protobuf
+    try:
+        msg = pb.AdmitRequest.FromString(body)
+    except DecodeError:
+        return
+    items = msg.mm_inputs.items
+    sizes = {
+        "input_ids": len(msg.tokenized.input_ids) > 64,
+        "input_ids_unpadded": len(msg.input_ids_unpadded) > 64,
+        "items": len(items) > 4,
+        "placeholders": any(len(it.placeholders) > 64 for it in items),
+    }
+    if verdict is None:
+        over = [k for k, v in sizes.items() if v]
+        assert not over, f"counted within the limits, parsed over them: {over}"
+        assert not any(len(it.model_specific_tensors) > 32 for it in items)
+    else:
+        for key, what in (("input_ids_unpadded", "input_ids_unpadded:"),
+                          ("input_ids", "input_ids:"), ("items", "items, the limit"),
+                          ("placeholders", "placeholders")):  # fmt: skip
+            if what in verdict:
+                assert sizes[key], f"refused ({verdict}) but protobuf parsed it within"
+                break
+
+
 def one(data: bytes) -> None:
     if len(data) < 2:
         return
     m = _materializer(_PROFILES[data[0] % len(_PROFILES)])
     min_bytes = 1 + data[1] % 64
     body = data[2:]
+    _counted(body)
     with native_mode(True):
         a = _admit(m, body, min_bytes)
     with native_mode(False):

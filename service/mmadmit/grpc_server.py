@@ -39,7 +39,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ._proto import admission_pb2
-from .pbwire import StrippedRequest, parse_admit_request
+from .pbwire import RefusedRequest, StrippedRequest, parse_admit_request
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .servicer import AdmissionServicer, ServicerStats
@@ -72,9 +72,11 @@ def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodH
     stats = servicer.stats
     serialize = pb.AdmitResponse.SerializeToString
 
-    def deserialize_admit(data: bytes) -> pb.AdmitRequest | StrippedRequest:
+    limits = servicer.limits
+
+    def deserialize_admit(data: bytes) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
         stats.received_bytes += len(data)
-        return parse_admit_request(data)
+        return parse_admit_request(data, limits=limits)
 
     def serialize_admit(response: pb.AdmitResponse) -> bytes:
         data = serialize(response)

@@ -61,6 +61,8 @@ from google.protobuf.message import DecodeError
 
 from . import native
 from ._proto import admission_pb2 as pb
+from .errors import AbortCode
+from .limits import Limits
 
 try:
     from mmadmit import _pbwire as _BUILT  # type: ignore[attr-defined]
@@ -71,7 +73,10 @@ _pbwire: Any = _BUILT  # the active extension; None: the fallback (native.set_en
 
 __all__ = [
     "HAVE_NATIVE",
+    "PRECHECK_MIN_BYTES",
     "STRIP_MIN_BYTES",
+    "RefusedRequest",
+    "check_admit_limits",
     "StrippedRequest",
     "encode_varint",
     "packed_uint32_field",
@@ -196,14 +201,22 @@ def resolve_inline(value: bytes, payloads: list[memoryview] | None) -> memoryvie
 
 
 def parse_admit_request(
-    data: bytes, min_bytes: int = STRIP_MIN_BYTES
-) -> pb.AdmitRequest | StrippedRequest:
+    data: bytes, min_bytes: int = STRIP_MIN_BYTES, limits: Limits | None = None
+) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
     """The request deserializer of ``Admit`` and ``AdmitStream``.
 
     A :class:`StrippedRequest` when ``data`` holds at least one inline payload
     of ``min_bytes`` or more, else the plain parsed message. Raises what
     ``AdmitRequest.FromString(data)`` raises for bytes that do not parse.
+
+    With ``limits``, a message of :data:`PRECHECK_MIN_BYTES` or more is first
+    counted from its wire bytes (:func:`check_admit_limits`); a breach is a
+    :class:`RefusedRequest`, which protobuf never parses.
     """
+    if limits is not None and len(data) >= PRECHECK_MIN_BYTES:
+        refused = check_admit_limits(data, limits)
+        if refused is not None:
+            return refused
     if len(data) >= min_bytes and type(data) is bytes:
         stripped = strip_inline_payloads(data, min_bytes)
         if stripped is not None:
@@ -353,3 +366,180 @@ def _strip_py(data: bytes, min_bytes: int) -> tuple[bytes, list[memoryview]] | N
     if got is None:
         return None
     return b"".join(got[0]), walk.payloads
+
+
+# ------------------------------------------------------------------- limits, pre-parse
+
+# Messages at least this large are counted before protobuf parses them. Below it
+# what upb builds is bounded by this size times its per-field overhead (an empty
+# sub-message is 2 wire bytes, about 50 in upb's arena): a few MB at most.
+PRECHECK_MIN_BYTES = 64 << 10
+
+
+class RefusedRequest:
+    """An ``AdmitRequest`` refused from its wire bytes, never parsed: ``request_id``
+    (the last field 1 read, "" if none), the abort ``code`` and ``message``."""
+
+    __slots__ = ("code", "message", "request_id")
+
+    def __init__(self, request_id: str, code: AbortCode, message: str) -> None:
+        self.request_id, self.code, self.message = request_id, code, message
+
+
+# What the count walks: message kind -> field number -> kind of its contents. Tensors
+# are not entered: a shape's packed dimensions cost upb 4 bytes per wire byte at
+# most, and the materializer checks rank and dimensions right after the parse.
+_C_ADMIT, _C_TOKENIZED, _C_MM, _C_ITEM = range(4)
+_C_RID, _C_IDS, _C_UNPADDED, _C_ENTRY, _C_PLACEHOLDER = range(4, 9)
+_COUNT_SCHEMA: dict[int, dict[int, int]] = {
+    _C_ADMIT: {1: _C_RID, 2: _C_TOKENIZED, 9: _C_MM, 100: _C_UNPADDED},
+    _C_TOKENIZED: {1: _C_IDS},
+    _C_MM: {1: _C_ITEM},
+    _C_ITEM: {4: _C_ENTRY, 5: _C_PLACEHOLDER},
+}
+# field kinds each bounded by a limit of their own (not counted as plain fields)
+_BOUNDED = frozenset((_C_IDS, _C_UNPADDED, _C_ITEM, _C_ENTRY, _C_PLACEHOLDER))
+_C_NAMES = {_C_ADMIT: "AdmitRequest", _C_TOKENIZED: "tokenized", _C_MM: "mm_inputs",
+            _C_ITEM: "item"}  # fmt: skip
+
+
+class _Breach(Exception):
+    def __init__(self, code: AbortCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+class _Count:
+    """One walk over an ``AdmitRequest``'s wire bytes: counts, never builds.
+
+    Repeated fields add up over their occurrences, packed or not, as protobuf
+    merges them. Anything the walk does not understand ends it quietly: upb
+    then parses (and refuses) the bytes as before.
+    """
+
+    def __init__(self, data: bytes | memoryview, limits: Limits) -> None:
+        self.view = memoryview(data).cast("B")
+        self.lim = limits
+        self.rid = ""
+        self.tokens = {_C_IDS: 0, _C_UNPADDED: 0}
+        self.items = 0
+
+    def varint(self, pos: int, end: int) -> tuple[int, int]:
+        view, result, shift = self.view, 0, 0
+        for _ in range(10):
+            if pos >= end:
+                raise _Bail
+            b = view[pos]
+            pos += 1
+            result |= (b & 0x7F) << shift
+            if b < 0x80:
+                return result, pos
+            shift += 7
+        raise _Bail
+
+    def message(self, start: int, end: int, kind: int, item: int | None = None) -> None:
+        schema, lim, view = _COUNT_SCHEMA[kind], self.lim, self.view
+        fields = entries = placeholders = 0
+        pos = start
+        while pos < end:
+            key = view[pos]
+            if key < 0x80:  # every field number mmadmit reads but 100 has a 1-byte key
+                pos += 1
+            else:
+                key, pos = self.varint(pos, end)
+            number, wire_type = key >> 3, key & 7
+            sub = schema.get(number)
+            if sub not in _BOUNDED:  # a field no other limit counts
+                fields += 1
+                if fields > lim.max_msgpack_len:
+                    self.too_large(f"{self.where(kind, item)}: more than {lim.max_msgpack_len} "
+                                   "fields (--max-msgpack-len)")  # fmt: skip
+            if wire_type == 2:
+                if pos < end and view[pos] < 0x80:
+                    length, data_start = view[pos], pos + 1
+                else:
+                    length, data_start = self.varint(pos, end)
+                pos = data_start + length
+                if pos > end:
+                    raise _Bail
+                packed = True
+            elif wire_type == 0:
+                data_start = pos
+                _, pos = self.varint(pos, end)
+                packed = False
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+                if pos > end:
+                    raise _Bail
+                continue
+            else:
+                raise _Bail  # groups and the reserved wire types
+            if sub is None:
+                continue
+            if sub == _C_IDS or sub == _C_UNPADDED:
+                values = 1
+                if packed:  # one varint ends at each byte below 0x80
+                    chunk = np.frombuffer(view[data_start:pos], np.uint8)
+                    values = int(np.count_nonzero(chunk < 0x80))
+                n = self.tokens[sub] = self.tokens[sub] + values
+                if n > lim.max_tokens:
+                    name = "input_ids" if sub == _C_IDS else "input_ids_unpadded"
+                    self.too_large(f"{name}: at least {n} tokens, over the limit of "
+                                   f"{lim.max_tokens} (--max-tokens)")  # fmt: skip
+            elif not packed:
+                continue  # a varint where a sub-message belongs: upb words it
+            elif sub == _C_RID:
+                self.rid = bytes(view[data_start:pos]).decode("utf-8", "replace")
+            elif sub == _C_PLACEHOLDER:
+                placeholders += 1
+                if placeholders > lim.max_tokens:  # each covers one token at least
+                    self.too_large(f"item {item}: more than {lim.max_tokens} placeholders "
+                                   "(--max-tokens)")  # fmt: skip
+            elif sub == _C_ENTRY:
+                entries += 1
+                if entries > lim.max_msgpack_len:
+                    self.too_large(f"item {item}: more than {lim.max_msgpack_len} "
+                                   "model_specific_tensors (--max-msgpack-len)")  # fmt: skip
+            else:
+                if sub == _C_ITEM:
+                    self.items += 1
+                    if self.items > lim.max_items:
+                        self.too_large(f"more than {lim.max_items} items, the limit "
+                                       "(--max-items)")  # fmt: skip
+                    item = self.items - 1
+                self.message(data_start, pos, sub, item)
+        if pos != end:
+            raise _Bail
+
+    @staticmethod
+    def where(kind: int, item: int | None) -> str:
+        name = _C_NAMES[kind]
+        return name if item is None else f"item {item}"
+
+    @staticmethod
+    def too_large(message: str) -> None:
+        raise _Breach(AbortCode.TOO_LARGE, message)
+
+
+def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedRequest | None:
+    """Count an ``AdmitRequest``'s wire bytes against ``limits``, before any parse.
+
+    Counted, each added over every occurrence: ``input_ids`` and
+    ``input_ids_unpadded`` (``max_tokens``), items (``max_items``), placeholders
+    per item (``max_tokens``), map entries per item and the other fields of
+    each message walked (``max_msgpack_len``). The first breach is a :class:`RefusedRequest` naming
+    the request id when it came before it in the bytes (a frontend writes
+    field 1 first). None within the limits, and for bytes the walk does not
+    understand (protobuf then refuses them with its own error).
+
+    Packed fields are counted by numpy over their bytes; the walk visits each
+    field once and stops at the first breach, so it is bounded by the limits,
+    not by what the sender put in the message.
+    """
+    count = _Count(data, limits)
+    try:
+        count.message(0, len(count.view), _C_ADMIT)
+    except _Breach as exc:
+        return RefusedRequest(count.rid, exc.code, exc.message)
+    except _Bail:
+        return None
+    return None

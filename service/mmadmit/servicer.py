@@ -80,7 +80,7 @@ from .model import (
     Tensor,
     check_shm_name,
 )
-from .pbwire import StrippedRequest, packed_uint32_field, resolve_inline
+from .pbwire import RefusedRequest, StrippedRequest, packed_uint32_field, resolve_inline
 from .pool import MaterializerPool, Ticket
 from .profile import ModelProfile
 from .telemetry import Telemetry
@@ -451,6 +451,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         self.max_stream_inflight = (
             max_stream_inflight if max_stream_inflight is not None else pool.max_inflight
         )
+        self.limits = pool.materializer.limits  # the request deserializer counts against them
         self._pool = pool
         self._profile = profile
         self.telemetry = telemetry
@@ -464,11 +465,20 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
 
     # ------------------------------------------------------------------ one request
 
-    async def _admit_one(self, request: pb.AdmitRequest | StrippedRequest) -> pb.AdmitResponse:
+    async def _admit_one(
+        self, request: pb.AdmitRequest | StrippedRequest | RefusedRequest
+    ) -> pb.AdmitResponse:
         """One request to one response; raises only ``CancelledError`` and ``AbortError``.
 
         ``request``: what the request deserializer made (``pbwire.parse_admit_request``).
         """
+        if isinstance(request, RefusedRequest):  # a limit, decided before protobuf parsed it
+            t0 = time.perf_counter()
+            self.stats.requests += 1
+            abort = Abort(request.code, request.message)
+            logger.debug("rid=%s: refused from its bytes: %s", request.request_id, abort.message)
+            self._observe(request.request_id, None, abort, t0)
+            return abort_response(request.request_id, abort)
         if isinstance(request, StrippedRequest):
             msg, payloads = request.msg, request.payloads
         else:
@@ -527,13 +537,15 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
     # ------------------------------------------------------------------ RPCs
 
     async def Admit(  # noqa: N802 - the wire's method name
-        self, request: pb.AdmitRequest | StrippedRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.AdmitRequest | StrippedRequest | RefusedRequest,
+        context: grpc.aio.ServicerContext,
     ) -> pb.AdmitResponse:
         return await self._admit_one(request)
 
     async def AdmitStream(  # noqa: N802
         self,
-        request_iterator: AsyncIterator[pb.AdmitRequest | StrippedRequest],
+        request_iterator: AsyncIterator[pb.AdmitRequest | StrippedRequest | RefusedRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Read requests while earlier ones run; write each outcome as soon as it is known.
@@ -555,7 +567,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         responses: asyncio.Queue[pb.AdmitResponse | None] = asyncio.Queue()
         workers: set[asyncio.Task[None]] = set()
 
-        async def one(msg: pb.AdmitRequest | StrippedRequest) -> None:
+        async def one(msg: pb.AdmitRequest | StrippedRequest | RefusedRequest) -> None:
             responses.put_nowait(await self._admit_one(msg))
 
         async def read_all() -> None:
