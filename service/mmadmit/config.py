@@ -276,8 +276,9 @@ class ServeConfig:
         default=65_536,
         metadata={
             "parse": _positive_int,
-            "help": "ZMQ: elements of one msgpack array or entries of one map, token arrays "
-            "excepted (--max-tokens bounds those)",
+            "help": "elements of one msgpack array or entries of one map (ZMQ); map entries "
+            "of one item and fields of one message (gRPC, messages of 64 KiB or more); token "
+            "arrays excepted (--max-tokens bounds those)",
         },
     )
     max_abort_ids: int = field(
