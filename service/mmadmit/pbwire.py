@@ -251,6 +251,23 @@ class _Bail(Exception):
     """The walker met something it does not handle: parse the original bytes."""
 
 
+def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``buf[pos]`` and where it ends; :class:`_Bail` if cut or over 64 bits."""
+    result = shift = 0
+    for k in range(10):
+        if pos >= end:
+            raise _Bail
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            if k == 9 and b > 1:
+                raise _Bail  # more than 64 bits
+            return result, pos
+        shift += 7
+    raise _Bail
+
+
 # Message kinds walked, and for each: field number -> kind of its contents.
 _ADMIT, _MM, _ITEM, _ENTRY, _MROPE, _TENSOR, _INLINE = range(7)
 _SCHEMA: dict[int, dict[int, int]] = {
@@ -273,20 +290,7 @@ class _Walk:
         self.payloads: list[memoryview] = []
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
-        buf = self.buf
-        result = shift = 0
-        for k in range(10):
-            if pos >= end:
-                raise _Bail
-            b = buf[pos]
-            pos += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                if k == 9 and b > 1:
-                    raise _Bail  # more than 64 bits
-                return result, pos
-            shift += 7
-        raise _Bail
+        return _varint(self.buf, pos, end)
 
     def message(self, start: int, end: int, kind: int) -> tuple[list[Any], int] | None:
         """The new contents of the message ``buf[start:end]`` (chunks, size), None if unchanged."""
@@ -424,17 +428,7 @@ class _Count:
         self.items = 0
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
-        view, result, shift = self.view, 0, 0
-        for _ in range(10):
-            if pos >= end:
-                raise _Bail
-            b = view[pos]
-            pos += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result, pos
-            shift += 7
-        raise _Bail
+        return _varint(self.view, pos, end)
 
     def message(self, start: int, end: int, kind: int, item: int | None = None) -> None:
         schema, lim, view = _COUNT_SCHEMA[kind], self.lim, self.view
