@@ -14,15 +14,21 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+
+if TYPE_CHECKING:
+    from mmadmit.model import Request
+    from mmadmit.pool import MaterializerPool
+    from mmadmit.zmq_ingest import ZmqIngest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -152,6 +158,16 @@ async def http_get(address: str, path: str = "/metrics", method: str = "GET") ->
     return int(head.split(" ", 2)[1]), body
 
 
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``cond`` on the running loop every 5 ms; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
 class Sockets:
     """Raw test sockets on the test's own context. It keeps a reference to
     every socket until teardown closes them (a socket dropped unclosed when the
@@ -178,3 +194,105 @@ async def zctx() -> AsyncIterator[Sockets]:
     net = Sockets()
     yield net
     net.close()
+
+
+# --------------------------------------------------------------------------- in-process ZMQ service
+
+
+class Gate:
+    """``before_run`` hook: holds requests whose rid starts with ``hold`` until
+    :meth:`open`, raises for ``boom``; records every request a worker was handed.
+
+    A held request the test never releases fails after ``HOLD_S`` (the worker
+    raises and the fixture reports it) instead of quietly going on."""
+
+    HOLD_S = 10.0
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+        self.started: list[str] = []
+        self.seen: list[Request] = []
+        self.timed_out: list[str] = []
+
+    def __call__(self, req: Request) -> None:
+        with self._lock:
+            self.seen.append(req)
+            if req.rid.startswith("hold"):
+                self.started.append(req.rid)
+        if req.rid.startswith("hold") and not self._open.wait(self.HOLD_S):
+            self.timed_out.append(req.rid)
+            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
+        if req.rid.startswith("boom"):
+            raise RuntimeError("a worker bug")
+
+    def open(self) -> None:
+        self._open.set()
+
+
+@dataclass
+class Service:
+    """An in-process ZMQ service (see the ``service`` fixture)."""
+
+    pool: MaterializerPool
+    ingest: ZmqIngest
+    endpoint: str
+    gate: Gate
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Callable[..., Any]]:
+    """``await service(family, **kw)`` -> a started :class:`Service` (``MaterializerPool``
+    + ``ZmqIngest`` on ``tcp://127.0.0.1:0``, intake watchdog off); all torn down."""
+    from mmadmit.materializer import Materializer
+    from mmadmit.pool import MaterializerPool
+    from mmadmit.profile import load_profile
+    from mmadmit.zmq_ingest import ZmqIngest
+
+    made: list[Service] = []
+    contexts: list[zmq.asyncio.Context] = []
+
+    async def make(
+        family: str = "qwen3_5",
+        *,
+        workers: int = 2,
+        max_inflight: int = 64,
+        inline_max_tokens: int = 0,
+        socket_defaults: dict[int, int] | None = None,
+        **ingest_kw: Any,
+    ) -> Service:
+        """``inline_max_tokens > 0``: small requests run inline, and no gate is
+        installed (a ``before_run`` hook turns inline runs off). ``socket_defaults``:
+        options for the sockets the ingest makes with ``ctx.socket()`` (its PUSH; the
+        ROUTER is made otherwise), on a context of its own."""
+        if socket_defaults:
+            ctx = zmq.asyncio.Context()
+            contexts.append(ctx)
+            for opt, value in socket_defaults.items():
+                ctx.setsockopt(opt, value)
+            ingest_kw["context"] = ctx
+        gate = Gate()
+        pool = MaterializerPool(
+            Materializer(load_profile(str(config_for_family(family)))),
+            workers=workers,
+            max_inflight=max_inflight,
+            before_run=None if inline_max_tokens else gate,
+            inline_max_tokens=inline_max_tokens,
+        )
+        ingest_kw.setdefault("max_message_bytes", 64 << 20)
+        ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
+        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
+        svc = Service(pool, ingest, "", gate)
+        made.append(svc)
+        svc.endpoint = await ingest.start()
+        return svc
+
+    yield make
+    for svc in made:
+        svc.gate.open()  # never leave a worker thread blocked behind
+        await svc.ingest.stop(0.5)
+        svc.pool.close()
+    for ctx in contexts:
+        ctx.term()
+    timed_out = [rid for svc in made for rid in svc.gate.timed_out]
+    assert not timed_out, f"held requests were never released: {timed_out}"

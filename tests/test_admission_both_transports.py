@@ -32,8 +32,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, http_get
+from conftest import CONFIGS, http_get, until
 from mmadmit import native, wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.config import build_config
@@ -158,14 +157,6 @@ async def running(*, hook: bool = True, **settings: Any) -> AsyncIterator[Servic
         )
         yield Service(handle, hold, grpc_client, zmq_client, stack)
     assert not hold.timed_out, f"held requests were never released: {hold.timed_out}"
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 # --------------------------------------------------------------------------- requests

@@ -30,23 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import socket
-import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+import conftest
 import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
 from conftest import CONFIGS, Sockets
 from mmadmit import wire
-from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
-from mmadmit.pool import MaterializerPool
-from mmadmit.profile import load_profile
-from mmadmit.zmq_ingest import ZmqIngest
 from mmadmit_client import RequestTimeout, ServerUnavailable
 from mmadmit_client.grpc import AsyncAdmissionClient, Materialized
 from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome
@@ -70,87 +66,7 @@ pytestmark = [
 # --------------------------------------------------------------------------- in-process service
 
 
-class Gate:
-    """``before_run`` hook: holds requests whose rid starts with ``hold`` until :meth:`open`."""
-
-    HOLD_S = 10.0
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-        self._lock = threading.Lock()
-        self.started: list[str] = []
-        self.timed_out: list[str] = []
-
-    def __call__(self, req: Request) -> None:
-        if not req.rid.startswith("hold"):
-            return
-        with self._lock:
-            self.started.append(req.rid)
-        if not self._open.wait(self.HOLD_S):
-            self.timed_out.append(req.rid)
-            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
-
-    def open(self) -> None:
-        self._open.set()
-
-
-@dataclass
-class Service:
-    pool: MaterializerPool
-    ingest: ZmqIngest
-    endpoint: str
-    gate: Gate
-
-
-@pytest.fixture
-async def service() -> AsyncIterator[Callable[..., Any]]:
-    made: list[Service] = []
-
-    contexts: list[zmq.asyncio.Context] = []
-
-    async def make(
-        *, workers: int = 1, socket_defaults: dict[int, int] | None = None, **ingest_kw: Any
-    ) -> Service:
-        """``socket_defaults``: options for the sockets the ingest makes with
-        ``ctx.socket()`` (its PUSH; the ROUTER is made otherwise), on a context of its own."""
-        if socket_defaults:
-            ctx = zmq.asyncio.Context()
-            contexts.append(ctx)
-            for opt, value in socket_defaults.items():
-                ctx.setsockopt(opt, value)
-            ingest_kw["context"] = ctx
-        gate = Gate()
-        pool = MaterializerPool(
-            Materializer(load_profile(str(MODEL))),
-            workers=workers,
-            max_inflight=64,
-            before_run=gate,
-        )
-        ingest_kw.setdefault("max_message_bytes", 64 << 20)
-        ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
-        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
-        svc = Service(pool, ingest, "", gate)
-        made.append(svc)
-        svc.endpoint = await ingest.start()
-        return svc
-
-    yield make
-    for svc in made:
-        svc.gate.open()
-        await svc.ingest.stop(0.5)
-        svc.pool.close()
-    for ctx in contexts:
-        ctx.term()
-    assert not [rid for svc in made for rid in svc.gate.timed_out]
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
+until = functools.partial(conftest.until, timeout_s=10.0)  # these faults take longer
 
 
 def image_request(rid: str, feature_bytes: int = 1 << 12) -> Request:

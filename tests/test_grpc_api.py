@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, vector_names
+from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, until, vector_names
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
@@ -142,15 +142,6 @@ def gate() -> Iterator[Gate]:
     g = Gate()
     yield g
     g.open()
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 # ------------------------------------------------------------------------- vectors -> AdmitRequest

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -46,7 +44,16 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, Sockets, Vector, load_vector, vector_names
+from conftest import (
+    FAMILY_CONFIG,
+    Service,
+    Sockets,
+    Vector,
+    config_for_family,
+    load_vector,
+    until,
+    vector_names,
+)
 from mmadmit import wire
 from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
@@ -62,11 +69,6 @@ pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("native_mode")]
 
 VECTORS = vector_names()
 needs_vectors = pytest.mark.skipif(not VECTORS, reason="no wire vectors (set MMADMIT_VECTORS)")
-MODEL_CONFIG = {
-    "qwen3_5": CONFIGS / "qwen3_5.json",
-    "qwen3_omni": CONFIGS / "qwen3_omni_moe.json",
-    "llama": CONFIGS / "llama.json",
-}
 QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
 SMALL = "qwen3_5_smg_style"  # a small good request (1.8 KB)
 
@@ -74,95 +76,7 @@ SMALL = "qwen3_5_smg_style"  # a small good request (1.8 KB)
 # --------------------------------------------------------------------------- fixtures
 
 
-class Gate:
-    """``before_run`` hook: holds requests whose rid starts with ``hold`` until
-    :meth:`open`, raises for ``boom``; records every request a worker was handed.
-
-    A held request the test never releases fails after ``HOLD_S`` (the worker
-    raises and the fixture reports it) instead of quietly going on."""
-
-    HOLD_S = 10.0
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-        self._lock = threading.Lock()
-        self.started: list[str] = []
-        self.seen: list[Request] = []
-        self.timed_out: list[str] = []
-
-    def __call__(self, req: Request) -> None:
-        with self._lock:
-            self.seen.append(req)
-            if req.rid.startswith("hold"):
-                self.started.append(req.rid)
-        if req.rid.startswith("hold") and not self._open.wait(self.HOLD_S):
-            self.timed_out.append(req.rid)
-            raise AssertionError(f"{req.rid} was held {self.HOLD_S} s and never released")
-        if req.rid.startswith("boom"):
-            raise RuntimeError("a worker bug")
-
-    def open(self) -> None:
-        self._open.set()
-
-
-@dataclass
-class Service:
-    pool: MaterializerPool
-    ingest: ZmqIngest
-    endpoint: str
-    gate: Gate
-
-
 Factory = Callable[..., Any]
-
-
-@pytest.fixture
-async def service() -> AsyncIterator[Factory]:
-    """``await service(family, **kw)`` -> a started :class:`Service`; all torn down."""
-    made: list[Service] = []
-
-    async def make(
-        family: str = "qwen3_5",
-        *,
-        workers: int = 2,
-        max_inflight: int = 64,
-        inline_max_tokens: int = 0,
-        **ingest_kw: Any,
-    ) -> Service:
-        """``inline_max_tokens > 0``: small requests run inline, and no gate is
-        installed (a ``before_run`` hook turns inline runs off)."""
-        gate = Gate()
-        pool = MaterializerPool(
-            Materializer(load_profile(str(MODEL_CONFIG[family]))),
-            workers=workers,
-            max_inflight=max_inflight,
-            before_run=None if inline_max_tokens else gate,
-            inline_max_tokens=inline_max_tokens,
-        )
-        ingest_kw.setdefault("max_message_bytes", 64 << 20)
-        ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
-        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
-        svc = Service(pool, ingest, "", gate)
-        made.append(svc)
-        svc.endpoint = await ingest.start()
-        return svc
-
-    yield make
-    for svc in made:
-        svc.gate.open()  # never leave a worker thread blocked behind
-        await svc.ingest.stop(0.5)
-        svc.pool.close()
-    timed_out = [rid for svc in made for rid in svc.gate.timed_out]
-    assert not timed_out, f"held requests were never released: {timed_out}"
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 def dealer(net: Sockets, endpoint: str, identity: bytes | None = None) -> zmq.asyncio.Socket:
@@ -333,7 +247,7 @@ async def test_inline_and_worker_replies_are_the_same_bytes(service: Factory) ->
 
 
 @needs_vectors
-@pytest.mark.parametrize("family", sorted(MODEL_CONFIG))
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIG))
 @INLINE
 async def test_vectors_forward_mode(
     service: Factory, zctx: Sockets, family: str, inline: int
@@ -937,7 +851,7 @@ async def test_large_features_leave_from_the_received_buffers(
 
 
 async def test_start_failure_releases_everything(zctx: Sockets) -> None:
-    pool = MaterializerPool(Materializer(load_profile(str(MODEL_CONFIG["llama"]))), workers=1)
+    pool = MaterializerPool(Materializer(load_profile(str(config_for_family("llama")))), workers=1)
     try:
         blocker, taken = await pull_at(zctx)
         busy = ZmqIngest(pool, listen=taken, max_message_bytes=1 << 20)
