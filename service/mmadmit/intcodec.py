@@ -40,6 +40,7 @@ for the same list. Non-goals: nested arrays, nil elements, arrays of more than
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -61,10 +62,12 @@ __all__ = [
     "IntArrayTooLong",
     "array_len",
     "array_spans",
+    "check_int_arrays",
     "check_structure",
     "decode_int_array",
     "encode_int_array",
     "int_rows",
+    "offsets_of",
     "split_array",
 ]
 
@@ -267,10 +270,27 @@ class _BoundedAlloc:
         return np.empty(count, dtype=np.int64)
 
 
+def offsets_of(total: int, raws: Sequence[Any]) -> list[int]:
+    """:func:`split_array`'s offsets for elements ``raws`` (back to back, ending a
+    buffer of ``total`` bytes), from their sizes."""
+    sizes = [len(r) for r in raws]
+    offsets = [total - sum(sizes)]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def check_int_arrays(
+    raw: Any, offsets: list[int], int_fields: tuple[int, ...], max_ints: int
+) -> None:
+    """Raise :class:`IntArrayTooLong` for the first ``int_fields`` element at ``offsets``
+    that is an array of more than ``max_ints`` elements (its header only)."""
+    _too_long_field(_as_bytes(raw), offsets, int_fields, max_ints)
+
+
 def _too_long_field(
     buf: memoryview, offsets: list[int], int_fields: tuple[int, ...], max_ints: int
 ) -> None:
-    """Raise :class:`IntArrayTooLong` for the first ``int_fields`` array over ``max_ints``."""
     for field in sorted(int_fields):
         if 0 <= field < len(offsets) - 1:
             b = buf[offsets[field]]
@@ -442,11 +462,7 @@ def _split_py(
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"msgpack: {exc}") from exc
     else:
-        # The elements are back to back and end the input: offsets from their sizes.
-        sizes = [len(r) for r in elems]
-        offsets = [len(buf) - sum(sizes)]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
+        offsets = offsets_of(len(buf), elems)  # back to back, ending the input
     if max_ints is not None:
         _too_long_field(buf, offsets, int_fields, max_ints)
     ints: list[npt.NDArray[np.int64] | None] = []

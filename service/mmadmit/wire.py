@@ -60,10 +60,12 @@ from .intcodec import (
     IntArrayTooLong,
     array_len,
     array_spans,
+    check_int_arrays,
     check_structure,
     decode_int_array,
     encode_int_array,
     int_rows,
+    offsets_of,
     split_array,
 )
 from .limits import DEFAULT_LIMITS, Limits
@@ -175,10 +177,11 @@ def _split_view(
         elems = _split(buf, what)
         ints: list[np.ndarray | None] = [None] * len(int_fields)
         if limits is not None:
-            offsets = [len(buf) - sum(len(r) for r in elems)]
-            for r in elems:
-                offsets.append(offsets[-1] + len(r))
-            _check_tokens(buf, offsets, int_fields, limits)
+            offsets = offsets_of(len(buf), elems)
+            try:  # the token arrays' lengths from their headers (decoded after)
+                check_int_arrays(buf, offsets, int_fields, limits.max_tokens)
+            except IntArrayTooLong as exc:
+                raise _tokens_too_long(exc) from exc
             _check_elements(buf, offsets, int_fields, limits)
         return elems, ints
     try:
@@ -220,20 +223,6 @@ def _check_length(buf: memoryview, what: str, limits: Limits) -> None:
 def _tokens_too_long(exc: IntArrayTooLong) -> TooLarge:
     name = _FIELD_NAMES.get(exc.element, f"element {exc.element}")
     return TooLarge(f"{name}: {exc.count} tokens exceed the limit of {exc.limit} (--max-tokens)")
-
-
-def _check_tokens(
-    buf: memoryview, offsets: list[int], int_fields: tuple[int, ...], limits: Limits
-) -> None:
-    """Each token array's length from its header (the small path decodes them after)."""
-    for f in int_fields:
-        if f < len(offsets) - 1:
-            try:
-                n = array_len(buf[offsets[f] : offsets[f + 1]])
-            except ValueError:  # not an array: decoded after, for the precise error
-                continue
-            if n > limits.max_tokens:
-                raise _tokens_too_long(IntArrayTooLong(f, n, limits.max_tokens))
 
 
 def _check_elements(
