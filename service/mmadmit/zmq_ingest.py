@@ -549,10 +549,7 @@ class ZmqIngest:
             identity, body = peer, frames
         self._answered = False
         try:
-            if isinstance(frames, CutMessage):
-                self._on_cut(identity, body, frames)
-                return
-            self._handle(identity, body)
+            self._handle(identity, body, frames if isinstance(frames, CutMessage) else None)
         except Exception as exc:  # noqa: BLE001 - one bad message must not kill intake
             logger.exception("unexpected error handling a ZMQ message (frames %s)", sizes(body))
             if not self._answered and len(body) > 0 and body[0].bytes != ABORT:
@@ -564,12 +561,21 @@ class ZmqIngest:
                 except Exception:  # noqa: BLE001 - already logged above; keep reading
                     logger.exception("rid=%s: could not answer INTERNAL either", rid)
 
-    def _handle(self, identity: zmq.Frame, body: list[zmq.Frame]) -> None:
+    def _handle(
+        self, identity: zmq.Frame, body: list[zmq.Frame], cut: CutMessage | None = None
+    ) -> None:
+        """One message; ``cut``: it had more than ``max_frames`` frames (``body`` holds
+        its first ones, ``cut`` its real size)."""
         t0 = time.perf_counter()
         self.stats.received += 1
         total = sum(sizes(body))
+        if cut is not None:
+            total += cut.total_bytes - sum(sizes(cut))  # the frames released unkept
         self.stats.received_bytes += total
         kind = body[0].bytes if body else b""
+        if cut is not None:
+            self._on_cut(identity, body, cut, kind, t0)
+            return
         if kind == ABORT and len(body) >= 2:
             self._on_abort(identity, body, total)
             return
@@ -671,14 +677,12 @@ class ZmqIngest:
         else:
             self._peer_counts.pop(peer, None)  # no entry per peer that ever sent
 
-    def _on_cut(self, identity: zmq.Frame, body: list[zmq.Frame], cut: CutMessage) -> None:
-        """A message of more than ``max_frames`` frames (only its first ones kept)."""
-        t0 = time.perf_counter()
-        extra_bytes = cut.total_bytes - sum(sizes(cut))
+    def _on_cut(
+        self, identity: zmq.Frame, body: list[zmq.Frame], cut: CutMessage, kind: bytes, t0: float
+    ) -> None:
+        """A message of more than ``max_frames`` frames: an ABORT dropped, else TOO_LARGE."""
         n_frames = cut.total_frames - (len(cut) - len(body))  # without the identity
-        self.stats.received += 1
-        self.stats.received_bytes += sum(sizes(body)) + extra_bytes
-        if body[0].bytes == ABORT:
+        if kind == ABORT:
             self.stats.malformed += 1
             logger.warning(
                 "ABORT from peer %s of %d frames dropped (an ABORT has 2)",
