@@ -22,11 +22,14 @@ arguments.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from .errors import TooLarge
 from .intcodec import MAX_DEPTH
 
-__all__ = ["DEFAULT_LIMITS", "MAX_DEPTH", "Limits"]
+__all__ = ["DEFAULT_LIMITS", "MAX_DEPTH", "Limits", "check_shape"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +50,18 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def check_shape(what: Any, shape: Sequence[int], limits: Limits) -> None:
+    """A tensor's rank and dimensions within ``limits`` (``what`` names it), else
+    :class:`~mmadmit.errors.TooLarge`; the codec and the materializer both ask."""
+    if len(shape) > limits.max_tensor_rank:
+        raise TooLarge(
+            f"{what}: rank {len(shape)} exceeds the limit of {limits.max_tensor_rank} "
+            "(--max-tensor-rank)"
+        )
+    if shape and max(shape) > limits.max_tensor_dim:
+        raise TooLarge(
+            f"{what}: dimension {max(shape)} exceeds the limit of {limits.max_tensor_dim} "
+            "(--max-tensor-dim)"
+        )

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from .errors import (
     abort_from_exception,
 )
 from .hashing import UINT64_MAX, feature_hash, pad_interval, pad_value
-from .limits import Limits
+from .limits import Limits, check_shape
 from .model import (
     MODALITY_OF,
     Item,
@@ -42,6 +42,7 @@ from .model import (
     Request,
     Rule,
     Tensor,
+    TensorName,
 )
 from .profile import ModelProfile
 
@@ -79,14 +80,6 @@ class CpuArrayOps:
 
 
 CPU_OPS = CpuArrayOps()
-
-
-class _TensorName(NamedTuple):
-    item: int | None
-    key: str
-
-    def __call__(self) -> str:
-        return self.key if self.item is None else f"item {self.item} {self.key}"
 
 
 @dataclass(frozen=True)
@@ -361,24 +354,15 @@ class Materializer:
         ):
             return  # the native pass vouches for every item tensor (no feature_shm)
         for what, t in self._tensors(mm):
-            if len(t.shape) > rank_max:
-                raise TooLarge(
-                    f"{what()}: rank {len(t.shape)} exceeds the limit of {rank_max} "
-                    "(--max-tensor-rank)"
-                )
-            if t.shape and max(t.shape) > dim_max:
-                raise TooLarge(
-                    f"{what()}: dimension {max(t.shape)} exceeds the limit of {dim_max} "
-                    "(--max-tensor-dim)"
-                )
+            check_shape(what, t.shape, lim)
             nbytes = t.data.nbytes
             if nbytes > bytes_max:
                 raise TooLarge(
-                    f"{what()}: {nbytes} bytes exceed the limit of {bytes_max} (--max-tensor-bytes)"
+                    f"{what}: {nbytes} bytes exceed the limit of {bytes_max} (--max-tensor-bytes)"
                 )
             if nbytes != t.expected_nbytes:
                 raise InvalidRequest(
-                    f"{what()}: {nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
+                    f"{what}: {nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
                     f"needs {t.expected_nbytes}"
                 )
         for i, item in enumerate(mm.items):
@@ -390,18 +374,18 @@ class Materializer:
                 )
 
     @staticmethod
-    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[_TensorName, Tensor]]:
+    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[TensorName, Tensor]]:
         """Every tensor of a request, named lazily (formatting names costs on the hot path)."""
         if mm.mrope_positions is not None:
-            yield _TensorName(None, "mrope_positions"), mm.mrope_positions
+            yield TensorName(None, "mrope_positions"), mm.mrope_positions
         if mm.mrope_position_delta is not None:
-            yield _TensorName(None, "mrope_position_delta"), mm.mrope_position_delta
+            yield TensorName(None, "mrope_position_delta"), mm.mrope_position_delta
         for i, item in enumerate(mm.items):
             if item.feature is not None:
-                yield _TensorName(i, "feature"), item.feature
+                yield TensorName(i, "feature"), item.feature
             for key, value in item.side.items():
                 if isinstance(value, Tensor):
-                    yield _TensorName(i, key), value
+                    yield TensorName(i, key), value
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size

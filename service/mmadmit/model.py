@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,17 @@ class Modality(enum.IntEnum):
 
 # Lookup without the cost of an Enum call on hot paths (None for unknown values).
 MODALITY_OF: dict[int, Modality] = {int(m): m for m in Modality}
+
+
+class TensorName(NamedTuple):
+    """A tensor's name in an error message (``item 3 feature``, ``mrope_positions``),
+    formatted only when a message is: the checks run on every request."""
+
+    item: int | None
+    key: str
+
+    def __str__(self) -> str:
+        return self.key if self.item is None else f"item {self.item} {self.key}"
 
 
 @dataclass(eq=False)

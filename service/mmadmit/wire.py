@@ -68,7 +68,7 @@ from .intcodec import (
     offsets_of,
     split_array,
 )
-from .limits import DEFAULT_LIMITS, Limits
+from .limits import DEFAULT_LIMITS, Limits, check_shape
 from .model import (
     Item,
     Materialized,
@@ -76,6 +76,7 @@ from .model import (
     Request,
     ShmHandle,
     Tensor,
+    TensorName,
     check_shm_name,
 )
 
@@ -327,18 +328,6 @@ class _FastTensor(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fiel
     data: int | msgspec.msgpack.Ext  # an aux frame index or inline bytes (ext 3)
 
 
-class _Name:
-    """A tensor's name for error messages, formatted only when one is raised."""
-
-    __slots__ = ("item", "key")
-
-    def __init__(self, item: int | None, key: str) -> None:
-        self.item, self.key = item, key
-
-    def __str__(self) -> str:
-        return self.key if self.item is None else f"item {self.item} {self.key}"
-
-
 class _TensorReader:
     def __init__(self, aux: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> None:
         self.aux = aux
@@ -348,19 +337,10 @@ class _TensorReader:
         self.max_dim = limits.max_tensor_dim
         self.max_bytes = limits.max_tensor_bytes
 
-    def check_size(self, what: _Name, shape: Any, dtype: DType) -> int:
+    def check_size(self, what: TensorName, shape: Any, dtype: DType) -> int:
         """Rank, dimensions and bytes of a tensor from its shape; its byte length."""
         lim = self.limits
-        if len(shape) > lim.max_tensor_rank:
-            raise TooLarge(
-                f"{what}: rank {len(shape)} exceeds the limit of {lim.max_tensor_rank} "
-                "(--max-tensor-rank)"
-            )
-        if shape and max(shape) > lim.max_tensor_dim:
-            raise TooLarge(
-                f"{what}: dimension {max(shape)} exceeds the limit of {lim.max_tensor_dim} "
-                "(--max-tensor-dim)"
-            )
+        check_shape(what, shape, lim)
         expected = math.prod(shape) * dtype.itemsize
         if expected > lim.max_tensor_bytes:
             raise TooLarge(
@@ -371,7 +351,7 @@ class _TensorReader:
 
     def tensor(self, value: Any, item: int | None, key: str, role: str) -> Tensor:
         """Build a Tensor view; errors name ``item <item> <key>`` (or just ``key``)."""
-        what = _Name(item, key)
+        what = TensorName(item, key)
         if not isinstance(value, (list, tuple)) or len(value) != 3:
             raise InvalidRequest(f"{what} must be a tensor [dtype, shape, data]")
         dtype_name, shape, data = value
