@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,15 @@ class HeapStats(NamedTuple):
     free: int
 
 
-_MALLINFO2: object = None  # the bound function once looked up; False where absent
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2``, typed, looked up once; None where absent."""
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is not None:
+        fn.restype = _MallInfo2
+        fn.argtypes = []
+    return fn
 
 
 def heap_stats() -> HeapStats | None:
@@ -66,17 +75,10 @@ def heap_stats() -> HeapStats | None:
     It walks every arena's free lists under their locks: call it at a scrape,
     not per request.
     """
-    global _MALLINFO2
-    if _MALLINFO2 is None:
-        libc = _libc()
-        fn = getattr(libc, "mallinfo2", None) if libc is not None else None
-        if fn is not None:
-            fn.restype = _MallInfo2
-            fn.argtypes = []
-        _MALLINFO2 = fn if fn is not None else False
-    if _MALLINFO2 is False:
+    fn = _mallinfo2()
+    if fn is None:
         return None
-    info = _MALLINFO2()  # type: ignore[operator]
+    info = fn()
     return HeapStats(in_use=info.uordblks + info.hblkhd, free=info.fordblks)
 
 
