@@ -67,8 +67,8 @@ import zmq
 import zmq.asyncio
 from conftest import CONFIGS, TESTS_DIR, http_get, load_vector, vector_names
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mmadmit import engine_mode, wire
 from mmadmit import handshake as hs
+from mmadmit import scheduler_link, wire
 from mmadmit.config import build_config
 from mmadmit.engine_mode import EngineRelay
 from mmadmit.errors import ConfigError
@@ -723,8 +723,8 @@ async def test_in_process_zero_copy_outputs_scheduler_dead_frame_and_passthrough
 async def test_in_process_handshake_timeout_names_the_step(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(engine_mode, "PROGRESS_S", 0.05)
-    caplog.set_level("INFO", logger="mmadmit.engine_mode")
+    monkeypatch.setattr(scheduler_link, "PROGRESS_S", 0.05)
+    caplog.set_level("INFO", logger="mmadmit.scheduler_link")  # the handshake steps
     async with relay_env(timeout_s=0.3) as env:  # nobody connects to it
         with pytest.raises(hs.HandshakeTimeout, match="HELLO from the scheduler"):
             await env.relay.handshake()

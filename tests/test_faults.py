@@ -210,7 +210,7 @@ async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others
             await until(lambda: svc.ingest.stats.undeliverable == 3)
             # nothing leaks
             assert svc.pool.inflight == 0 and svc.pool.running == 0
-            assert svc.ingest.inflight == 0 and not svc.ingest._inflight
+            assert svc.ingest.inflight == 0 and not svc.ingest.admissions.rids()
             stats = svc.ingest.stats
             assert stats.replied == 6 and stats.materialized == 9 and stats.send_retries > 0
             assert not stats.aborted_by_code

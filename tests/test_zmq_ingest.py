@@ -714,7 +714,7 @@ async def test_one_peer_cannot_take_the_whole_pool(service: Factory, zctx: Socke
     got = sorted([as_outcome(await recv(greedy)).rid for _ in range(2)])
     assert got == ["hold-0", "hold-1"]
     assert as_outcome(await recv(other)).materialized
-    await until(lambda: not svc.ingest._peer_counts)  # nothing kept per peer once idle
+    await until(lambda: not svc.ingest.admissions._peer_counts)  # nothing kept per peer once idle
     await greedy.send_multipart(frames_of(v, "again"), copy=False)
     assert as_outcome(await recv(greedy)).materialized
 

@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
@@ -160,9 +161,9 @@ class ServeConfig:
         default=None,
         metadata={
             "parse": _zmq_addr,
-            "help": "engine mode: the handshake endpoint to bind for the scheduler; its input "
-            "and output sockets are bound on the same host, ephemeral ports (needs "
-            "--smg-handshake)",
+            "help": "engine mode and the SMG gRPC face: the handshake endpoint to bind for the "
+            "scheduler; its input and output sockets are bound on the same host, ephemeral "
+            "ports (needs --smg-handshake or --smg-grpc-listen)",
         },
     )
     engine_index: int = field(
@@ -178,6 +179,21 @@ class ServeConfig:
         metadata={
             "parse": _positive_float,
             "help": "engine mode: seconds to wait for each handshake step (progress every 30 s)",
+        },
+    )
+    smg_grpc_listen: str | None = field(
+        default=None,
+        metadata={
+            "parse": _host_port,
+            "help": "SMG gRPC face: serve SMG's TokenSpeedScheduler worker contract on this "
+            "HOST:PORT in front of the scheduler that connects to --engine-handshake-listen",
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "SMG gRPC face: the model name reported to SMG (default: the --model "
+            "directory as given, the directory of a config.json path, or the profile name)",
         },
     )
     grpc_tls_cert: str | None = field(
@@ -375,6 +391,24 @@ class ServeConfig:
         )
 
     @property
+    def smg_grpc(self) -> bool:
+        """The SMG gRPC face is on (:func:`build_config` checks what it needs)."""
+        return self.smg_grpc_listen not in (None, OFF)
+
+    def model_name(self) -> str:
+        """The name the SMG gRPC face reports: ``--served-model-name``, else the
+        ``--model`` directory as given, the directory of a ``config.json`` path, or
+        the built-in profile's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model)
+        if path.is_dir():
+            return self.model
+        if path.is_file():
+            return str(path.parent)
+        return self.model
+
+    @property
     def limits(self) -> Limits:
         return Limits(
             max_tokens=self.max_tokens,
@@ -459,9 +493,23 @@ def build_config(
 
 
 def _check_engine_mode(config: ServeConfig) -> None:
-    """Engine mode: both handshake addresses or neither, and never with --zmq-forward."""
+    """Engine mode: both handshake addresses or neither, and never with --zmq-forward;
+    the SMG gRPC face: the scheduler's handshake address, never with either."""
     smg = config.smg_handshake not in (None, OFF)
     listen = config.engine_handshake_listen not in (None, OFF)
+    if config.smg_grpc:
+        if not listen:
+            raise ConfigError(
+                "the SMG gRPC face: --smg-grpc-listen needs --engine-handshake-listen (the "
+                "scheduler connects there)"
+            )
+        for flag, given in (("--smg-handshake", smg), ("--zmq-forward", config.zmq_forward)):
+            if given:
+                raise ConfigError(
+                    f"the SMG gRPC face (--smg-grpc-listen) excludes {flag}: requests from SMG "
+                    "go to the scheduler that connects to --engine-handshake-listen"
+                )
+        return
     if smg != listen:
         given, missing = (
             ("--smg-handshake", "--engine-handshake-listen")

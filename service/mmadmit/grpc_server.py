@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's limits are C ints
 ADMISSION_SERVICE = admission_pb2.DESCRIPTOR.services_by_name["Admission"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-_HEALTH_NAMES = ("", ADMISSION_SERVICE)
 
 
 def clamp_message_bytes(max_message_bytes: int) -> int:
@@ -133,29 +132,26 @@ def _preflight_bind(host: str, listen: str) -> None:
         raise OSError(exc.errno, f"cannot bind gRPC to {listen}: {exc.strerror}") from exc
 
 
-class GrpcServer:
-    """One ``grpc.aio`` server; create and use it on the service's event loop."""
+class GrpcPort:
+    """One ``grpc.aio`` server on one port serving ``services`` (full service name ->
+    method handlers), with health and reflection; create and use it on the
+    service's event loop. Health names "" and every service."""
 
     def __init__(
         self,
-        pool: MaterializerPool,
-        profile: ModelProfile,
+        services: Mapping[str, Mapping[str, grpc.RpcMethodHandler]],
         *,
         listen: str,
         max_message_bytes: int,
         max_streams: int | None = None,
-        max_stream_inflight: int | None = None,
         extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
-        telemetry: Telemetry | None = None,
         credentials: grpc.ServerCredentials | None = None,
         security: str = "plaintext",
     ) -> None:
         if max_streams is not None and max_streams < 1:
             raise ValueError("max_streams must be positive")
+        self.services = dict(services)
         self.max_streams = max_streams
-        self.servicer = AdmissionServicer(
-            pool, profile, telemetry, max_stream_inflight=max_stream_inflight
-        )
         self.health = health_aio.HealthServicer()
         self.listen = listen
         self.max_message_bytes = clamp_message_bytes(max_message_bytes)
@@ -168,11 +164,7 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def stats(self) -> ServicerStats:
-        """The gRPC transport's counters (``metrics.py`` exports them)."""
-        return self.servicer.stats
+        self._health_names = ("", *self.services)
 
     async def start(self) -> str:
         """Bind ``listen`` and start serving; return the bound ``HOST:PORT``.
@@ -198,14 +190,14 @@ class GrpcServer:
             # RESOURCE_EXHAUSTED, from gRPC itself)
             options.append(("grpc.max_concurrent_streams", self.max_streams))
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_streams)
-        handlers = admission_handlers(self.servicer)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(ADMISSION_SERVICE, handlers),)
-        )
-        server.add_registered_method_handlers(ADMISSION_SERVICE, handlers)
+        for name, handlers in self.services.items():
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(name, dict(handlers)),)
+            )
+            server.add_registered_method_handlers(name, dict(handlers))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (ADMISSION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+            (*self.services, HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
         if self._extra_handlers:
             server.add_generic_rpc_handlers(self._extra_handlers)
@@ -219,7 +211,7 @@ class GrpcServer:
             raise OSError(f"cannot bind gRPC to {self.listen}: {exc}") from exc
         if port == 0:  # older grpcio reports a failed bind this way
             raise OSError(f"cannot bind gRPC to {self.listen}")
-        for name in _HEALTH_NAMES:
+        for name in self._health_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server = server
         await server.start()
@@ -239,14 +231,14 @@ class GrpcServer:
         return task
 
     def set_serving(self) -> asyncio.Task[None]:
-        """Health SERVING for "" and ``mmadmit.v1.Admission`` (after the warm-up).
+        """Health SERVING for "" and every service (after the warm-up).
 
         Callable without ``await`` from the lifecycle code; the returned task
         can be awaited to know the status is visible.
         """
 
         async def run() -> None:
-            for name in _HEALTH_NAMES:
+            for name in self._health_names:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
         return self._schedule(run())
@@ -266,9 +258,46 @@ class GrpcServer:
         logger.info("[shutdown] gRPC server on %s stopped", self.address)
 
 
+class GrpcServer(GrpcPort):
+    """The gRPC admission API (``mmadmit.v1.Admission``) on its port."""
+
+    def __init__(
+        self,
+        pool: MaterializerPool,
+        profile: ModelProfile,
+        *,
+        listen: str,
+        max_message_bytes: int,
+        max_streams: int | None = None,
+        max_stream_inflight: int | None = None,
+        extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+        telemetry: Telemetry | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        security: str = "plaintext",
+    ) -> None:
+        self.servicer = AdmissionServicer(
+            pool, profile, telemetry, max_stream_inflight=max_stream_inflight
+        )
+        super().__init__(
+            {ADMISSION_SERVICE: admission_handlers(self.servicer)},
+            listen=listen,
+            max_message_bytes=max_message_bytes,
+            max_streams=max_streams,
+            extra_handlers=extra_handlers,
+            credentials=credentials,
+            security=security,
+        )
+
+    @property
+    def stats(self) -> ServicerStats:
+        """The gRPC transport's counters (``metrics.py`` exports them)."""
+        return self.servicer.stats
+
+
 __all__ = [
     "ADMISSION_SERVICE",
     "GRPC_MAX_MESSAGE_BYTES",
+    "GrpcPort",
     "GrpcServer",
     "admission_handlers",
     "clamp_message_bytes",

@@ -27,6 +27,14 @@ turns NOT_SERVING and the process exits 3 after the usual (short) shutdown. On
 a signal the drain also waits, within ``--drain-timeout``, until every request
 forwarded to the scheduler has a finished output; then ENGINE_CORE_DEAD goes
 upstream and the process exits 0.
+
+The SMG gRPC face (``--smg-grpc-listen`` with ``--engine-handshake-listen``,
+:mod:`mmadmit.smg_grpc`) has the same lifecycle in front of its scheduler: its
+gRPC port is bound with the others, health turns SERVING after the scheduler's
+handshake, and the ready line ends `` smg-grpc=HOST:PORT engine=ADDRESS``. When
+the scheduler goes away every open ``Generate`` ends ``UNAVAILABLE`` and the
+process exits 3; on a signal, outputs of forwarded requests flow until each
+has finished or ``--drain-timeout`` passed, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -76,13 +84,23 @@ class ServerHandle:
     zmq: Any = None
     metrics: Any = None
     engine: Any = None  # engine_mode.EngineRelay in engine mode
+    smg: Any = None  # smg_grpc.SmgGrpcFace with the SMG gRPC face
+    smg_port: Any = None  # grpc_server.GrpcPort serving it
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
 
+    @property
+    def link(self) -> Any:
+        """The face in front of a scheduler (engine mode or the SMG gRPC face), or None."""
+        return self.engine if self.engine is not None else self.smg
+
     def ready_fields(self) -> dict[str, str]:
         """The ready line's ``name=address`` pairs: the three transports, then
-        ``engine`` in engine mode only (so the usual line is unchanged)."""
+        ``smg-grpc`` with the SMG gRPC face and ``engine`` in engine mode or with the
+        face (so the usual line is unchanged)."""
         out = {name: self.addresses.get(name, OFF) for name in _TRANSPORT_NAMES}
+        if "smg-grpc" in self.addresses:
+            out["smg-grpc"] = self.addresses["smg-grpc"]
         if "engine" in self.addresses:
             out["engine"] = self.addresses["engine"]
         return out
@@ -238,6 +256,35 @@ async def start_server(
         stack.push_async_callback(relay.stop, 0.0)
         handle.addresses["engine"] = await relay.bind()
         handle.engine = relay
+    if config.smg_grpc:
+        from .grpc_server import GrpcPort
+        from .smg_grpc import SERVICE, SmgGrpcFace
+
+        assert config.smg_grpc_listen is not None and config.engine_handshake_listen is not None
+        face = SmgGrpcFace(
+            pool,
+            profile,
+            listen=config.engine_handshake_listen,
+            engine_index=config.engine_index,
+            handshake_timeout_s=config.handshake_timeout,
+            served_model_name=config.model_name(),
+            model_path=config.model_name(),
+            telemetry=telemetry,
+            on_gone=lambda why: _scheduler_gone(handle, why),
+        )
+        stack.push_async_callback(face.stop)
+        handle.addresses["engine"] = await face.bind()
+        handle.smg = face
+        port = GrpcPort(
+            {SERVICE: face.handlers()},
+            listen=config.smg_grpc_listen,
+            max_message_bytes=config.max_message_bytes,
+            max_streams=config.max_grpc_streams,
+        )
+        stack.push_async_callback(port.stop, 0.0)
+        handle.addresses["smg-grpc"] = await port.start()
+        handle.smg_port = port
+    if handle.link is not None:
         _print_line(
             config,
             f"mmadmit engine-handshake {handle.addresses['engine']}",
@@ -245,7 +292,12 @@ async def start_server(
         )
     transports = {
         name: obj
-        for name, obj in (("grpc", handle.grpc), ("zmq", handle.zmq), ("engine", handle.engine))
+        for name, obj in (
+            ("grpc", handle.grpc),
+            ("zmq", handle.zmq),
+            ("engine", handle.engine),
+            ("smg_grpc", handle.smg),
+        )
         if obj
     }
     device = resolve_device(config.device)
@@ -262,7 +314,7 @@ async def start_server(
     outcome = await pool.materialize(warmup_request(profile))
     if not isinstance(outcome, Materialized):
         raise RuntimeError(f"warm-up request failed: {outcome}")
-    if handle.grpc is not None and handle.engine is None:
+    if handle.grpc is not None and handle.link is None:
         handle.grpc.set_serving()
     return handle
 
@@ -281,6 +333,8 @@ def _scheduler_gone(handle: ServerHandle, why: str) -> None:
         handle.exit_code = EXIT_SCHEDULER_GONE
     if handle.grpc is not None:
         handle.grpc.enter_drain()
+    if handle.smg_port is not None:
+        handle.smg_port.enter_drain()
     logger.error(
         "the scheduler went away (%s): shutting down, exit status %d",
         why,
@@ -299,7 +353,7 @@ async def engine_handshake(handle: ServerHandle) -> int | None:
     """
     from .handshake import HandshakeError, HandshakeTimeout
 
-    relay = handle.engine
+    relay = handle.link
     task = asyncio.ensure_future(relay.handshake())
     stopped = asyncio.ensure_future(handle.stop_event.wait())
     try:
@@ -335,6 +389,10 @@ async def shutdown(handle: ServerHandle) -> None:
     )
     if handle.grpc is not None:
         handle.grpc.enter_drain()
+    if handle.smg_port is not None:
+        handle.smg_port.enter_drain()
+    if handle.smg is not None:
+        handle.smg.admissions.closing = True  # new Generate calls: UNAVAILABLE
     handle.pool.begin_drain()
     await handle.pool.drain(config.drain_timeout)
     if handle.engine is not None:
@@ -343,6 +401,12 @@ async def shutdown(handle: ServerHandle) -> None:
         if handle.engine.ready:
             await handle.engine.drain(deadline)  # outputs flow until forwarded work finished
         await handle.engine.stop(DEAD_LINGER_S)  # then ENGINE_CORE_DEAD upstream
+    if handle.smg is not None:
+        if handle.smg.ready:
+            await handle.smg.drain(deadline)  # outputs flow until forwarded work finished
+        await handle.smg.stop()  # the calls still open end UNAVAILABLE
+    if handle.smg_port is not None:
+        await handle.smg_port.stop(1.0)
     if handle.zmq is not None:
         await handle.zmq.stop(config.drain_timeout)
     if handle.grpc is not None:
@@ -370,13 +434,14 @@ async def serve(
             # Before start-up: engine mode may wait long for its handshakes.
             _install_signal_handlers(loop, stop_event)
         handle = await start_server(config, stack, stop_event=stop_event)
-        if handle.engine is not None:
+        if handle.link is not None:
             status = await engine_handshake(handle)
             if status is not None:
                 await shutdown(handle)
                 return status
-            if handle.grpc is not None:
-                handle.grpc.set_serving()
+            for port in (handle.grpc, handle.smg_port):
+                if port is not None:
+                    port.set_serving()
         line = handle.ready_line()
         ready = fields("ready", **handle.ready_fields())
         if config.log_format == "json":

@@ -1,9 +1,11 @@
 """gRPC ``mmadmit.v1.Admission`` servicer: proto <-> internal model translation only.
 
 Scope: decode an ``AdmitRequest`` into a :class:`mmadmit.model.Request`, hand it
-to the :class:`~mmadmit.pool.MaterializerPool`, encode the one outcome as an
-``AdmitResponse``. No materialization rule lives here (MATERIALIZE.md: a
-transport only decodes, submits and encodes); what this module checks is only
+to the :class:`~mmadmit.pool.MaterializerPool` (through
+:class:`~mmadmit.admission.Admissions`, which keeps the request ids in flight
+and counts outcomes), encode the one outcome as an ``AdmitResponse``. No
+materialization rule lives here (MATERIALIZE.md: a transport only decodes,
+submits and encodes); what this module checks is only
 what the internal model cannot represent or what is specific to the gRPC
 encoding:
 
@@ -61,12 +63,14 @@ from google.protobuf.message import DecodeError
 from . import pbwire
 from ._proto import admission_pb2 as pb
 from ._proto import admission_pb2_grpc as pb_grpc
+from .admission import Admissions
 from .dtypes import parse_dtype
 from .errors import (
     Abort,
     AbortCode,
     AdmissionError,
     InvalidRequest,
+    Unsupported,
     abort_from_exception,
 )
 from .materializer import Outcome
@@ -81,7 +85,7 @@ from .model import (
     check_shm_name,
 )
 from .pbwire import RefusedRequest, StrippedRequest, packed_uint32_field, resolve_inline
-from .pool import MaterializerPool, Ticket
+from .pool import MaterializerPool
 from .profile import ModelProfile
 from .telemetry import Telemetry
 
@@ -147,6 +151,11 @@ def tensor_from_proto(
     if kind is None:
         raise InvalidRequest(
             f"{what}: TensorData carries no payload (neither inline bytes nor shm)"
+        )
+    if kind == "remote":  # SMG's RemoteTensorHandle (NIXL and the like)
+        raise Unsupported(
+            f"{what}: a remote tensor payload ({td.remote.transport or 'unnamed transport'}) "
+            "cannot be forwarded; send it inline or in shared memory"
         )
     dtype = _dtype(td, what)
     shape = _shape(td)
@@ -232,7 +241,7 @@ def _item_from_proto(msg: pb.MultimodalItem, idx: int, payloads: Payloads) -> It
     return Item(
         modality=int(modality),
         hash=content_hash,
-        pad_value=msg.pad_value if msg.HasField("pad_value") else None,
+        pad_value=msg.pad_value if _has_pad_value(msg) else None,
         offsets=_offsets(msg, idx),
         feature=feature,
         feature_shm=feature_shm,
@@ -264,6 +273,26 @@ def _placeholder_overrides(
     return overrides
 
 
+def _has_pad_value(msg: Any) -> bool:
+    """mmadmit's ``pad_value`` (100): SMG's own ``MultimodalItem`` has no such field."""
+    return "pad_value" in msg.DESCRIPTOR.fields_by_name and bool(msg.HasField("pad_value"))
+
+
+def items_from_proto(
+    proto_items: Any, profile: ModelProfile, payloads: Payloads
+) -> MultimodalInputs:
+    """The ``MultimodalItem`` list of a request, translated (shared with the SMG gRPC
+    face: ``tokenspeed.grpc.scheduler.MultimodalItem`` has the same fields and
+    numbers, less ``pad_value``)."""
+    items = [_item_from_proto(it, i, payloads) for i, it in enumerate(proto_items)]
+    overrides = _placeholder_overrides(proto_items, items, profile)
+    return MultimodalInputs(
+        items=items,
+        im_token_id=overrides.get(Modality.IMAGE),
+        video_token_id=overrides.get(Modality.VIDEO),
+    )
+
+
 def request_from_proto(
     msg: pb.AdmitRequest, profile: ModelProfile, payloads: Payloads = None
 ) -> Request:
@@ -285,14 +314,7 @@ def request_from_proto(
     has_mm = msg.HasField("mm_inputs")
     has_mrope = msg.HasField("mrope")
     if has_mm or has_mrope:
-        proto_items = msg.mm_inputs.items
-        items = [_item_from_proto(it, i, payloads) for i, it in enumerate(proto_items)]
-        overrides = _placeholder_overrides(proto_items, items, profile)
-        mm = MultimodalInputs(
-            items=items,
-            im_token_id=overrides.get(Modality.IMAGE),
-            video_token_id=overrides.get(Modality.VIDEO),
-        )
+        mm = items_from_proto(msg.mm_inputs.items, profile, payloads)
         if has_mrope:
             mrope = msg.mrope
             if mrope.HasField("positions"):
@@ -432,10 +454,11 @@ def model_info_from_profile(profile: ModelProfile) -> pb.GetModelInfoResponse:
 class AdmissionServicer(pb_grpc.AdmissionServicer):
     """The four RPCs of ``mmadmit.v1.Admission`` over one shared pool.
 
-    Keeps a ``request_id -> Ticket`` registry of the requests in flight on this
-    replica (all RPCs run on the one event loop, so it needs no lock): the
-    ``Abort`` RPC cancels through it, and a second request with an id already in
-    flight is refused ``INVALID_REQUEST``.
+    The requests in flight on this replica are :attr:`admissions`
+    (:class:`~mmadmit.admission.Admissions`, keyed ``(b"", request_id)``; all
+    RPCs run on the one event loop, so it needs no lock): the ``Abort`` RPC
+    cancels through it, a second request with an id already in flight is
+    refused ``INVALID_REQUEST``, and every outcome is counted there once.
     """
 
     def __init__(
@@ -455,13 +478,15 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         self._pool = pool
         self._profile = profile
         self.telemetry = telemetry
-        self._inflight: dict[str, Ticket] = {}
+        self.admissions = Admissions(
+            pool, transport="grpc", telemetry=telemetry, scope="on this replica"
+        )
         self.stats = ServicerStats()
 
     @property
     def inflight_ids(self) -> frozenset[str]:
         """Request ids admitted through this servicer and still without an outcome."""
-        return frozenset(self._inflight)
+        return self.admissions.rids()
 
     # ------------------------------------------------------------------ one request
 
@@ -477,7 +502,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             self.stats.requests += 1
             abort = Abort(request.code, request.message)
             logger.debug("rid=%s: refused from its bytes: %s", request.request_id, abort.message)
-            self._observe(request.request_id, None, abort, t0)
+            self.admissions.observe(request.request_id, None, abort, t0)
             return abort_response(request.request_id, abort)
         if isinstance(request, StrippedRequest):
             msg, payloads = request.msg, request.payloads
@@ -487,31 +512,28 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         rid = msg.request_id
         self.stats.requests += 1
         req: Request | None = None
+        admissions = self.admissions
         try:
             req = request_from_proto(msg, self._profile, payloads)
-            if rid in self._inflight:
-                raise InvalidRequest(
-                    f"request_id {rid!r} is already in flight on this replica; ids must be unique"
-                )
+            key = (b"", rid)
             timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
-            ticket = self._pool.submit(req, timeout_s=timeout_s)  # Overloaded / ShuttingDown
-            self._inflight[rid] = ticket
+            # InvalidRequest (a duplicate id) / Overloaded / ShuttingDown
+            ticket = admissions.submit(key, req, timeout_s=timeout_s)
             try:
                 outcome = await ticket.outcome()  # cancels the ticket if this task is cancelled
             finally:
-                if self._inflight.get(rid) is ticket:
-                    del self._inflight[rid]
+                admissions.release(key, ticket)
             if isinstance(outcome, Abort):
                 logger.debug("rid=%s: aborted %s: %s", rid, outcome.code.value, outcome.message)
             else:
                 logger.debug("rid=%s: materialized (%s)", rid, outcome.rule.value)
             response = response_from_outcome(rid, outcome, echo_features=msg.echo_features)
-            self._observe(rid, req, outcome, t0)
+            admissions.observe(rid, req, outcome, t0)
             return response
         except AdmissionError as exc:
             logger.debug("rid=%s: aborted %s: %s", rid, exc.code.value, exc.message)
             abort = exc.to_abort()
-            self._observe(rid, req, abort, t0)
+            admissions.observe(rid, req, abort, t0)
             return abort_response(rid, abort)
         except grpc.aio.AbortError:
             raise  # the call was already ended with a status; never wrap it again
@@ -519,20 +541,14 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             # The client cancelled or its deadline passed: it can receive nothing more.
             self.stats.calls_cancelled += 1
             logger.info("rid=%s: call cancelled or past its deadline; its work is cancelled", rid)
-            self._observe(rid, req, Abort(AbortCode.CANCELLED, "the call went away"), t0)
+            admissions.observe(rid, req, Abort(AbortCode.CANCELLED, "the call went away"), t0)
             raise
         except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
             self.stats.internal_errors += 1
             logger.exception("rid=%s: unexpected error while admitting", rid)
             abort = abort_from_exception(exc)
-            self._observe(rid, req, abort, t0)
+            admissions.observe(rid, req, abort, t0)
             return abort_response(rid, abort)
-
-    def _observe(
-        self, rid: str, req: Request | None, outcome: Materialized | Abort, t0: float
-    ) -> None:
-        if self.telemetry is not None:
-            self.telemetry.outcome("grpc", rid, req, outcome, t0)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -616,15 +632,12 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         rid = request.request_id
-        ticket = self._inflight.get(rid)
-        if ticket is None or ticket.done:
+        reason = request.reason or "no reason given"
+        if not self.admissions.cancel(
+            (b"", rid), AbortCode.CANCELLED, f"aborted by an Abort call: {reason}"
+        ):
             return pb.AbortResponse(
                 success=False, message=f"no request {rid!r} is in flight on this replica"
-            )
-        reason = request.reason or "no reason given"
-        if not ticket.cancel(AbortCode.CANCELLED, f"aborted by an Abort call: {reason}"):
-            return pb.AbortResponse(
-                success=False, message=f"request {rid!r} already has an outcome"
             )
         self.stats.aborts_requested += 1
         logger.info("rid=%s: aborted by an Abort call (%s)", rid, reason)

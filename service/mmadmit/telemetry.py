@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 outcome_logger = logging.getLogger("mmadmit.outcome")
 
-TRANSPORTS = ("grpc", "zmq", "engine")
+TRANSPORTS = ("grpc", "zmq", "engine", "smg_grpc")
 
 # Token-count buckets of the latency histograms: (upper bound inclusive, label).
 _TOKEN_BUCKETS: tuple[tuple[int, str], ...] = (

@@ -39,7 +39,9 @@ How the hard parts work:
   ends in one of: an immediate abort, or a ticket whose completion task emits
   the outcome. The completion task has a broad guard (``INTERNAL``) and a
   ``finally`` that always releases its forward-ordering slot.
-* **Per-peer request ids**: in-flight tickets are keyed by ``(identity, rid)``.
+* **Per-peer request ids**: in-flight tickets are keyed by ``(identity, rid)``
+  in :class:`~mmadmit.admission.Admissions` (the bookkeeping shared with
+  gRPC: duplicates, closing, the per-peer limit, cancel, outcome counting).
   An ADD whose key is in flight is aborted ``INVALID_REQUEST`` at once (the
   first goes on); an ABORT cancels only its own peer's tickets.
 * **Delivery** (reply mode): the ROUTER sets ``ROUTER_MANDATORY``, so a reply to
@@ -100,14 +102,15 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from . import wire
-from .errors import Abort, AbortCode, AdmissionError, abort_from_exception
+from .admission import Admissions, AdmissionStats
+from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, abort_from_exception
 from .limits import DEFAULT_LIMITS, Limits
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
@@ -141,14 +144,16 @@ SentHook = Callable[[list[Any]], None]
 
 
 @dataclass
-class ZmqIngestStats:
-    """Counters for metrics; written on the event loop thread only."""
+class ZmqIngestStats(AdmissionStats):
+    """Counters for metrics; written on the event loop thread only.
+
+    ``materialized`` / ``aborted_by_code`` (from :class:`AdmissionStats`) count
+    the ADDs' outcomes, each once, through :meth:`Admissions.observe`.
+    """
 
     received: int = 0  # messages read off the ROUTER (ADD, ABORT or malformed)
     aborts_received: int = 0  # well-formed ABORT messages
     cancelled_by_peer: int = 0  # in-flight tickets ended by an ABORT
-    materialized: int = 0  # ADDs whose outcome was materialized
-    aborted_by_code: dict[str, int] = field(default_factory=dict)  # ADD aborts, by code
     malformed: int = 0  # messages that did not decode (ADDs answered, ABORTs dropped)
     replied: int = 0  # reply messages handed to libzmq (reply mode)
     send_retries: int = 0  # reply sends retried after EAGAIN / EHOSTUNREACH
@@ -160,10 +165,6 @@ class ZmqIngestStats:
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
     received_bytes: int = 0  # bytes of every message read (all frames but the identity)
     sent_bytes: int = 0  # bytes of every reply or forward handed to libzmq
-
-    def count_abort(self, abort: Abort) -> None:
-        name = abort.code.value
-        self.aborted_by_code[name] = self.aborted_by_code.get(name, 0) + 1
 
 
 # --------------------------------------------------------------------------- resources
@@ -283,7 +284,6 @@ class ZmqIngest:
         self.limits = limits
         self.max_frames = max_frames
         self.max_peer_inflight = max_peer_inflight
-        self._peer_counts: dict[bytes, int] = {}  # async in-flight requests per peer
         if not send_timeout_s >= 0:
             raise ValueError("send_timeout_s must be a non-negative number")
         self.pool = pool
@@ -299,6 +299,16 @@ class ZmqIngest:
         self.stats = stats if stats is not None else ZmqIngestStats()
         self.telemetry = telemetry
         self.transport = transport
+        # The requests in flight, keyed (identity, rid); ``closing`` is set once
+        # stop() begins (or start() fails): no new admissions.
+        self.admissions = Admissions(
+            pool,
+            transport=transport,
+            telemetry=telemetry,
+            scope="from this peer",
+            max_per_peer=max_peer_inflight,
+            stats=self.stats,
+        )
         self.endpoint: str | None = None
         self._sent_hook = sent_hook
         self._res = _Resources(ctx=context, own_ctx=context is None)
@@ -307,10 +317,8 @@ class ZmqIngest:
         self._replier: RetryingSender | None = None
         self._intake: SocketReader | None = None
         self._peer: zmq.Frame | None = None  # adopted DEALER intake: the one peer's key
-        self._inflight: dict[PeerKey, Ticket] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
-        self._closing = False  # stop() began: no new admissions
         self._stop_task: asyncio.Future[None] | None = None
         self._answered = False  # the message being handled got its outcome path
         self._watchdog_s = watchdog_s
@@ -325,7 +333,7 @@ class ZmqIngest:
     @property
     def inflight(self) -> int:
         """ADDs admitted to the pool whose outcome has not arrived yet."""
-        return len(self._inflight)
+        return len(self.admissions)
 
     @property
     def forward_pending(self) -> int:
@@ -376,7 +384,7 @@ class ZmqIngest:
                     ) from exc
             self._begin(router, push, prefix=None)
         except BaseException:
-            self._closing = True
+            self.admissions.closing = True
             self._finalizer()  # close whatever was created; stop() is then a no-op
             raise
         logger.info(
@@ -416,7 +424,7 @@ class ZmqIngest:
         try:
             self._begin(intake, forward, prefix=forward_prefix)
         except BaseException:
-            self._closing = True
+            self.admissions.closing = True
             self._finalizer()
             raise
 
@@ -486,7 +494,7 @@ class ZmqIngest:
     async def _stop(self, linger_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + linger_s
-        self._closing = True
+        self.admissions.closing = True
         res = self._res
         if not self._finalizer.alive:  # never started, or start() failed: released
             return
@@ -608,52 +616,15 @@ class ZmqIngest:
         request = msg.request
         assert request is not None  # an ABORT type byte was dispatched above
         key = (identity.bytes, request.rid)
-        if key in self._inflight:
-            logger.warning(
-                "rid=%s: duplicate request id from peer %s while the first is in flight",
-                request.rid,
-                identity.bytes.hex(),
-            )
-            self._abort_now(
-                identity,
-                request,
-                request.rid,
-                Abort(
-                    AbortCode.INVALID_REQUEST,
-                    f"request id {request.rid!r} is already in flight from this peer",
-                ),
-                t0,
-            )
-            return
-        if self._closing:
-            self._abort_now(
-                identity,
-                request,
-                request.rid,
-                Abort(
-                    AbortCode.SHUTTING_DOWN,
-                    "the service is shutting down; retry on another replica",
-                ),
-                t0,
-            )
-            return
-        peer_count = self._peer_counts.get(key[0], 0)
-        if self.max_peer_inflight is not None and peer_count >= self.max_peer_inflight:
-            self._abort_now(
-                identity,
-                request,
-                request.rid,
-                Abort(
-                    AbortCode.OVERLOADED,
-                    f"this peer has {peer_count} requests in flight, the limit per peer "
-                    f"(--max-peer-inflight); retry once one has its outcome",
-                ),
-                t0,
-            )
-            return
         try:
-            ticket = self.pool.submit(request)
-        except AdmissionError as exc:  # Overloaded, ShuttingDown
+            ticket = self.admissions.submit(key, request)
+        except AdmissionError as exc:  # duplicate id, closing, per-peer limit, pool refusal
+            if isinstance(exc, InvalidRequest):
+                logger.warning(
+                    "rid=%s: duplicate request id from peer %s while the first is in flight",
+                    request.rid,
+                    identity.bytes.hex(),
+                )
             self._abort_now(identity, request, request.rid, exc.to_abort(), t0)
             return
         if ticket.done:  # materialized inline: emit now, no task, never in flight
@@ -661,21 +632,12 @@ class ZmqIngest:
             frames_out = self._outcome_frames(request, ticket.result(), t0)
             self._emit_now(identity, request.rid, frames_out)
             return
-        self._inflight[key] = ticket
-        self._peer_counts[key[0]] = peer_count + 1
         slot = None
         if self._fwd is not None:
             self._fwd.add_pending()
             slot = self._fwd.slot([key])
         self._answered = True
         self._spawn(self._complete(identity, key, request, ticket, slot, t0))
-
-    def _peer_done(self, peer: bytes) -> None:
-        left = self._peer_counts.get(peer, 1) - 1
-        if left > 0:
-            self._peer_counts[peer] = left
-        else:
-            self._peer_counts.pop(peer, None)  # no entry per peer that ever sent
 
     def _on_cut(
         self, identity: zmq.Frame, body: list[zmq.Frame], cut: CutMessage, kind: bytes, t0: float
@@ -722,11 +684,9 @@ class ZmqIngest:
             )
             return
         self.stats.aborts_received += 1
+        cancel = self.admissions.cancel
         for rid in rids:
-            ticket = self._inflight.get((peer, rid))
-            if ticket is not None and ticket.cancel(
-                AbortCode.CANCELLED, "cancelled by the client (ABORT)"
-            ):
+            if cancel((peer, rid), AbortCode.CANCELLED, "cancelled by the client (ABORT)"):
                 self.stats.cancelled_by_peer += 1
                 logger.info("rid=%s: cancelled by an ABORT from peer %s", rid, peer.hex())
         if self._fwd is not None:
@@ -744,9 +704,7 @@ class ZmqIngest:
     ) -> None:
         """An ADD answered without reaching the pool (malformed, dup, refused)."""
         self._answered = True
-        self.stats.count_abort(abort)
-        if self.telemetry is not None:
-            self.telemetry.outcome(self.transport, rid, request, abort, t0)
+        self.admissions.observe(rid, request, abort, t0)
         if self._fwd is not None:
             frames = [ADD, *self._forward_abort_frames(request, rid, abort)]
         else:
@@ -784,15 +742,11 @@ class ZmqIngest:
                 frames = [ADD, *wire.encode_request(outcome.request)]
             else:
                 frames = wire.encode_materialized(outcome)
-            self.stats.materialized += 1
+        elif fwd:
+            frames = [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
         else:
-            if fwd:
-                frames = [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
-            else:
-                frames = wire.encode_aborted(request, outcome)
-            self.stats.count_abort(outcome)
-        if self.telemetry is not None:
-            self.telemetry.outcome(self.transport, request.rid, request, outcome, t0)
+            frames = wire.encode_aborted(request, outcome)
+        self.admissions.observe(request.rid, request, outcome, t0)
         return frames
 
     async def _complete(
@@ -816,17 +770,13 @@ class ZmqIngest:
                 logger.exception("rid=%s: waiting for the outcome failed", rid)
                 outcome = abort_from_exception(exc)
             finally:
-                if self._inflight.get(key) is ticket:
-                    del self._inflight[key]
-                    self._peer_done(key[0])
+                self.admissions.release(key, ticket)
             try:
                 frames = self._outcome_frames(request, outcome, t0)
             except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer
                 logger.exception("rid=%s: encoding the outcome failed", rid)
                 abort = abort_from_exception(exc)
-                self.stats.count_abort(abort)
-                if self.telemetry is not None:
-                    self.telemetry.outcome(self.transport, rid, request, abort, t0)
+                self.admissions.observe(rid, request, abort, t0)
                 frames = (
                     [ADD, wire.minimal_abort_payload(rid, abort)]
                     if self._fwd is not None

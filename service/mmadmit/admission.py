@@ -1,0 +1,156 @@
+"""One admission path for every transport: request ids, submit, cancel, outcome counting.
+
+A transport decodes a request and encodes its outcome; the bookkeeping in
+between is the same on every face, and lives here once
+(:class:`Admissions`, one per transport instance):
+
+* **the request-id registry**: requests in flight are keyed by ``(peer, rid)``
+  (``peer`` is a ZMQ ROUTER identity, ``b""`` on gRPC, whose ids are scoped to
+  the replica); a second request under a key already in flight is refused
+  ``INVALID_REQUEST`` and the first goes on;
+* **submit**: the duplicate check, intake closed at shutdown
+  (``SHUTTING_DOWN``), the optional per-peer limit (``OVERLOADED``), then the
+  pool (which may refuse ``OVERLOADED`` / ``SHUTTING_DOWN`` itself, or
+  materialize a small request at once: such a ticket is never registered);
+* **cancel**: by key, with the code that says why;
+* **outcome counting**: :meth:`Admissions.observe` counts every terminal
+  outcome of the transport once (:class:`AdmissionStats`, the transport's
+  ``materialized`` / ``aborted_by_code``) and tells telemetry under the
+  transport's label.
+
+Non-goals: decoding, encoding and delivery (the transports), materializing
+(the pool). Everything here runs on the event loop; nothing blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .errors import Abort, AbortCode, InvalidRequest, Overloaded, ShuttingDown
+from .model import Materialized, Request
+from .pool import MaterializerPool, Ticket
+from .telemetry import Telemetry
+
+Key = tuple[Hashable, str]  # (peer, rid)
+
+
+@dataclass
+class AdmissionStats:
+    """Terminal outcomes of one transport, counted once each (:meth:`Admissions.observe`)."""
+
+    materialized: int = 0
+    aborted_by_code: dict[str, int] = field(default_factory=dict)
+
+    def count(self, outcome: Materialized | Abort) -> None:
+        if isinstance(outcome, Abort):
+            name = outcome.code.value
+            self.aborted_by_code[name] = self.aborted_by_code.get(name, 0) + 1
+        else:
+            self.materialized += 1
+
+
+class Admissions:
+    """The requests one transport has in flight, and how each ends.
+
+    ``scope`` words the duplicate refusal ("from this peer", "on this
+    replica"); ``max_per_peer`` bounds one peer's requests in flight
+    (``--max-peer-inflight``; the message names the flag); ``stats`` may be
+    the transport's own counters object if it extends :class:`AdmissionStats`.
+    """
+
+    def __init__(
+        self,
+        pool: MaterializerPool,
+        *,
+        transport: str,
+        telemetry: Telemetry | None = None,
+        scope: str = "on this replica",
+        max_per_peer: int | None = None,
+        stats: AdmissionStats | None = None,
+    ) -> None:
+        if max_per_peer is not None and max_per_peer < 1:
+            raise ValueError("max_per_peer must be positive")
+        self.pool = pool
+        self.transport = transport
+        self.telemetry = telemetry
+        self.scope = scope
+        self.max_per_peer = max_per_peer
+        self.stats = stats if stats is not None else AdmissionStats()
+        self.closing = False  # set at shutdown: new requests are refused SHUTTING_DOWN
+        self._inflight: dict[Key, Ticket] = {}
+        self._peer_counts: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ registry
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._inflight
+
+    def get(self, key: Key) -> Ticket | None:
+        return self._inflight.get(key)
+
+    def rids(self) -> frozenset[str]:
+        return frozenset(rid for _, rid in self._inflight)
+
+    def peer_count(self, peer: Hashable) -> int:
+        return self._peer_counts.get(peer, 0)
+
+    # ------------------------------------------------------------------ submit
+
+    def submit(self, key: Key, request: Request, *, timeout_s: float | None = None) -> Ticket:
+        """Admit ``request`` under ``key``; raise the :class:`~mmadmit.errors.AdmissionError`
+        that refuses it. A ticket that comes back :attr:`~mmadmit.pool.Ticket.done`
+        was materialized at once and is not registered."""
+        peer, rid = key
+        if key in self._inflight:
+            raise InvalidRequest(f"request id {rid!r} is already in flight {self.scope}")
+        if self.closing:
+            raise ShuttingDown("the service is shutting down; retry on another replica")
+        count = self._peer_counts.get(peer, 0)
+        if self.max_per_peer is not None and count >= self.max_per_peer:
+            raise Overloaded(
+                f"this peer has {count} requests in flight, the limit per peer "
+                "(--max-peer-inflight); retry once one has its outcome"
+            )
+        ticket = self.pool.submit(request, timeout_s=timeout_s)
+        if not ticket.done:
+            self._inflight[key] = ticket
+            self._peer_counts[peer] = count + 1
+        return ticket
+
+    def release(self, key: Key, ticket: Ticket) -> None:
+        """Forget ``key`` if it still names ``ticket`` (idempotent); a transport
+        calls it once the ticket's outcome is known (in a ``finally``, so that a
+        cancelled wait releases too)."""
+        if self._inflight.get(key) is ticket:
+            del self._inflight[key]
+            peer = key[0]
+            left = self._peer_counts.get(peer, 1) - 1
+            if left > 0:
+                self._peer_counts[peer] = left
+            else:
+                self._peer_counts.pop(peer, None)  # no entry per peer that ever sent
+
+    # ------------------------------------------------------------------ cancel
+
+    def cancel(self, key: Key, code: AbortCode, message: str) -> bool:
+        """End the request in flight under ``key`` with ``code``; False if there is
+        none or it already had its outcome."""
+        ticket = self._inflight.get(key)
+        return ticket is not None and ticket.cancel(code, message)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def observe(
+        self, rid: str, request: Request | None, outcome: Materialized | Abort, t0: float
+    ) -> None:
+        """Count one terminal outcome of this transport (call exactly once per request)."""
+        self.stats.count(outcome)
+        if self.telemetry is not None:
+            self.telemetry.outcome(self.transport, rid, request, outcome, t0)
+
+
+__all__ = ["AdmissionStats", "Admissions", "Key"]

@@ -1,0 +1,410 @@
+"""The SMG gRPC face in process (SMG_GRPC.md): the real gRPC server and the real
+scheduler sockets, with the project's test scheduler (``tests/engine_peers.py``)
+on the other side of the engine handshake and SMG's own generated client
+(``smg_grpc_proto``) on this side.
+
+Contract pinned here:
+
+* every vector of the Qwen3.5 family, sent as SMG sends it over gRPC
+  (placeholder runs in ``input_ids``, ``content_hash`` bytes, grids as side
+  tensors, no positions), reaches the scheduler as an ADD its decoder accepts,
+  materialized exactly as the vector says (padded ids, unpadded ids, pad
+  values, hashes, M-RoPE positions and delta), with the sampling parameters
+  SMG's own msgpack encoder would write; the scheduler's output comes back as
+  ``GenerateStreamChunk``s and one ``GenerateComplete``;
+* a refused request never reaches the scheduler and ends with the status of
+  SMG_GRPC.md's table, its message starting with mmadmit's code;
+* ``Abort`` ends the open stream at once and the scheduler sees the ABORT
+  after the ADD; a cancelled call does the same; a request still
+  materializing is cancelled there and never forwarded;
+* the scheduler's death ends every open call ``UNAVAILABLE``, turns
+  ``HealthCheck`` unhealthy and reports the death once;
+* ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads`` answer
+  from what mmadmit knows; what the msgpack wire cannot carry is
+  ``UNIMPLEMENTED`` with a message.
+
+Run with: python -m pytest tests/test_smg_grpc.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import engine_peers
+import grpc
+import numpy as np
+import pytest
+import zmq.asyncio
+from conftest import CONFIGS, load_vector, until
+from mmadmit import wire
+from mmadmit.errors import AbortCode
+from mmadmit.grpc_server import GrpcPort
+from mmadmit.materializer import Materializer
+from mmadmit.model import Modality, Request
+from mmadmit.pool import MaterializerPool
+from mmadmit.profile import load_profile
+from mmadmit.smg_grpc import SERVICE, STATUS_OF, TOP_K_ALL, SmgGrpcFace, sampling_array
+from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
+from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
+from smg_grpc_proto.generated import common_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = CONFIGS / "qwen3_5.json"
+QWEN35_VECTORS = ("qwen3_5_image1", "qwen3_5_mixed", "qwen3_5_video_multi", "qwen3_5_big_hash")
+_MODALITY = {
+    int(Modality.IMAGE): common_pb2.IMAGE,
+    int(Modality.VIDEO): common_pb2.VIDEO,
+    int(Modality.AUDIO): common_pb2.AUDIO,
+}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def _tensor(arr: np.ndarray, dtype: str | None = None) -> ts.TensorData:
+    arr = np.ascontiguousarray(arr)
+    return ts.TensorData(shape=list(arr.shape), dtype=dtype or arr.dtype.name, inline=arr.tobytes())
+
+
+def generate_from_request(req: Request, rid: str, *, stream: bool = False) -> ts.GenerateRequest:
+    """A decoded vector request as SMG sends it over gRPC: the placeholder runs hold
+    the placeholder token, hashes as 8 little-endian bytes (an item the engine
+    hashed is sent without), no positions, no pad values."""
+    msg = ts.GenerateRequest(request_id=rid, stream=stream)
+    ids = req.input_ids_unpadded if req.input_ids_unpadded is not None else req.input_ids
+    msg.tokenized.input_ids.extend(ids.tolist())
+    msg.sampling_params.temperature = 0.5
+    msg.sampling_params.max_new_tokens = 16
+    mm = req.mm
+    if mm is not None:
+        for item in mm.items:
+            out = msg.mm_inputs.items.add(modality=_MODALITY[item.modality])
+            if item.feature is not None:
+                out.encoder_input.CopyFrom(
+                    ts.TensorData(
+                        shape=list(item.feature.shape),
+                        dtype=item.feature.dtype.name,
+                        inline=bytes(item.feature.data),
+                    )
+                )
+            for key, value in item.side.items():
+                out.model_specific_tensors[key].CopyFrom(_tensor(value.to_numpy()))
+            assert item.offsets is not None
+            for start, end in item.offsets.tolist():
+                out.placeholders.add(offset=start, length=end - start + 1)
+    return msg
+
+
+def vector_generate(name: str, rid: str, *, stream: bool = False) -> tuple[ts.GenerateRequest, Any]:
+    vec = load_vector(name)
+    req = wire.decode_message(vec.frames).request
+    assert req is not None
+    msg = generate_from_request(req, rid, stream=stream)
+    items = vec.meta["multimodal"]["items"] if vec.meta.get("multimodal") else []
+    for out, meta in zip(msg.mm_inputs.items, items, strict=True):
+        if meta["hash_source"] == "gateway":
+            out.content_hash = int(meta["hash"]).to_bytes(8, "little")
+        if meta["modality"] == "IMAGE":
+            out.placeholder_token_id = vec.meta["multimodal"]["im_token_id"]
+        elif meta["modality"] == "VIDEO":
+            out.placeholder_token_id = vec.meta["multimodal"]["video_token_id"]
+    return msg, vec
+
+
+# --------------------------------------------------------------------------- fixture
+
+
+@dataclass
+class Env:
+    face: SmgGrpcFace
+    stub: ts_grpc.TokenSpeedSchedulerStub
+    seen: list[tuple[str, Any]]
+    gone: list[str]
+    ctx: zmq.asyncio.Context
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def adds(self) -> list[Request]:
+        return [req for kind, req in self.seen if kind == "ADD"]
+
+    def aborts(self) -> list[str]:
+        return [rid for kind, rids in self.seen if kind == "ABORT" for rid in rids]
+
+    def scheduler(self, **kwargs: Any) -> None:
+        assert self.face.endpoint is not None
+        self.tasks.append(
+            asyncio.ensure_future(
+                engine_peers.run_scheduler(
+                    self.ctx, self.face.endpoint, report=False, seen=self.seen, **kwargs
+                )
+            )
+        )
+
+
+@contextlib.asynccontextmanager
+async def face_env(
+    *,
+    scheduler: dict[str, Any] | None = None,
+    workers: int = 1,
+    hold: threading.Event | None = None,
+) -> AsyncIterator[Env]:
+    profile = load_profile(str(MODEL))
+
+    def before_run(req: Request) -> None:
+        if hold is not None and req.rid.startswith("hold"):
+            assert hold.wait(20)
+
+    pool = MaterializerPool(
+        Materializer(profile), workers=workers, inline_max_tokens=0, before_run=before_run
+    )
+    gone: list[str] = []
+    face = SmgGrpcFace(
+        pool,
+        profile,
+        listen="tcp://127.0.0.1:0",
+        engine_index=0,
+        handshake_timeout_s=20,
+        served_model_name="tiny-qwen3.5",
+        model_path="/models/tiny-qwen3.5",
+        on_gone=gone.append,
+        watchdog_s=None,
+    )
+    ctx = zmq.asyncio.Context()
+    await face.bind()
+    port = GrpcPort({SERVICE: face.handlers()}, listen="127.0.0.1:0", max_message_bytes=1 << 30)
+    address = await port.start()
+    channel = grpc.aio.insecure_channel(address)
+    env = Env(face, ts_grpc.TokenSpeedSchedulerStub(channel), [], gone, ctx)
+    try:
+        if scheduler is not None:
+            env.scheduler(**scheduler)
+            await asyncio.wait_for(face.handshake(), 20)
+        yield env
+    finally:
+        await channel.close()
+        for task in env.tasks:
+            task.cancel()
+        await asyncio.gather(*env.tasks, return_exceptions=True)
+        await face.stop()
+        await port.stop(0)
+        pool.close()
+        ctx.term()
+
+
+async def collect(call: Any) -> list[ts.GenerateResponse]:
+    return [resp async for resp in call]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", QWEN35_VECTORS)
+async def test_every_qwen3_5_vector_reaches_the_scheduler_materialized(name: str) -> None:
+    async with face_env(scheduler={}) as env:
+        msg, vec = vector_generate(name, f"rid-{name}")
+        responses = await collect(env.stub.Generate(msg))
+        assert [r.WhichOneof("response") for r in responses] == ["complete"]
+        complete = responses[0].complete
+        assert responses[0].request_id == f"rid-{name}"
+        assert list(complete.output_ids) == [11, 12, 13]
+        assert complete.finish_reason == "stop"
+        assert complete.prompt_tokens == len(msg.tokenized.input_ids)
+        (add,) = env.adds()
+        want = vec.arrays
+        assert add.rid == f"rid-{name}"
+        np.testing.assert_array_equal(add.input_ids, want["input_ids_padded"])
+        assert add.input_ids_unpadded is not None
+        np.testing.assert_array_equal(add.input_ids_unpadded, want["input_ids_unpadded"])
+        assert add.mm is not None and add.mm.mrope_positions is not None
+        np.testing.assert_array_equal(add.mm.mrope_positions.to_numpy(), want["mrope_positions"])
+        assert add.mm.mrope_position_delta_scalar == int(want["mrope_position_delta"][0, 0])
+        pads = [item.pad_value for item in add.mm.items]
+        assert pads == want["item_pad_values"].tolist()
+        hashes = [item.hash for item in add.mm.items]
+        assert hashes == [int(h) for h in want["item_hashes"].tolist()]
+        assert add.validation_error is None
+        # the envelope SMG's msgpack encoder would write
+        extra = add.extra
+        sampling = wire._ANY.decode(extra.raw[wire.F_SAMPLING])
+        assert sampling == sampling_array(msg.sampling_params)
+        assert sampling[0] == 16 and sampling[5] == TOP_K_ALL and sampling[-1] is True
+
+
+async def test_stream_chunks_then_complete_and_the_envelope() -> None:
+    async with face_env(scheduler={}) as env:
+        msg = ts.GenerateRequest(request_id="s1", stream=True, return_logprob=True)
+        msg.tokenized.input_ids.extend([1, 2, 3, 4])
+        msg.sampling_params.stop.extend(["ab", "\n"])
+        msg.sampling_params.top_k = 5
+        msg.sampling_params.sampling_seed = 7
+        responses = await collect(env.stub.Generate(msg))
+        kinds = [r.WhichOneof("response") for r in responses]
+        assert kinds == ["chunk", "complete"]
+        assert list(responses[0].chunk.token_ids) == [11, 12, 13]
+        assert responses[1].complete.finish_reason == "stop"
+        (add,) = env.adds()
+        assert add.mm is None and add.input_ids.tolist() == [1, 2, 3, 4]
+        raw = [wire._ANY.decode(r) for r in add.extra.raw]
+        assert raw[0] == "TokenizedGenerateReqInput" and raw[6] is True and raw[10] is True
+        assert raw[7] == -1  # logprob_start_len unset
+        sampling = raw[wire.F_SAMPLING]
+        assert sampling[5] == 5 and sampling[23] == 7
+        assert sampling[26] == ["ab", "\n"] and sampling[27] == 2 and sampling[28] is True
+
+
+async def test_a_refused_request_never_reaches_the_scheduler() -> None:
+    async with face_env(scheduler={}) as env:
+        msg, _ = vector_generate("qwen3_5_image1", "bad")
+        item = msg.mm_inputs.items[0]
+        ph = item.placeholders[0]
+        item.placeholders[0].length = ph.length - 1  # one token short of its grid
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(msg))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("INVALID_REQUEST: ")
+        empty = ts.GenerateRequest(request_id="empty")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(empty))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "input_ids is empty" in info.value.details()
+        many = ts.GenerateRequest(request_id="n2")
+        many.tokenized.input_ids.append(1)
+        many.sampling_params.n = 2
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(many))
+        assert info.value.details().startswith("UNSUPPORTED: ")
+        await asyncio.sleep(0.1)
+        assert env.adds() == []
+        assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
+
+
+def test_status_table_covers_every_code() -> None:
+    assert set(STATUS_OF) == set(AbortCode)
+    assert STATUS_OF[AbortCode.OVERLOADED] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert STATUS_OF[AbortCode.SHUTTING_DOWN] is grpc.StatusCode.UNAVAILABLE
+    assert STATUS_OF[AbortCode.INTERNAL] is grpc.StatusCode.INTERNAL
+
+
+async def test_abort_ends_the_stream_and_follows_the_add() -> None:
+    async with face_env(scheduler={"delay_s": 30}) as env:
+        msg = ts.GenerateRequest(request_id="a1", stream=True)
+        msg.tokenized.input_ids.extend([1, 2, 3])
+        call = env.stub.Generate(msg)
+        reader = asyncio.ensure_future(collect(call))
+        await until(lambda: len(env.adds()) == 1)
+        resp = await env.stub.Abort(ts.AbortRequest(request_id="a1", reason="client left"))
+        assert resp.success
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(reader, 5)
+        assert info.value.code() is grpc.StatusCode.CANCELLED
+        await until(lambda: env.aborts() == ["a1"])
+        assert [kind for kind, _ in env.seen] == ["ADD", "ABORT"]
+        again = await env.stub.Abort(ts.AbortRequest(request_id="a1"))
+        assert not again.success
+
+
+async def test_a_cancelled_call_sends_abort_after_its_add() -> None:
+    async with face_env(scheduler={"delay_s": 30}) as env:
+        msg = ts.GenerateRequest(request_id="c1", stream=True)
+        msg.tokenized.input_ids.extend([1, 2, 3])
+        call = env.stub.Generate(msg)
+        reader = asyncio.ensure_future(collect(call))
+        await until(lambda: len(env.adds()) == 1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await until(lambda: env.aborts() == ["c1"])
+        assert [kind for kind, _ in env.seen] == ["ADD", "ABORT"]
+        await until(lambda: env.face.stats.calls_cancelled == 1)
+
+
+async def test_abort_while_materializing_never_forwards() -> None:
+    hold = threading.Event()
+    async with face_env(scheduler={}, hold=hold) as env:
+        msg, _ = vector_generate("qwen3_5_image1", "hold-1")
+        reader = asyncio.ensure_future(collect(env.stub.Generate(msg)))
+        await until(lambda: "hold-1" in env.face.admissions.rids())
+        resp = await env.stub.Abort(ts.AbortRequest(request_id="hold-1"))
+        assert resp.success
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(reader, 5)
+        assert info.value.code() is grpc.StatusCode.CANCELLED
+        assert info.value.details().startswith("CANCELLED: ")
+        hold.set()
+        await asyncio.sleep(0.2)
+        assert env.seen == []
+
+
+async def test_duplicate_request_id_in_flight_is_refused() -> None:
+    async with face_env(scheduler={"delay_s": 30}) as env:
+        msg = ts.GenerateRequest(request_id="d1")
+        msg.tokenized.input_ids.extend([1, 2])
+        first = asyncio.ensure_future(collect(env.stub.Generate(msg)))
+        await until(lambda: len(env.adds()) == 1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(msg))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in flight" in info.value.details()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_scheduler_death_ends_open_calls_unavailable() -> None:
+    async with face_env(scheduler={"dead_after": 2, "delay_s": 30}) as env:
+        msg = ts.GenerateRequest(request_id="x1", stream=True)
+        msg.tokenized.input_ids.extend([1, 2, 3])
+        first = asyncio.ensure_future(collect(env.stub.Generate(msg)))
+        await until(lambda: len(env.adds()) == 1)
+        msg2 = ts.GenerateRequest(request_id="x2")
+        msg2.tokenized.input_ids.extend([1, 2, 3])
+        second = asyncio.ensure_future(collect(env.stub.Generate(msg2)))
+        for fut in (first, second):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(fut, 10)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert env.gone == ["it sent ENGINE_CORE_DEAD"]
+        health = await env.stub.HealthCheck(ts.HealthCheckRequest())
+        assert not health.healthy and "went away" in health.message
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(ts.GenerateRequest(request_id="late")))
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_health_model_info_server_info_loads_and_unimplemented() -> None:
+    async with face_env() as env:
+        before = await env.stub.HealthCheck(ts.HealthCheckRequest())
+        assert not before.healthy and "handshake" in before.message
+        env.scheduler()
+        await asyncio.wait_for(env.face.handshake(), 20)
+        after = await env.stub.HealthCheck(ts.HealthCheckRequest())
+        assert after.healthy
+        info = await env.stub.GetModelInfo(ts.GetModelInfoRequest())
+        assert info.served_model_name == "tiny-qwen3.5"
+        assert info.model_path == "/models/tiny-qwen3.5"
+        assert info.supports_vision and info.supports_multimodal
+        assert list(info.supported_modalities) == [common_pb2.IMAGE, common_pb2.VIDEO]
+        assert info.max_context_length == engine_peers.READY_RESPONSE["max_model_len"]
+        assert info.model_dtype == "bfloat16"
+        server = await env.stub.GetServerInfo(ts.GetServerInfoRequest())
+        assert server.server_args["served_model_name"] == "tiny-qwen3.5"
+        assert server.scheduler_info["max_num_seqs"] == 256
+        msg = ts.GenerateRequest(request_id="l1")
+        msg.tokenized.input_ids.extend([1, 2])
+        await collect(env.stub.Generate(msg))
+        loads = await env.stub.GetLoads(ts.GetLoadsRequest())
+        (load,) = loads.loads
+        assert load.dp_rank == 0 and loads.dp_rank_count == 1
+        assert env.face.stats.output_messages == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info_err:
+            await env.stub.FlushCache(common_pb2.FlushCacheRequest())
+        assert info_err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert "FlushCache" in info_err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info_err:
+            await collect(env.stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+        assert info_err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert "tokenizer" in info_err.value.details()
