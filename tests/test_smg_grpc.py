@@ -42,7 +42,8 @@ import pytest
 import zmq.asyncio
 from conftest import CONFIGS, load_vector, until
 from mmadmit import wire
-from mmadmit.errors import AbortCode
+from mmadmit.config import build_config
+from mmadmit.errors import AbortCode, ConfigError
 from mmadmit.grpc_server import GrpcPort
 from mmadmit.materializer import Materializer
 from mmadmit.model import Modality, Request
@@ -408,3 +409,45 @@ async def test_health_model_info_server_info_loads_and_unimplemented() -> None:
             await collect(env.stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
         assert info_err.value.code() is grpc.StatusCode.UNIMPLEMENTED
         assert "tokenizer" in info_err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"smg_grpc_listen": "127.0.0.1:0"}, "needs --engine-handshake-listen"),
+        (
+            {
+                "smg_grpc_listen": "127.0.0.1:0",
+                "engine_handshake_listen": "tcp://127.0.0.1:0",
+                "smg_handshake": "tcp://127.0.0.1:1",
+            },
+            "excludes --smg-handshake",
+        ),
+        (
+            {
+                "smg_grpc_listen": "127.0.0.1:0",
+                "engine_handshake_listen": "tcp://127.0.0.1:0",
+                "zmq_forward": "tcp://127.0.0.1:1",
+            },
+            "excludes --zmq-forward",
+        ),
+        ({"smg_grpc_listen": "nowhere"}, "HOST:PORT"),
+    ],
+)
+def test_face_flags_are_checked_at_start(args: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        build_config(args, environ={})
+
+
+def test_served_model_name_defaults(tmp_path: Any) -> None:
+    face = {"smg_grpc_listen": "127.0.0.1:0", "engine_handshake_listen": "tcp://127.0.0.1:0"}
+    assert build_config(face, environ={}).model_name() == "qwen2_5_vl"
+    assert build_config({**face, "model": str(MODEL)}, environ={}).model_name() == str(
+        MODEL.parent
+    )
+    folder = tmp_path / "Qwen3.5-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(MODEL.read_text())
+    assert build_config({**face, "model": str(folder)}, environ={}).model_name() == str(folder)
+    named = {**face, "served_model_name": "qwen"}
+    assert build_config(named, environ={}).model_name() == "qwen"
