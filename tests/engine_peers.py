@@ -1,7 +1,7 @@
 """Test peers for engine mode: a test SMG and a test scheduler, as real processes.
 
     python tests/engine_peers.py smg --handshake tcp://127.0.0.1:0 [--init malformed]
-    python tests/engine_peers.py scheduler --handshake tcp://127.0.0.1:PORT [--trailing 2]
+    python tests/engine_peers.py scheduler --handshake tcp://127.0.0.1:PORT [--trailing N]
 
 Both speak the engine handshake of WIRE.md ("Engine mode") with plain pyzmq
 and report on standard output, one JSON object a line (``{"event": ...}``),
@@ -18,9 +18,10 @@ so that a test can follow them; ``time`` fields are ``time.monotonic()``
   ready response on the input socket, a PUSH to the output), decodes every
   request with the project's codec (``mmadmit.wire``), optionally saves it
   (``--save DIR``, a frames container per ADD), and answers each ADD with a
-  tagged ``BatchTokenIDOutSlim`` (``"abort"`` when ``validation_error`` is set,
-  else ``"stop"``), with ``--trailing`` extra trailing fields and optionally
-  an aux frame (``--aux-bytes``); ``--delay`` holds each answer that long.
+  tagged ``BatchTokenIDOutSlim`` exactly as TokenSpeed's scheduler sends it
+  (:func:`output_frames`; ``"abort"`` when ``validation_error`` is set, else
+  ``"stop"``), optionally with ``--trailing`` extra fields after TokenSpeed's
+  14 and an aux frame (``--aux-bytes``); ``--delay`` holds each answer that long.
 
 :class:`Smg` and :func:`run_scheduler` are also imported by
 ``bench/bench_engine.py``.
@@ -281,10 +282,61 @@ async def _smg_main(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- scheduler
 
 
+# The load snapshot TokenSpeed's scheduler appends after ``engine_index``
+# (``num_running, num_waiting, kv_active_pages, kv_total_pages``); a real one
+# reports ``kv_total_pages`` > 0 once it has observed its pool, and SMG ignores
+# the four counters when ``kv_total_pages`` is 0.
+KV_PAGE_SIZE = 16
+
+
+def load_snapshot(running: int, prompt_tokens: int) -> tuple[int, int, int, int]:
+    """A plausible load tail: ``running`` requests of ``prompt_tokens`` each."""
+    total = int(READY_RESPONSE["num_gpu_blocks"])
+    pages = -(-(prompt_tokens + 3) // KV_PAGE_SIZE)
+    return running, 0, min(total, running * pages), total
+
+
 def output_frames(
-    rid: str, reason: str, prompt_tokens: int, engine_index: int, trailing: int, aux_bytes: int
+    rid: str,
+    reason: str,
+    prompt_tokens: int,
+    engine_index: int,
+    trailing: int = 0,
+    aux_bytes: int = 0,
+    *,
+    load: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> list[bytes]:
-    """A tagged BatchTokenIDOutSlim, with ``trailing`` extra fields a newer gateway reads."""
+    """TokenSpeed's ``BatchTokenIDOutSlim`` for one finished request, as its scheduler sends it.
+
+    The msgspec struct is ``tag=True, array_like=True``: a 14-element msgpack
+    array, the class name first, then every field in declaration order::
+
+        0  "BatchTokenIDOutSlim"
+        1  rids                       [rid]
+        2  output_ids                 [[11, 12, 13]]
+        3  finished_reasons           [reason]            ("stop" / "abort")
+        4  prompt_tokens              [prompt_tokens]
+        5  completion_tokens          [3]
+        6  cached_tokens              [0]
+        7  output_token_logprobs_val  [[]]   one (empty) list per rid
+        8  output_token_logprobs_idx  [[]]   one (empty) list per rid
+        9  engine_index               uint (SMG reads u32)
+        10 num_running                uint (SMG reads u64)
+        11 num_waiting                uint (u64)
+        12 kv_active_pages            uint (u64)
+        13 kv_total_pages             uint (u64; 0 = no snapshot)
+
+    (TokenSpeed ``io_struct.BatchTokenIDOutSlim`` / ``MsgpackSendSocket``; SMG
+    ``engine_zmq_client::protocol::tokenspeed::output``, which reads 9..13 as
+    integers and rejects columns whose length differs from ``rids``.)
+
+    ``trailing`` appends that many extra fields after element 13, fields a
+    newer gateway might read and SMG 1.13 skips; ``aux_bytes`` adds an aux frame
+    (SMG ignores aux frames on a TokenSpeed output). Both are off by default:
+    the default is exactly what TokenSpeed sends.
+    """
+    if len(load) != 4 or any(not isinstance(v, int) or v < 0 for v in load):
+        raise ValueError(f"load must be four non-negative ints, got {load!r}")
     body: list[Any] = [
         "BatchTokenIDOutSlim",
         [rid],
@@ -293,9 +345,10 @@ def output_frames(
         [prompt_tokens],
         [3],
         [0],
-        [],
-        [],
+        [[]],
+        [[]],
         engine_index,
+        *load,
     ]
     for k in range(trailing):
         body.append({"load": k, "queue": [k, k + 1]} if k % 2 == 0 else [float(k), "x" * k])
@@ -312,7 +365,7 @@ async def run_scheduler(
     engine_index: int = 0,
     hello_index: int | None = None,
     ready: str = "ok",
-    trailing: int = 2,
+    trailing: int = 0,
     aux_bytes: int = 0,
     delay_s: float = 0.0,
     save: Path | None = None,
@@ -404,7 +457,13 @@ async def run_scheduler(
                     file=str(path) if path else None,
                 )
             out = output_frames(
-                req.rid, reason, len(req.input_ids), engine_index, trailing, aux_bytes
+                req.rid,
+                reason,
+                len(req.input_ids),
+                engine_index,
+                trailing,
+                aux_bytes,
+                load=load_snapshot(len(pending) + 1, len(req.input_ids)),
             )
             if report and not quiet_adds:
                 emit(event="sent", rid=req.rid, sha=digest(out), reason=reason)
@@ -459,7 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     sch.add_argument("--engine-index", type=int, default=0)
     sch.add_argument("--hello-index", type=int, default=None)
     sch.add_argument("--ready", choices=("ok", "malformed", "array"), default="ok")
-    sch.add_argument("--trailing", type=int, default=2)
+    sch.add_argument(
+        "--trailing",
+        type=int,
+        default=0,
+        help="extra fields after TokenSpeed's 14 (a newer gateway's); default none",
+    )
     sch.add_argument("--aux-bytes", type=int, default=0)
     sch.add_argument("--delay", type=float, default=0.0)
     sch.add_argument("--save", default=None)

@@ -73,7 +73,7 @@ from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto.generated import common_pb2
 
 from . import wire
-from .admission import Admissions, AdmissionStats
+from .admission import Admissions, AdmissionStats, Key
 from .errors import (
     Abort,
     AbortCode,
@@ -609,14 +609,7 @@ class SmgGrpcFace(SchedulerLink):
             req = request_from_generate(msg, self.profile, request.payloads)
             if rid in self._calls:
                 raise InvalidRequest(f"request id {rid!r} is already in flight on this replica")
-            ticket = self.admissions.submit(key, req)
-            if ticket.done:  # materialized at once, never registered
-                outcome = ticket.result()
-            else:
-                try:
-                    outcome = await ticket.outcome()  # a cancelled call cancels the ticket
-                finally:
-                    self.admissions.release(key, ticket)
+            outcome = await self._admit(key, req)
         except AdmissionError as exc:
             await self._refuse(context, rid, req, exc.to_abort(), t0)
             return
@@ -669,6 +662,17 @@ class SmgGrpcFace(SchedulerLink):
             if self._calls.get(rid) is call:
                 del self._calls[rid]
             self.stats.open_calls = len(self._calls)
+
+    async def _admit(self, key: Key, req: Request) -> Materialized | Abort:
+        """Materialize through the shared pool (a cancelled call cancels the ticket);
+        raises the ``AdmissionError`` that refuses the request."""
+        ticket = self.admissions.submit(key, req)
+        if ticket.done:  # materialized at once, never registered
+            return ticket.result()
+        try:
+            return await ticket.outcome()
+        finally:
+            self.admissions.release(key, ticket)
 
     async def _responses(
         self, rid: str, call: _Call, context: grpc.aio.ServicerContext
