@@ -146,6 +146,30 @@ def test_compose_file_matches_the_compose_specification() -> None:
         assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
 
 
+@pytest.mark.parametrize("name", ["engine-mode.yml", "smg-grpc.yml"])
+def test_compose_examples_validate_and_use_real_settings(name: str) -> None:
+    """The examples under deploy/compose/ match the Compose specification, every
+    MMADMIT_* variable in them is a real setting with an accepted value, and a
+    service that fronts a scheduler restarts and drains longer than it waits."""
+    raw = yaml.safe_load((ROOT / "deploy" / "compose" / name).read_text())
+    doc = interpolate(raw, {})
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: e.path)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+    svc = doc["services"]["mmadmit"]
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    check_service_config(env)
+    assert svc["restart"] == "unless-stopped" and svc["stop_signal"] == "SIGTERM"
+    assert seconds(svc["stop_grace_period"]) > float(env["MMADMIT_DRAIN_TIMEOUT"])
+    if name == "smg-grpc.yml":
+        port = env["MMADMIT_SMG_GRPC_LISTEN"].rpartition(":")[2]
+        command = doc["services"]["smg"]["command"]
+        assert f"grpc://mmadmit:{port}" in command and "tokenspeed" in command
+        scheduler_env = doc["services"]["scheduler"]["environment"]
+        listen_port = env["MMADMIT_ENGINE_HANDSHAKE_LISTEN"].rpartition(":")[2]
+        assert scheduler_env["SCHEDULER_HANDSHAKE"] == f"tcp://mmadmit:{listen_port}"
+
+
 def test_compose_schema_check_rejects_a_misspelt_key() -> None:
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     doc = load_compose()
