@@ -37,6 +37,7 @@ bench: setup
 	$(PY) bench/bench_grpc.py
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_smg_grpc.py
 
 protos: setup
 	$(PY) scripts/gen_protos.py
