@@ -50,6 +50,7 @@ from mmadmit.model import Modality, Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.smg_grpc import SERVICE, STATUS_OF, TOP_K_ALL, SmgGrpcFace, sampling_array
+from mmadmit.telemetry import StatsCollector, Telemetry
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -153,6 +154,7 @@ async def face_env(
     scheduler: dict[str, Any] | None = None,
     workers: int = 1,
     hold: threading.Event | None = None,
+    telemetry: Telemetry | None = None,
 ) -> AsyncIterator[Env]:
     profile = load_profile(str(MODEL))
 
@@ -174,6 +176,7 @@ async def face_env(
         model_path="/models/tiny-qwen3.5",
         on_gone=gone.append,
         watchdog_s=None,
+        telemetry=telemetry,
     )
     ctx = zmq.asyncio.Context()
     await face.bind()
@@ -442,12 +445,40 @@ def test_face_flags_are_checked_at_start(args: dict[str, str], fragment: str) ->
 def test_served_model_name_defaults(tmp_path: Any) -> None:
     face = {"smg_grpc_listen": "127.0.0.1:0", "engine_handshake_listen": "tcp://127.0.0.1:0"}
     assert build_config(face, environ={}).model_name() == "qwen2_5_vl"
-    assert build_config({**face, "model": str(MODEL)}, environ={}).model_name() == str(
-        MODEL.parent
-    )
+    assert build_config({**face, "model": str(MODEL)}, environ={}).model_name() == str(MODEL.parent)
     folder = tmp_path / "Qwen3.5-tiny"
     folder.mkdir()
     (folder / "config.json").write_text(MODEL.read_text())
     assert build_config({**face, "model": str(folder)}, environ={}).model_name() == str(folder)
     named = {**face, "served_model_name": "qwen"}
     assert build_config(named, environ={}).model_name() == "qwen"
+
+
+async def test_outcomes_are_counted_once_under_their_own_transport_label(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="mmadmit.outcome")
+    telemetry = Telemetry("qwen3_5", log_outcomes=True)
+    async with face_env(scheduler={}, telemetry=telemetry) as env:
+        telemetry.registry.register(StatsCollector(env.face.pool, {"smg_grpc": env.face}, {}))
+        ok = ts.GenerateRequest(request_id="m1")
+        ok.tokenized.input_ids.extend([1, 2, 3])
+        await collect(env.stub.Generate(ok))
+        bad = ts.GenerateRequest(request_id="m2")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await collect(env.stub.Generate(bad))
+
+        def total(outcome: str, code: str) -> float | None:
+            return telemetry.registry.get_sample_value(
+                "mmadmit_requests_total",
+                {"transport": "smg_grpc", "outcome": outcome, "code": code},
+            )
+
+        assert total("materialized", "OK") == 1
+        assert total("aborted", "INVALID_REQUEST") == 1
+        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_adds_sent") == 1
+        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_completes") == 1
+        assert env.face.stats.materialized == 1
+        assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 1}
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmadmit.outcome"]
+    assert len(lines) == 2 and all("transport=smg_grpc" in line for line in lines)
