@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -305,8 +306,11 @@ def output_frames(
     aux_bytes: int = 0,
     *,
     load: tuple[int, int, int, int] = (0, 0, 0, 0),
+    tokens: tuple[int, ...] = (11, 12, 13),
+    completion_tokens: int | None = None,
 ) -> list[bytes]:
-    """TokenSpeed's ``BatchTokenIDOutSlim`` for one finished request, as its scheduler sends it.
+    """TokenSpeed's ``BatchTokenIDOutSlim`` for one request, as its scheduler sends it
+    (``tokens``: the ids this output carries; ``reason`` "" while unfinished).
 
     The msgspec struct is ``tag=True, array_like=True``: a 14-element msgpack
     array, the class name first, then every field in declaration order::
@@ -340,10 +344,10 @@ def output_frames(
     body: list[Any] = [
         "BatchTokenIDOutSlim",
         [rid],
-        [[11, 12, 13]],
+        [list(tokens)],
         [reason],
         [prompt_tokens],
-        [3],
+        [len(tokens) if completion_tokens is None else completion_tokens],
         [0],
         [[]],
         [[]],
@@ -373,12 +377,22 @@ async def run_scheduler(
     quiet_adds: bool = False,
     dead_after: int | None = None,
     seen: list[tuple[str, Any]] | None = None,
+    chunks: int = 1,
+    chunk_interval_s: float = 0.0,
+    stall_after: int | None = None,
+    stall_s: float = 0.0,
+    rcvhwm: int | None = None,
 ) -> None:
     """The scheduler side, until cancelled (or its peer stops answering the handshake).
 
     ``dead_after=N``: after answering N ADDs, send ``ENGINE_CORE_DEAD`` and go
     quiet (sockets kept open); ``seen`` collects ``("ADD", Request)``,
     ``("ABORT", rids)`` and ``("OTHER", frames)`` in arrival order.
+    ``chunks=N``: each ADD is answered by N outputs ``chunk_interval_s`` apart, one
+    token each, the last one finished (an ABORT for the rid ends them with an
+    ``"abort"`` output, as a scheduler does). ``stall_after=N``: after its N-th input
+    message the scheduler stops reading its input for ``stall_s`` (once); ``rcvhwm`` sets
+    its input socket's receive high-water mark, so that a stall pushes back soon.
     """
     ident = identity_of(engine_index if hello_index is None else hello_index)
     hs = ctx.socket(zmq.DEALER)
@@ -393,6 +407,8 @@ async def run_scheduler(
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.IDENTITY, ident)
     inp.setsockopt(zmq.LINGER, 0)
+    if rcvhwm is not None:
+        inp.setsockopt(zmq.RCVHWM, rcvhwm)
     inp.connect(init["addresses"]["inputs"][0])
     if ready == "malformed":
         response = dict(READY_RESPONSE, max_model_len="lots")
@@ -414,8 +430,36 @@ async def run_scheduler(
             await asyncio.sleep(max(0.0, at - time.monotonic()))
         await push.send_multipart(frames, copy=False)
 
+    streaming: dict[str, asyncio.Task[None]] = {}
+
+    async def stream(rid: str, prompt_tokens: int) -> None:
+        try:
+            for k in range(chunks):
+                await asyncio.sleep(chunk_interval_s)
+                last = k == chunks - 1
+                out = output_frames(
+                    rid, "stop" if last else "", prompt_tokens, engine_index,
+                    tokens=(11 + k,), completion_tokens=k + 1,
+                    load=load_snapshot(len(streaming), prompt_tokens),
+                )  # fmt: skip
+                await push.send_multipart(out, copy=False)
+        except asyncio.CancelledError:  # aborted: the scheduler's terminal output
+            if not push.closed:
+                out = output_frames(rid, "abort", prompt_tokens, engine_index, tokens=())
+                with contextlib.suppress(zmq.ZMQError):
+                    await push.send_multipart(out, copy=False)
+        finally:
+            streaming.pop(rid, None)
+
+    stalled = False
+
     try:
         while True:
+            if stall_after is not None and not stalled and seq >= stall_after:
+                stalled = True
+                if report:
+                    emit(event="stall", seconds=stall_s)
+                await asyncio.sleep(stall_s)  # reads nothing meanwhile
             frames = await inp.recv_multipart(copy=False)
             seq += 1
             kind = frames[0].bytes
@@ -425,6 +469,9 @@ async def run_scheduler(
                     seen.append(("ABORT", rids))
                 if report:
                     emit(event="abort", seq=seq, rids=rids)
+                for rid in rids:
+                    if rid in streaming:
+                        streaming[rid].cancel()
                 continue
             if kind != b"\x00":
                 if seen is not None:
@@ -467,7 +514,9 @@ async def run_scheduler(
             )
             if report and not quiet_adds:
                 emit(event="sent", rid=req.rid, sha=digest(out), reason=reason)
-            if delay_s:
+            if chunks > 1 and not req.validation_error:
+                streaming[req.rid] = asyncio.ensure_future(stream(req.rid, len(req.input_ids)))
+            elif delay_s:
                 task = asyncio.ensure_future(answer(out, time.monotonic() + delay_s))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
@@ -479,7 +528,7 @@ async def run_scheduler(
                     emit(event="sent_dead")
                 await asyncio.sleep(3600)  # dead, but its sockets stay open
     finally:
-        for task in pending:
+        for task in [*pending, *streaming.values()]:
             task.cancel()
         for s in (hs, inp, push):
             s.close(linger=0)

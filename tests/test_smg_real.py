@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,9 @@ async def grpc_stack(
 
 
 @contextlib.asynccontextmanager
-async def engine_stack(tmp_path: Path, family: str, **scheduler: Any) -> AsyncIterator[Stack]:
+async def engine_stack(
+    tmp_path: Path, family: str, *, mmadmit_args: tuple[str, ...] = (), **scheduler: Any
+) -> AsyncIterator[Stack]:
     """SMG over its msgpack ZMQ wire (engine mode) in front of mmadmit, a test scheduler
     behind it."""
     model = g.make_model_dir(tmp_path, family)
@@ -211,7 +214,7 @@ async def engine_stack(tmp_path: Path, family: str, **scheduler: Any) -> AsyncIt
     await asyncio.to_thread(gateway.start)
     ctx = zmq.asyncio.Context()
     assert gateway.engine_handshake is not None
-    mm = Mmadmit(model, "--smg-handshake", gateway.engine_handshake)
+    mm = Mmadmit(model, "--smg-handshake", gateway.engine_handshake, *mmadmit_args)
     stack = Stack(gateway, mm, model)
     try:
         await mm.wait_for(lambda: mm.engine is not None, "engine-handshake line")
@@ -431,3 +434,56 @@ async def test_engine_mode_scheduler_death_reaches_smg(tmp_path: Path) -> None:
         assert result.status >= 500, result.text
         assert await st.mmadmit.wait_exit() == 3
         assert "ENGINE_CORE_DEAD" in st.mmadmit.stderr
+
+
+async def test_grpc_face_stream_dropped_abort_ends_the_stream(tmp_path: Path) -> None:
+    # A streaming client goes away after the first chunk. SMG notices at its next
+    # write and calls Abort("Stream dropped") but keeps the Generate stream open:
+    # mmadmit sends the ABORT after the ADD and ends the stream itself.
+    async with grpc_stack(tmp_path, "text", chunks=20, chunk_interval_s=0.25) as st:
+        result = await st.call(
+            st.gateway.chat_stream, [g.user_message("Hello")], max_tokens=64, disconnect_after=1
+        )
+        assert result.disconnected
+        await until(lambda: st.kinds() == ["ADD", "ABORT"], f"ADD then ABORT: {st.kinds()}")
+        await st.mmadmit.wait_for(
+            lambda: "aborted by SMG" in st.mmadmit.stderr, "the Abort call in the log"
+        )
+        # the stream ended at once: the next request is served normally
+        st.seen.clear()
+        again = await st.call(st.gateway.chat, [g.user_message("Hello")], max_tokens=64)
+        assert again.status == 200, again.text
+        assert again.json()["usage"]["completion_tokens"] == 20
+
+
+async def test_engine_mode_a_stalled_scheduler_does_not_look_dead_to_smg(tmp_path: Path) -> None:
+    # SMG fails a request whose frame the engine has not accepted within 10 s (and
+    # opens its circuit breaker), and declares the engine dead after 300 s without
+    # one. The scheduler here stops reading its input for 12 s after the first
+    # request while a burst arrives: mmadmit keeps taking SMG's frames (its own
+    # intake pauses only while forwards wait at their bound), so every request is
+    # answered once the scheduler reads again and SMG never reports its window.
+    stall_s = 12.0
+    async with engine_stack(
+        tmp_path, "text", mmadmit_args=("--max-inflight", "1"),
+        stall_after=1, stall_s=stall_s, rcvhwm=1,
+    ) as st:  # fmt: skip
+        first = await st.call(st.gateway.chat, [g.user_message("first")])
+        assert first.status == 200, first.text
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        with ThreadPoolExecutor(40) as pool:
+            burst = await asyncio.gather(
+                *(
+                    loop.run_in_executor(
+                        pool, lambda i=i: st.gateway.chat([g.user_message(f"n{i}")], timeout=60.0)
+                    )
+                    for i in range(40)
+                )
+            )
+        elapsed = time.monotonic() - started
+        assert [r.status for r in burst] == [200] * 40, [r.text for r in burst if r.status != 200]
+        assert elapsed > 10.0, f"the stall ({elapsed:.1f}s) must outlast SMG's 10 s send window"
+        log = st.gateway.log_text()
+        assert "send window" not in log and "death window" not in log
+        assert len(st.adds()) == 41

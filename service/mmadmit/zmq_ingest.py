@@ -165,6 +165,7 @@ class ZmqIngestStats(AdmissionStats):
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
     received_bytes: int = 0  # bytes of every message read (all frames but the identity)
     sent_bytes: int = 0  # bytes of every reply or forward handed to libzmq
+    intake_paused: int = 0  # times intake stopped reading: forwards pending at their bound
 
 
 # --------------------------------------------------------------------------- resources
@@ -456,6 +457,7 @@ class ZmqIngest:
                 prefix=prefix,
                 sent_hook=self._sent_hook,
                 name=f"{self.transport}-forward",
+                on_pause=self._count_pause,
             )
             fwd.pauses(reader)
             res.sender = self._fwd = fwd
@@ -835,6 +837,9 @@ class ZmqIngest:
         )
 
     # ------------------------------------------------------------------ forward mode
+
+    def _count_pause(self) -> None:
+        self.stats.intake_paused += 1
 
     def _count_forwarded(self, msg: list[Any]) -> None:
         stats = self.stats

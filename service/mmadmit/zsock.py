@@ -406,6 +406,7 @@ class OrderedSender:
         prefix: list[Any] | None = None,
         sent_hook: Callable[[list[Any]], None] | None = None,
         name: str = "forward",
+        on_pause: Callable[[], None] | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be positive")
@@ -420,6 +421,7 @@ class OrderedSender:
         self.pending = 0  # registered, not yet handed to libzmq
         self._on_sent = on_sent
         self._on_failed = on_failed
+        self._on_pause = on_pause  # told each time the pending bound stops the readers
         self._sent_hook = sent_hook
         self._queue: deque[list[Any]] = deque()
         self._wake: asyncio.Event = asyncio.Event()
@@ -470,6 +472,8 @@ class OrderedSender:
         self.pending += 1
         if self.pending >= self.max_pending and self.has_room:
             self.has_room = False
+            if self._on_pause is not None:
+                self._on_pause()
             for ref in self._paused:
                 reader = ref()
                 if reader is not None:
