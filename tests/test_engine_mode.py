@@ -4,8 +4,9 @@ Three real processes on loopback per case: ``tests/engine_peers.py smg`` (binds,
 answers HELLO with INIT, publishes on command, reports every output with its
 SHA-256), ``mmadmit serve --smg-handshake ... --engine-handshake-listen ...``,
 and ``tests/engine_peers.py scheduler`` (the engine handshake, decodes every
-request with the project's codec, answers a tagged ``BatchTokenIDOutSlim``
-with extra trailing fields: ``"abort"`` when ``validation_error`` is set).
+request with the project's codec, answers TokenSpeed's tagged
+``BatchTokenIDOutSlim``, here with extra trailing fields after its load
+counters: ``"abort"`` when ``validation_error`` is set).
 
 Contract pinned here:
 
@@ -327,7 +328,8 @@ async def test_every_vector_relayed_materialized_once_outputs_byte_identical(
             t.smg.command(cmd="send", vector=name)
         outputs = await t.smg.count("output", len(names))
         adds = await t.sch.count("add", len(names))
-        sent = {ev["rid"]: ev for ev in t.sch.of("sent")}
+        # awaited, not read: the scheduler's "sent" line can trail its output to SMG
+        sent = {ev["rid"]: ev for ev in await t.sch.count("sent", len(names))}
         # every vector at the scheduler exactly once, materialized as the reference did
         assert sorted(ev["rid"] for ev in adds) == sorted(vector_rid(n) for n in names)
         by_rid = {ev["rid"]: ev for ev in adds}
