@@ -290,6 +290,20 @@ async def _smg_main(args: argparse.Namespace) -> int:
 KV_PAGE_SIZE = 16
 
 
+def logprob_of(token: int) -> float:
+    """The logprob the test scheduler reports for ``token`` (``logprobs=True``)."""
+    return -token / 100
+
+
+def asked_logprobs(req: Any) -> bool:
+    """Whether an ADD asked for logprobs (``return_logprob``, element 6)."""
+    extra = getattr(req, "extra", None)
+    raw = getattr(extra, "raw", None)
+    if not raw or len(raw) <= 6:
+        return False
+    return msgspec.msgpack.decode(raw[6]) is True
+
+
 def load_snapshot(running: int, prompt_tokens: int) -> tuple[int, int, int, int]:
     """A plausible load tail: ``running`` requests of ``prompt_tokens`` each."""
     total = int(READY_RESPONSE["num_gpu_blocks"])
@@ -308,6 +322,7 @@ def output_frames(
     load: tuple[int, int, int, int] = (0, 0, 0, 0),
     tokens: tuple[int, ...] = (11, 12, 13),
     completion_tokens: int | None = None,
+    logprobs: bool = False,
 ) -> list[bytes]:
     """TokenSpeed's ``BatchTokenIDOutSlim`` for one request, as its scheduler sends it
     (``tokens``: the ids this output carries; ``reason`` "" while unfinished).
@@ -349,8 +364,8 @@ def output_frames(
         [prompt_tokens],
         [len(tokens) if completion_tokens is None else completion_tokens],
         [0],
-        [[]],
-        [[]],
+        [[logprob_of(t) for t in tokens] if logprobs else []],
+        [list(tokens) if logprobs else []],
         engine_index,
         *load,
     ]
@@ -432,7 +447,7 @@ async def run_scheduler(
 
     streaming: dict[str, asyncio.Task[None]] = {}
 
-    async def stream(rid: str, prompt_tokens: int) -> None:
+    async def stream(rid: str, prompt_tokens: int, logprobs: bool) -> None:
         try:
             for k in range(chunks):
                 await asyncio.sleep(chunk_interval_s)
@@ -440,7 +455,7 @@ async def run_scheduler(
                 out = output_frames(
                     rid, "stop" if last else "", prompt_tokens, engine_index,
                     tokens=(11 + k,), completion_tokens=k + 1,
-                    load=load_snapshot(len(streaming), prompt_tokens),
+                    load=load_snapshot(len(streaming), prompt_tokens), logprobs=logprobs,
                 )  # fmt: skip
                 await push.send_multipart(out, copy=False)
         except asyncio.CancelledError:  # aborted: the scheduler's terminal output
@@ -511,11 +526,14 @@ async def run_scheduler(
                 trailing,
                 aux_bytes,
                 load=load_snapshot(len(pending) + 1, len(req.input_ids)),
+                logprobs=asked_logprobs(req),
             )
             if report and not quiet_adds:
                 emit(event="sent", rid=req.rid, sha=digest(out), reason=reason)
             if chunks > 1 and not req.validation_error:
-                streaming[req.rid] = asyncio.ensure_future(stream(req.rid, len(req.input_ids)))
+                streaming[req.rid] = asyncio.ensure_future(
+                    stream(req.rid, len(req.input_ids), asked_logprobs(req))
+                )
             elif delay_s:
                 task = asyncio.ensure_future(answer(out, time.monotonic() + delay_s))
                 pending.add(task)

@@ -482,3 +482,33 @@ async def test_outcomes_are_counted_once_under_their_own_transport_label(
         assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 1}
     lines = [r.getMessage() for r in caplog.records if r.name == "mmadmit.outcome"]
     assert len(lines) == 2 and all("transport=smg_grpc" in line for line in lines)
+
+
+async def test_logprobs_and_the_schedulers_load_reach_smg() -> None:
+    async with face_env(scheduler={"chunks": 3}) as env:
+        streamed = ts.GenerateRequest(request_id="lp1", stream=True, return_logprob=True)
+        streamed.tokenized.input_ids.extend([1, 2, 3])
+        responses = await collect(env.stub.Generate(streamed))
+        assert [r.WhichOneof("response") for r in responses] == ["chunk"] * 3 + ["complete"]
+        for k, resp in enumerate(responses[:3]):
+            assert list(resp.chunk.token_ids) == [11 + k]
+            lp = resp.chunk.output_logprobs
+            assert list(lp.token_ids) == [11 + k]
+            assert lp.token_logprobs[0] == pytest.approx(engine_peers.logprob_of(11 + k))
+            assert len(lp.top_logprobs) == 1
+        whole = ts.GenerateRequest(request_id="lp2", return_logprob=True)
+        whole.tokenized.input_ids.extend([1, 2, 3])
+        (resp,) = await collect(env.stub.Generate(whole))
+        complete = resp.complete
+        assert list(complete.output_ids) == [11, 12, 13]
+        assert list(complete.output_logprobs.token_ids) == [11, 12, 13]
+        assert complete.completion_tokens == 3
+        plain = ts.GenerateRequest(request_id="lp3")
+        plain.tokenized.input_ids.extend([1, 2, 3])
+        (resp,) = await collect(env.stub.Generate(plain))
+        assert not resp.complete.HasField("output_logprobs")
+        loads = await env.stub.GetLoads(ts.GetLoadsRequest())
+        (load,) = loads.loads
+        total = engine_peers.READY_RESPONSE["num_gpu_blocks"]
+        assert env.face.loads.kv_total_pages == total
+        assert load.token_usage == pytest.approx(env.face.loads.kv_active_pages / total)

@@ -120,8 +120,6 @@ MAX_PENDING_ADDS = 4096
 _ADD = bytes([wire.MSG_ADD])
 _ABORT = bytes([wire.MSG_ABORT])
 _ENC = msgspec.msgpack.Encoder()
-_SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_ANY = msgspec.msgpack.Decoder()
 _OUTPUT_TAG = "BatchTokenIDOutSlim"
 _MODALITIES = {
     Modality.IMAGE: common_pb2.IMAGE,
@@ -310,21 +308,28 @@ def parse_generate(data: bytes, limits: Any) -> ParsedGenerate | RefusedRequest:
 
 
 class _Output(msgspec.Struct, array_like=True, gc=False):
-    """The leading elements of ``BatchTokenIDOutSlim`` the face reads (the rest,
-    such as logprob columns, are ignored)."""
+    """TokenSpeed's ``BatchTokenIDOutSlim`` (14 elements: the tag, eight per-rid
+    columns, ``engine_index``, four load counters; SMG's decoder reads the same
+    and skips anything after). Read leniently: a missing trailing element takes
+    its default, the logprob columns and counters are checked by hand."""
 
     tag: str
     rids: list[str]
-    output_ids: list[list[int]]
-    finished_reasons: list[Any]
+    output_ids: list[list[int]]  # newly generated ids this step, per rid
+    finished_reasons: list[Any]  # "" while generating
     prompt_tokens: list[int] = []
     completion_tokens: list[int] = []
     cached_tokens: list[int] = []
+    logprobs_val: list[Any] = []  # per rid: a float per new id, empty when not asked
+    logprobs_idx: list[Any] = []
+    engine_index: Any = 0
+    num_running: Any = 0
+    num_waiting: Any = 0
+    kv_active_pages: Any = 0
+    kv_total_pages: Any = 0  # 0: no load snapshot
 
 
 _OUTPUT = msgspec.msgpack.Decoder(_Output)
-# elements 10-13: num_running, num_waiting, kv_active_pages, kv_total_pages
-_LOADS_AT = 10
 
 
 @dataclass
@@ -345,6 +350,37 @@ class _Piece(msgspec.Struct, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list[float]  # empty when not asked (or not sent)
+    logprob_ids: list[int]
+
+
+def _column(values: list[Any], i: int, default: Any) -> Any:
+    return values[i] if i < len(values) else default
+
+
+def _logprobs_of(val: Any, idx: Any) -> tuple[list[float], list[int]]:
+    """One rid's logprob columns, when they are what TokenSpeed sends (lists of equal
+    length); anything else is read as none."""
+    if (
+        isinstance(val, list)
+        and isinstance(idx, list)
+        and len(val) == len(idx)
+        and all(isinstance(v, int | float) for v in val)
+        and all(isinstance(t, int) and t >= 0 for t in idx)
+    ):
+        return [float(v) for v in val], idx
+    return [], []
+
+
+def _output_logprobs(values: list[float], ids: list[int]) -> ts.OutputLogProbs | None:
+    if not values:
+        return None
+    # one (empty) TopLogProbs per token: the gateway aligns positions by it
+    return ts.OutputLogProbs(
+        token_logprobs=values,
+        token_ids=ids,
+        top_logprobs=[ts.TopLogProbs() for _ in values],
+    )
 
 
 _DEAD = object()  # the scheduler went away
@@ -552,34 +588,29 @@ class SmgGrpcFace(SchedulerLink):
         if out.tag != _OUTPUT_TAG:
             stats.outputs_untracked += 1
             return
-        self._read_loads(first)
+        loads = (out.num_running, out.num_waiting, out.kv_active_pages, out.kv_total_pages)
+        if all(type(v) is int and v >= 0 for v in loads) and out.kv_total_pages:
+            self.loads = Loads(*loads)  # kv_total_pages 0: no snapshot in this output
         calls = self._calls
-        n_prompt, n_done, n_cached = out.prompt_tokens, out.completion_tokens, out.cached_tokens
         for i, rid in enumerate(out.rids):
             call = calls.get(rid)
             if call is None:
                 stats.outputs_untracked += 1
                 continue
-            reason = out.finished_reasons[i] if i < len(out.finished_reasons) else None
+            values, ids = _logprobs_of(
+                _column(out.logprobs_val, i, None), _column(out.logprobs_idx, i, None)
+            )
             call.queue.put_nowait(
                 _Piece(
-                    out.output_ids[i] if i < len(out.output_ids) else [],
-                    _reason_text(reason),
-                    n_prompt[i] if i < len(n_prompt) else 0,
-                    n_done[i] if i < len(n_done) else 0,
-                    n_cached[i] if i < len(n_cached) else 0,
+                    _column(out.output_ids, i, []),
+                    _reason_text(_column(out.finished_reasons, i, None)),
+                    _column(out.prompt_tokens, i, 0),
+                    _column(out.completion_tokens, i, 0),
+                    _column(out.cached_tokens, i, 0),
+                    values,
+                    ids,
                 )
             )
-
-    def _read_loads(self, frame: zmq.Frame) -> None:
-        try:
-            elems = _SPLIT.decode(frame.buffer)
-            if len(elems) >= _LOADS_AT + 4:
-                values = [_ANY.decode(e) for e in elems[_LOADS_AT : _LOADS_AT + 4]]
-                if all(type(v) is int for v in values):
-                    self.loads = Loads(*values)
-        except msgspec.DecodeError:
-            pass
 
     # ------------------------------------------------------------------ RPCs
 
@@ -678,6 +709,8 @@ class SmgGrpcFace(SchedulerLink):
         self, rid: str, call: _Call, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ts.GenerateResponse]:
         generated: list[int] = []
+        logprobs: list[float] = []
+        logprob_ids: list[int] = []
         while True:
             piece = await call.queue.get()
             if piece is _ABORTED:
@@ -706,9 +739,12 @@ class SmgGrpcFace(SchedulerLink):
                             prompt_tokens=piece.prompt_tokens,
                             completion_tokens=piece.completion_tokens,
                             cached_tokens=piece.cached_tokens,
+                            output_logprobs=_output_logprobs(piece.logprobs, piece.logprob_ids),
                         ),
                     )
             generated.extend(piece.token_ids)
+            logprobs.extend(piece.logprobs)
+            logprob_ids.extend(piece.logprob_ids)
             if finished:
                 call.finished = True
                 self.stats.completes += 1
@@ -720,6 +756,11 @@ class SmgGrpcFace(SchedulerLink):
                         prompt_tokens=piece.prompt_tokens,
                         completion_tokens=piece.completion_tokens,
                         cached_tokens=piece.cached_tokens,
+                        output_logprobs=(
+                            _output_logprobs(piece.logprobs, piece.logprob_ids)
+                            if call.stream
+                            else _output_logprobs(logprobs, logprob_ids)
+                        ),
                     ),
                 )
                 return
