@@ -58,25 +58,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import workloads  # noqa: E402
+from bench_engine import percentile, scheduler, wait_line  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.admission import Key  # noqa: E402
 from mmadmit.config import ServeConfig, build_config  # noqa: E402
 from mmadmit.grpc_server import GrpcPort  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
+from mmadmit.pbwire import StrippedRequest  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
 from mmadmit.runtime import tune_allocator  # noqa: E402
 from mmadmit.smg_grpc import (  # noqa: E402
     SERVICE,
-    ParsedGenerate,
     SmgGrpcFace,
     parse_generate,
     request_from_generate,
 )
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts  # noqa: E402
 from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc  # noqa: E402
-from smg_grpc_proto.generated import common_pb2  # noqa: E402
 
 MODEL = ROOT / "tests" / "data" / "vectors" / "configs" / "qwen2_5_vl.json"
 LISTEN_RE = re.compile(r"^mmadmit engine-handshake (\S+)$")
@@ -88,11 +88,6 @@ MM_BOUND_FACTOR = 1.2
 WARMUP = 20
 TEXT = "text 1K tokens"
 MM = "Qwen2.5-VL 8K tokens, hashes"
-_MODALITY = {
-    int(Modality.IMAGE): common_pb2.IMAGE,
-    int(Modality.VIDEO): common_pb2.VIDEO,
-    int(Modality.AUDIO): common_pb2.AUDIO,
-}
 
 
 def serve_config() -> ServeConfig:
@@ -123,39 +118,15 @@ def contiguous_videos(req: Request, profile: ModelProfile) -> Request:
 
 
 def generate_from_request(req: Request, profile: ModelProfile) -> ts.GenerateRequest:
-    """The request as SMG sends it over gRPC: placeholder runs in ``input_ids``, each
-    item's hash as 8 little-endian bytes, its placeholder token, grids as side
-    tensors, no positions (the conversion of tests/test_smg_grpc.py)."""
-    msg = ts.GenerateRequest(request_id="x", stream=False)
-    msg.tokenized.input_ids.extend(req.input_ids.tolist())
-    msg.sampling_params.temperature = 0.5
-    msg.sampling_params.max_new_tokens = 16
-    if req.mm is not None:
-        for item in req.mm.items:
-            out = msg.mm_inputs.items.add(modality=_MODALITY[item.modality])
-            if item.feature is not None:
-                out.encoder_input.CopyFrom(
-                    ts.TensorData(
-                        shape=list(item.feature.shape),
-                        dtype=item.feature.dtype.name,
-                        inline=bytes(item.feature.data),
-                    )
-                )
-            for key, value in item.side.items():
-                arr = np.ascontiguousarray(value.to_numpy())
-                out.model_specific_tensors[key].CopyFrom(
-                    ts.TensorData(shape=list(arr.shape), dtype=arr.dtype.name, inline=arr.tobytes())
-                )
-            assert item.offsets is not None and item.hash is not None
-            for start, end in item.offsets.tolist():
-                out.placeholders.add(offset=start, length=end - start + 1)
-            out.content_hash = item.hash.to_bytes(8, "little")
-            token = profile.image_token_id if item.modality == Modality.IMAGE else None
-            if item.modality == Modality.VIDEO:
-                token = profile.video_token_id
-            assert token is not None
-            out.placeholder_token_id = token
-    return msg
+    """The request as SMG sends it over gRPC, with every item's hash and placeholder."""
+    assert req.mm is None or all(item.hash is not None for item in req.mm.items)
+    tokens = {}
+    for i, item in enumerate(req.mm.items if req.mm is not None else []):
+        token = profile.video_token_id if item.modality == Modality.VIDEO else None
+        token = profile.image_token_id if item.modality == Modality.IMAGE else token
+        assert token is not None
+        tokens[i] = token
+    return workloads.generate_request(req, "x", placeholders=tokens)
 
 
 def build_workloads(profile: ModelProfile) -> dict[str, ts.GenerateRequest]:
@@ -223,31 +194,6 @@ async def bare_relay() -> None:
 # --------------------------------------------------------------------------- measuring
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def scheduler(handshake: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "engine_peers.py"), "scheduler",
-         "--handshake", handshake, "--quiet"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], timeout_s: float) -> str:
-    assert proc.stderr is not None
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        line = proc.stderr.readline()
-        if not line:
-            raise RuntimeError(f"mmadmit exited {proc.poll()}")
-        if pattern.match(line.strip()):
-            return line.strip()
-    raise RuntimeError(f"no line {pattern.pattern}")
-
-
 async def wait_healthy(channel: grpc.aio.Channel, timeout_s: float) -> None:
     stub = ts_grpc.TokenSpeedSchedulerStub(channel)
     end = time.monotonic() + timeout_s
@@ -292,8 +238,11 @@ class InProcess:
     def run(self, name: str, data: bytes) -> float:
         t0 = time.perf_counter()
         parsed = parse_generate(data, self.limits)
-        assert isinstance(parsed, ParsedGenerate), parsed
-        req = request_from_generate(parsed.msg, self.profile, parsed.payloads)
+        if isinstance(parsed, StrippedRequest):
+            msg, payloads = parsed.msg, parsed.payloads
+        else:
+            msg, payloads = parsed, None
+        req = request_from_generate(msg, self.profile, payloads)
         t1 = time.perf_counter()
         outcome = self.materializer.run(req, CPU_OPS)
         t2 = time.perf_counter()

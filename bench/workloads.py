@@ -135,3 +135,51 @@ def media_share(req: Request) -> float:
         if it.offsets is not None
     )
     return total / len(req.input_ids)
+
+
+def generate_request(
+    req: Request,
+    rid: str,
+    *,
+    hashes: dict[int, int] | None = None,
+    placeholders: dict[int, int] | None = None,
+    stream: bool = False,
+) -> Any:
+    """``req`` as SMG sends it over gRPC (``tokenspeed.grpc.scheduler.GenerateRequest``):
+    the placeholder runs in ``input_ids`` (the unpadded ids when ``req`` has them),
+    each item's feature, side tensors and placeholder ranges, no positions and no
+    pad values. ``hashes`` (item index -> hash; default: each item's own hash, if
+    any) become ``content_hash`` as 8 little-endian bytes; ``placeholders`` (item
+    index -> token) its ``placeholder_token_id``."""
+    from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
+    from smg_grpc_proto.generated import common_pb2
+
+    modality_of = {
+        int(Modality.IMAGE): common_pb2.IMAGE,
+        int(Modality.VIDEO): common_pb2.VIDEO,
+        int(Modality.AUDIO): common_pb2.AUDIO,
+    }
+
+    def tensor(t: Tensor) -> Any:
+        return ts.TensorData(shape=list(t.shape), dtype=t.dtype.name, inline=bytes(t.data))
+
+    msg = ts.GenerateRequest(request_id=rid, stream=stream)
+    ids = req.input_ids_unpadded if req.input_ids_unpadded is not None else req.input_ids
+    msg.tokenized.input_ids.extend(ids.tolist())
+    msg.sampling_params.temperature = 0.5
+    msg.sampling_params.max_new_tokens = 16
+    for i, item in enumerate(req.mm.items if req.mm is not None else []):
+        out = msg.mm_inputs.items.add(modality=modality_of[item.modality])
+        if item.feature is not None:
+            out.encoder_input.CopyFrom(tensor(item.feature))
+        for key, value in item.side.items():
+            out.model_specific_tensors[key].CopyFrom(tensor(value))
+        assert item.offsets is not None
+        for start, end in item.offsets.tolist():
+            out.placeholders.add(offset=start, length=end - start + 1)
+        content_hash = item.hash if hashes is None else hashes.get(i)
+        if content_hash is not None:
+            out.content_hash = content_hash.to_bytes(8, "little")
+        if placeholders is not None and i in placeholders:
+            out.placeholder_token_id = placeholders[i]
+    return msg

@@ -39,6 +39,7 @@ import engine_peers
 import grpc
 import numpy as np
 import pytest
+import workloads
 import zmq.asyncio
 from conftest import CONFIGS, load_vector, until
 from mmadmit import wire
@@ -46,7 +47,7 @@ from mmadmit.config import build_config
 from mmadmit.errors import AbortCode, ConfigError
 from mmadmit.grpc_server import GrpcPort
 from mmadmit.materializer import Materializer
-from mmadmit.model import Modality, Request
+from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.smg_grpc import SERVICE, STATUS_OF, TOP_K_ALL, SmgGrpcFace, sampling_array
@@ -59,63 +60,27 @@ pytestmark = pytest.mark.timeout(60)
 
 MODEL = CONFIGS / "qwen3_5.json"
 QWEN35_VECTORS = ("qwen3_5_image1", "qwen3_5_mixed", "qwen3_5_video_multi", "qwen3_5_big_hash")
-_MODALITY = {
-    int(Modality.IMAGE): common_pb2.IMAGE,
-    int(Modality.VIDEO): common_pb2.VIDEO,
-    int(Modality.AUDIO): common_pb2.AUDIO,
-}
 
 
 # --------------------------------------------------------------------------- requests
 
 
-def _tensor(arr: np.ndarray, dtype: str | None = None) -> ts.TensorData:
-    arr = np.ascontiguousarray(arr)
-    return ts.TensorData(shape=list(arr.shape), dtype=dtype or arr.dtype.name, inline=arr.tobytes())
-
-
-def generate_from_request(req: Request, rid: str, *, stream: bool = False) -> ts.GenerateRequest:
-    """A decoded vector request as SMG sends it over gRPC: the placeholder runs hold
-    the placeholder token, hashes as 8 little-endian bytes (an item the engine
-    hashed is sent without), no positions, no pad values."""
-    msg = ts.GenerateRequest(request_id=rid, stream=stream)
-    ids = req.input_ids_unpadded if req.input_ids_unpadded is not None else req.input_ids
-    msg.tokenized.input_ids.extend(ids.tolist())
-    msg.sampling_params.temperature = 0.5
-    msg.sampling_params.max_new_tokens = 16
-    mm = req.mm
-    if mm is not None:
-        for item in mm.items:
-            out = msg.mm_inputs.items.add(modality=_MODALITY[item.modality])
-            if item.feature is not None:
-                out.encoder_input.CopyFrom(
-                    ts.TensorData(
-                        shape=list(item.feature.shape),
-                        dtype=item.feature.dtype.name,
-                        inline=bytes(item.feature.data),
-                    )
-                )
-            for key, value in item.side.items():
-                out.model_specific_tensors[key].CopyFrom(_tensor(value.to_numpy()))
-            assert item.offsets is not None
-            for start, end in item.offsets.tolist():
-                out.placeholders.add(offset=start, length=end - start + 1)
-    return msg
-
-
 def vector_generate(name: str, rid: str, *, stream: bool = False) -> tuple[ts.GenerateRequest, Any]:
+    """A vector's request as SMG sends it over gRPC (``workloads.generate_request``):
+    the gateway-hashed items with their hash as ``content_hash``, the engine-hashed
+    ones without (mmadmit hashes their features), each item's placeholder token."""
     vec = load_vector(name)
     req = wire.decode_message(vec.frames).request
     assert req is not None
-    msg = generate_from_request(req, rid, stream=stream)
-    items = vec.meta["multimodal"]["items"] if vec.meta.get("multimodal") else []
-    for out, meta in zip(msg.mm_inputs.items, items, strict=True):
-        if meta["hash_source"] == "gateway":
-            out.content_hash = int(meta["hash"]).to_bytes(8, "little")
-        if meta["modality"] == "IMAGE":
-            out.placeholder_token_id = vec.meta["multimodal"]["im_token_id"]
-        elif meta["modality"] == "VIDEO":
-            out.placeholder_token_id = vec.meta["multimodal"]["video_token_id"]
+    meta = vec.meta["multimodal"]
+    items = meta["items"] if meta else []
+    hashes = {i: int(m["hash"]) for i, m in enumerate(items) if m["hash_source"] == "gateway"}
+    tokens = {
+        i: meta["im_token_id"] if m["modality"] == "IMAGE" else meta["video_token_id"]
+        for i, m in enumerate(items)
+        if m["modality"] in ("IMAGE", "VIDEO")
+    }
+    msg = workloads.generate_request(req, rid, hashes=hashes, placeholders=tokens, stream=stream)
     return msg, vec
 
 

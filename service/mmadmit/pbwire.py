@@ -77,6 +77,7 @@ __all__ = [
     "STRIP_MIN_BYTES",
     "RefusedRequest",
     "check_admit_limits",
+    "parse_request",
     "StrippedRequest",
     "encode_varint",
     "packed_uint32_field",
@@ -174,7 +175,8 @@ def _packed_uint32_field_py(field_number: int, values: np.ndarray) -> bytes:
 
 
 class StrippedRequest:
-    """An ``AdmitRequest`` parsed without its large inline payloads.
+    """A request (``AdmitRequest``, SMG's ``GenerateRequest``) parsed without its
+    large inline payloads.
 
     ``msg`` is the parsed stripped message; ``payloads`` the stripped bytes, as
     read-only ``memoryview`` slices of the received message, in wire order.
@@ -182,7 +184,7 @@ class StrippedRequest:
 
     __slots__ = ("msg", "payloads")
 
-    def __init__(self, msg: pb.AdmitRequest, payloads: list[memoryview]) -> None:
+    def __init__(self, msg: Any, payloads: list[memoryview]) -> None:
         self.msg = msg
         self.payloads = payloads
 
@@ -200,14 +202,16 @@ def resolve_inline(value: bytes, payloads: list[memoryview] | None) -> memoryvie
     return memoryview(value)
 
 
-def parse_admit_request(
-    data: bytes, min_bytes: int = STRIP_MIN_BYTES, limits: Limits | None = None
-) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
-    """The request deserializer of ``Admit`` and ``AdmitStream``.
+def parse_request(
+    data: bytes, message: Any, min_bytes: int = STRIP_MIN_BYTES, limits: Limits | None = None
+) -> Any:
+    """Parse ``data`` as ``message`` (a protobuf message class whose request id,
+    tokens and items have ``AdmitRequest``'s field numbers: ``AdmitRequest``, SMG's
+    ``GenerateRequest``), the walks above applied.
 
     A :class:`StrippedRequest` when ``data`` holds at least one inline payload
     of ``min_bytes`` or more, else the plain parsed message. Raises what
-    ``AdmitRequest.FromString(data)`` raises for bytes that do not parse.
+    ``message.FromString(data)`` raises for bytes that do not parse.
 
     With ``limits``, a message of :data:`PRECHECK_MIN_BYTES` or more is first
     counted from its wire bytes (:func:`check_admit_limits`); a breach is a
@@ -222,10 +226,20 @@ def parse_admit_request(
         if stripped is not None:
             small, payloads = stripped
             try:
-                return StrippedRequest(pb.AdmitRequest.FromString(small), payloads)
+                return StrippedRequest(message.FromString(small), payloads)
             except DecodeError:
                 pass  # let the original bytes fail with protobuf's own message
-    return pb.AdmitRequest.FromString(data)
+    return message.FromString(data)
+
+
+def parse_admit_request(
+    data: bytes, min_bytes: int = STRIP_MIN_BYTES, limits: Limits | None = None
+) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
+    """The request deserializer of ``Admit`` and ``AdmitStream`` (:func:`parse_request`)."""
+    result: pb.AdmitRequest | StrippedRequest | RefusedRequest = parse_request(
+        data, pb.AdmitRequest, min_bytes, limits
+    )
+    return result
 
 
 def strip_inline_payloads(

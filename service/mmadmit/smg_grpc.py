@@ -68,7 +68,6 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from google.protobuf import struct_pb2
-from google.protobuf.message import DecodeError
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto.generated import common_pb2
 
@@ -82,8 +81,9 @@ from .errors import (
     Unsupported,
     abort_from_exception,
 )
+from .limits import Limits
 from .model import Materialized, Modality, MultimodalInputs, Request
-from .pbwire import RefusedRequest, strip_inline_payloads
+from .pbwire import RefusedRequest, StrippedRequest, parse_request
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .scheduler_link import SchedulerLink, SchedulerStats
@@ -274,34 +274,11 @@ def request_from_generate(
     return Request(rid=msg.request_id, input_ids=ids, mm=mm, extra=_envelope(msg))
 
 
-class ParsedGenerate:
-    """What the ``Generate`` request deserializer made: the message (stripped of its
-    large inline payloads, see :mod:`mmadmit.pbwire`) and those payloads."""
-
-    __slots__ = ("msg", "payloads")
-
-    def __init__(self, msg: ts.GenerateRequest, payloads: Payloads) -> None:
-        self.msg, self.payloads = msg, payloads
-
-
-def parse_generate(data: bytes, limits: Any) -> ParsedGenerate | RefusedRequest:
-    """The ``Generate`` request deserializer: the limits counted from the wire bytes,
-    large inline tensors left in ``data`` (zero copy); raises ``DecodeError``."""
-    from .pbwire import PRECHECK_MIN_BYTES, STRIP_MIN_BYTES, check_admit_limits
-
-    if len(data) >= PRECHECK_MIN_BYTES:
-        refused = check_admit_limits(data, limits)
-        if refused is not None:
-            return refused
-    if len(data) >= STRIP_MIN_BYTES and type(data) is bytes:
-        stripped = strip_inline_payloads(data, STRIP_MIN_BYTES)
-        if stripped is not None:
-            small, payloads = stripped
-            try:
-                return ParsedGenerate(ts.GenerateRequest.FromString(small), payloads)
-            except DecodeError:
-                pass  # let the original bytes fail with protobuf's own message
-    return ParsedGenerate(ts.GenerateRequest.FromString(data), None)
+def parse_generate(data: bytes, limits: Limits) -> ts.GenerateRequest | StrippedRequest | Any:
+    """The ``Generate`` request deserializer: :func:`mmadmit.pbwire.parse_request`
+    (limits counted from the wire bytes, large inline tensors left in ``data``);
+    a :class:`~mmadmit.pbwire.RefusedRequest` for a breach; raises ``DecodeError``."""
+    return parse_request(data, ts.GenerateRequest, limits=limits)
 
 
 # --------------------------------------------------------------------------- output side
@@ -615,7 +592,9 @@ class SmgGrpcFace(SchedulerLink):
     # ------------------------------------------------------------------ RPCs
 
     async def Generate(  # noqa: N802 - the contract's method name
-        self, request: ParsedGenerate | RefusedRequest, context: grpc.aio.ServicerContext
+        self,
+        request: ts.GenerateRequest | StrippedRequest | RefusedRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ts.GenerateResponse]:
         t0 = time.perf_counter()
         self.stats.generate_calls += 1
@@ -624,7 +603,10 @@ class SmgGrpcFace(SchedulerLink):
                 context, request.request_id, None, Abort(request.code, request.message), t0
             )
             return
-        msg = request.msg
+        if isinstance(request, StrippedRequest):
+            msg, payloads = request.msg, request.payloads
+        else:
+            msg, payloads = request, None
         rid = msg.request_id
         if not self.ready or self._dead or self.draining:
             why = (
@@ -637,7 +619,7 @@ class SmgGrpcFace(SchedulerLink):
         key = (b"", rid)
         req: Request | None = None
         try:
-            req = request_from_generate(msg, self.profile, request.payloads)
+            req = request_from_generate(msg, self.profile, payloads)
             if rid in self._calls:
                 raise InvalidRequest(f"request id {rid!r} is already in flight on this replica")
             outcome = await self._admit(key, req)
@@ -908,7 +890,7 @@ class SmgGrpcFace(SchedulerLink):
         stats = self.stats
         limits = self.limits
 
-        def deserialize(data: bytes) -> ParsedGenerate | RefusedRequest:
+        def deserialize(data: bytes) -> Any:
             stats.received_bytes += len(data)
             return parse_generate(data, limits)
 
