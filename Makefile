@@ -73,7 +73,7 @@ deploy-validate: setup
 # the sanitizer build; native-vs-Python divergences and INTERNAL outcomes fail
 # it like crashes. fuzz-smoke: the seconds-long, sanitizer-free run of the suite.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= intcodec pbwire planner kernels zmq grpc
+FUZZ_TARGETS ?= intcodec pbwire planner kernels zmq grpc smg
 FUZZ_ENGINE ?= auto
 FUZZ_EXT_DIR := build/fuzz/mmadmit
 .PHONY: fuzz-build fuzz fuzz-smoke

@@ -20,13 +20,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import workloads  # noqa: E402
 from conftest import load_vector, vector_names  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request, Tensor  # noqa: E402
 from mmadmit_client.grpc import build_item, build_request  # noqa: E402
 
-from fuzz.targets import grpc_target, zmq_target  # noqa: E402
+from fuzz.targets import grpc_target, smg_target, zmq_target  # noqa: E402
 
 CORPUS = ROOT / "fuzz" / "corpus"
 PROFILE_OF = {"qwen3_5": "qwen3_5", "qwen3_omni": "qwen3_omni_moe", "llama": "llama"}
@@ -114,6 +116,15 @@ def main() -> None:
             data = grpc_target.seed_input(profile, admit)
             _write("grpc", f"seed-{name}", data)
             _write("pbwire", f"seed-strip-{name}", b"\x00\x20" + data[2:])
+        mm = req.mm
+        tokens = {
+            i: mm.im_token_id if item.modality == 1 else mm.video_token_id
+            for i, item in enumerate(mm.items if mm is not None else [])
+            if item.modality in (1, 2) and mm is not None
+        }
+        tokens = {i: t for i, t in tokens.items() if t is not None}
+        generate = workloads.generate_request(req, req.rid, placeholders=tokens)
+        _write("smg", f"seed-{name}", smg_target.seed_input(profile, generate))
     rng = random.Random(12)
     ids = np.array([0, 1, 127, 128, 65535, 2**31, 2**32 + 5], "<i8").tobytes()
     _write("pbwire", "seed-packed", b"\x01\x08\x00\x00\x00" + ids)

@@ -9,4 +9,4 @@ mutation fuzzer (no atheris) and in the test suite (``tests/test_fuzz_smoke.py``
 
 from __future__ import annotations
 
-TARGETS = ("intcodec", "pbwire", "planner", "kernels", "zmq", "grpc")
+TARGETS = ("intcodec", "pbwire", "planner", "kernels", "zmq", "grpc", "smg")
