@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -477,3 +478,51 @@ async def test_logprobs_and_the_schedulers_load_reach_smg() -> None:
         total = engine_peers.READY_RESPONSE["num_gpu_blocks"]
         assert env.face.loads.kv_total_pages == total
         assert load.token_usage == pytest.approx(env.face.loads.kv_active_pages / total)
+
+
+async def test_sigterm_drains_forwarded_requests_then_exits_0(tmp_path: Any) -> None:
+    """``mmadmit serve`` with the face: the ready line names both addresses; on SIGTERM
+    health turns unhealthy, a new call ends UNAVAILABLE (SHUTTING_DOWN), the call
+    already forwarded still gets its outputs, then the process exits 0."""
+    from test_smg_real import READY_LINE, Mmadmit
+
+    mm = Mmadmit(MODEL, "--smg-grpc-listen", "127.0.0.1:0", "--drain-timeout", "10")
+    ctx = zmq.asyncio.Context()
+    seen: list[tuple[str, Any]] = []
+    task: asyncio.Task[None] | None = None
+    try:
+        await mm.wait_for(lambda: mm.engine is not None, "engine-handshake line")
+        assert mm.engine is not None
+        task = asyncio.ensure_future(
+            engine_peers.run_scheduler(ctx, mm.engine, report=False, seen=seen, delay_s=1.5)
+        )
+        await mm.wait_for(mm.ready.is_set, "ready line")
+        ready = next(line for line in mm.lines if READY_LINE.match(line))
+        assert ready.endswith(f"smg-grpc={mm.smg_grpc} engine={mm.engine}")
+        async with grpc.aio.insecure_channel(str(mm.smg_grpc)) as channel:
+            stub = ts_grpc.TokenSpeedSchedulerStub(channel)
+            assert (await stub.HealthCheck(ts.HealthCheckRequest())).healthy
+            first = ts.GenerateRequest(request_id="before")
+            first.tokenized.input_ids.extend([1, 2, 3])
+            pending = asyncio.ensure_future(collect(stub.Generate(first)))
+            await until(lambda: len(seen) == 1)
+            mm.proc.send_signal(signal.SIGTERM)
+            await until(lambda: any("[shutdown] signal" in line for line in mm.lines))
+            health = await stub.HealthCheck(ts.HealthCheckRequest())
+            assert not health.healthy
+            late = ts.GenerateRequest(request_id="after")
+            late.tokenized.input_ids.extend([1, 2, 3])
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub.Generate(late))
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert info.value.details().startswith("SHUTTING_DOWN: ")
+            (resp,) = await asyncio.wait_for(pending, 10)
+            assert resp.complete.finish_reason == "stop"
+        assert await mm.wait_exit() == 0
+        assert [kind for kind, _ in seen] == ["ADD"]
+    finally:
+        mm.stop()
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        ctx.term()

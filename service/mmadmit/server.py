@@ -392,7 +392,7 @@ async def shutdown(handle: ServerHandle) -> None:
     if handle.smg_port is not None:
         handle.smg_port.enter_drain()
     if handle.smg is not None:
-        handle.smg.admissions.closing = True  # new Generate calls: UNAVAILABLE
+        handle.smg.begin_drain()  # new Generate calls: UNAVAILABLE
     handle.pool.begin_drain()
     await handle.pool.drain(config.drain_timeout)
     if handle.engine is not None:

@@ -494,11 +494,16 @@ class SmgGrpcFace(SchedulerLink):
         for call in self._calls.values():
             call.queue.put_nowait(_DEAD)
 
-    async def drain(self, deadline: float) -> int:
-        """SIGTERM: new calls are refused; wait until every forwarded request has
-        finished or ``deadline`` (loop time); return how many had not."""
+    def begin_drain(self) -> None:
+        """SIGTERM: HealthCheck turns unhealthy, new calls end UNAVAILABLE
+        (``SHUTTING_DOWN``); forwarded requests go on."""
         self.draining = True
         self.admissions.closing = True
+
+    async def drain(self, deadline: float) -> int:
+        """Wait until every forwarded request has finished or ``deadline`` (loop
+        time), new calls refused meanwhile; return how many had not finished."""
+        self.begin_drain()
         loop = asyncio.get_running_loop()
         while self._calls and not self._dead and loop.time() < deadline:
             await asyncio.sleep(min(0.01, max(0.0, deadline - loop.time())))
