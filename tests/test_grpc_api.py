@@ -893,3 +893,21 @@ async def test_busy_port_is_one_clear_oserror() -> None:
         finally:
             await server.stop(0)
             pool.close()
+
+
+async def test_unary_admit_of_bytes_that_do_not_parse_is_invalid_argument(qwen: Running) -> None:
+    """The same bytes end Admit as they end AdmitStream: INVALID_ARGUMENT in mmadmit's
+    words (gRPC's own answer would be UNKNOWN naming a Python class)."""
+    channel = qwen.client._channel
+    assert channel is not None
+    call = channel.unary_unary(
+        "/mmadmit.v1.Admission/Admit",
+        request_serializer=None,
+        response_deserializer=pb.AdmitResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        await call(b"\xff\xff\xff not protobuf")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse as an AdmitRequest" in info.value.details()
+    assert "class" not in info.value.details()
+    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "next")), Materialized)

@@ -96,6 +96,7 @@ class Env:
     gone: list[str]
     ctx: zmq.asyncio.Context
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    channel: Any = None
 
     def adds(self) -> list[Request]:
         return [req for kind, req in self.seen if kind == "ADD"]
@@ -149,7 +150,7 @@ async def face_env(
     port = GrpcPort({SERVICE: face.handlers()}, listen="127.0.0.1:0", max_message_bytes=1 << 30)
     address = await port.start()
     channel = grpc.aio.insecure_channel(address)
-    env = Env(face, ts_grpc.TokenSpeedSchedulerStub(channel), [], gone, ctx)
+    env = Env(face, ts_grpc.TokenSpeedSchedulerStub(channel), [], gone, ctx, channel=channel)
     try:
         if scheduler is not None:
             env.scheduler(**scheduler)
@@ -526,3 +527,17 @@ async def test_sigterm_drains_forwarded_requests_then_exits_0(tmp_path: Any) -> 
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         ctx.term()
+
+
+async def test_bytes_that_do_not_parse_end_generate_invalid_argument() -> None:
+    async with face_env(scheduler={}) as env:
+        call = env.channel.unary_stream(
+            f"/{SERVICE}/Generate",
+            request_serializer=None,
+            response_deserializer=ts.GenerateResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(call(b"\xff\xff\xff not protobuf"))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("INVALID_REQUEST: the message does not parse")
+        assert env.seen == []

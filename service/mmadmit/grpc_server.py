@@ -39,7 +39,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ._proto import admission_pb2
-from .pbwire import RefusedRequest, StrippedRequest, parse_admit_request
+from .pbwire import (
+    RefusedRequest,
+    StrippedRequest,
+    Undecodable,
+    parse_admit_request,
+    parse_or_undecodable,
+)
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .servicer import AdmissionServicer, ServicerStats
@@ -73,9 +79,17 @@ def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodH
 
     limits = servicer.limits
 
-    def deserialize_admit(data: bytes) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
-        stats.received_bytes += len(data)
+    def parse(data: bytes) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
         return parse_admit_request(data, limits=limits)
+
+    def deserialize_admit(
+        data: bytes,
+    ) -> pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable:
+        stats.received_bytes += len(data)
+        result: pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable = (
+            parse_or_undecodable(parse, data)
+        )
+        return result
 
     def serialize_admit(response: pb.AdmitResponse) -> bytes:
         data = serialize(response)

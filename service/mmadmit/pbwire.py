@@ -76,7 +76,9 @@ __all__ = [
     "PRECHECK_MIN_BYTES",
     "STRIP_MIN_BYTES",
     "RefusedRequest",
+    "Undecodable",
     "check_admit_limits",
+    "parse_or_undecodable",
     "parse_request",
     "StrippedRequest",
     "encode_varint",
@@ -392,6 +394,26 @@ def _strip_py(data: bytes, min_bytes: int) -> tuple[bytes, list[memoryview]] | N
 # what upb builds is bounded by this size times its per-field overhead (an empty
 # sub-message is 2 wire bytes, about 50 in upb's arena): a few MB at most.
 PRECHECK_MIN_BYTES = 64 << 10
+
+
+class Undecodable:
+    """Bytes that do not parse as the RPC's request message: what a request
+    deserializer hands the handler instead of raising, so that the call ends
+    ``INVALID_ARGUMENT`` in mmadmit's words on every RPC (gRPC itself would end
+    a unary call ``UNKNOWN``, naming a Python class). ``message``: protobuf's."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def parse_or_undecodable(parse: Any, data: bytes) -> Any:
+    """``parse(data)``, or :class:`Undecodable` for bytes protobuf refuses."""
+    try:
+        return parse(data)
+    except DecodeError as exc:
+        return Undecodable(str(exc) or "not a protobuf message")
 
 
 class RefusedRequest:

@@ -84,7 +84,13 @@ from .model import (
     Tensor,
     check_shm_name,
 )
-from .pbwire import RefusedRequest, StrippedRequest, packed_uint32_field, resolve_inline
+from .pbwire import (
+    RefusedRequest,
+    StrippedRequest,
+    Undecodable,
+    packed_uint32_field,
+    resolve_inline,
+)
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .telemetry import Telemetry
@@ -554,14 +560,23 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
 
     async def Admit(  # noqa: N802 - the wire's method name
         self,
-        request: pb.AdmitRequest | StrippedRequest | RefusedRequest,
+        request: pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable,
         context: grpc.aio.ServicerContext,
     ) -> pb.AdmitResponse:
+        if isinstance(request, Undecodable):
+            # Not a request outcome: the message has no request_id to answer to.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the message does not parse as an AdmitRequest ({request.message})",
+            )
+            raise AssertionError("context.abort() raises")  # pragma: no cover
         return await self._admit_one(request)
 
     async def AdmitStream(  # noqa: N802
         self,
-        request_iterator: AsyncIterator[pb.AdmitRequest | StrippedRequest | RefusedRequest],
+        request_iterator: AsyncIterator[
+            pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable
+        ],
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Read requests while earlier ones run; write each outcome as soon as it is known.
@@ -591,6 +606,8 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             try:
                 try:
                     async for msg in request_iterator:
+                        if isinstance(msg, Undecodable):
+                            raise DecodeError(msg.message)
                         await window.acquire()
                         task = asyncio.create_task(one(msg))
                         workers.add(task)

@@ -83,7 +83,13 @@ from .errors import (
 )
 from .limits import Limits
 from .model import Materialized, Modality, MultimodalInputs, Request
-from .pbwire import RefusedRequest, StrippedRequest, parse_request
+from .pbwire import (
+    RefusedRequest,
+    StrippedRequest,
+    Undecodable,
+    parse_or_undecodable,
+    parse_request,
+)
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .scheduler_link import SchedulerLink, SchedulerStats
@@ -598,7 +604,7 @@ class SmgGrpcFace(SchedulerLink):
 
     async def Generate(  # noqa: N802 - the contract's method name
         self,
-        request: ts.GenerateRequest | StrippedRequest | RefusedRequest,
+        request: ts.GenerateRequest | StrippedRequest | RefusedRequest | Undecodable,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ts.GenerateResponse]:
         t0 = time.perf_counter()
@@ -607,6 +613,10 @@ class SmgGrpcFace(SchedulerLink):
             await self._refuse(
                 context, request.request_id, None, Abort(request.code, request.message), t0
             )
+            return
+        if isinstance(request, Undecodable):
+            why = f"the message does not parse as a GenerateRequest ({request.message})"
+            await self._refuse(context, "", None, Abort(AbortCode.INVALID_REQUEST, why), t0)
             return
         if isinstance(request, StrippedRequest):
             msg, payloads = request.msg, request.payloads
@@ -897,7 +907,7 @@ class SmgGrpcFace(SchedulerLink):
 
         def deserialize(data: bytes) -> Any:
             stats.received_bytes += len(data)
-            return parse_generate(data, limits)
+            return parse_or_undecodable(lambda b: parse_generate(b, limits), data)
 
         def unary(method: Any, req_type: Any, resp_type: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
