@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .limits import MAX_DEPTH, Limits
 from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
 from .runtime import ARENA_MAX
-from .security import check_config as check_security
+from .security import curve_from_config, grpc_tls_from_config
 
 ENV_PREFIX = "MMADMIT_"
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -488,8 +488,35 @@ def build_config(
     if config.zmq_forward is not None and config.zmq_listen == OFF:
         raise ConfigError("--zmq-forward needs --zmq-listen (forward mode takes requests from it)")
     _check_engine_mode(config)
-    check_security(config)  # TLS / CURVE flags, then their files read and checked
+    _check_security(config)  # TLS / CURVE flags, then their files read and checked
     return config
+
+
+def _check_security(config: ServeConfig) -> None:
+    """The TLS and CURVE flags' combinations, then their files read and checked
+    (:mod:`mmadmit.security` raises the ConfigError naming a flag and a file)."""
+    cert, key, ca = config.grpc_tls_cert, config.grpc_tls_key, config.grpc_tls_client_ca
+    if (cert is None) != (key is None):
+        given, missing = (
+            ("--grpc-tls-cert", "--grpc-tls-key") if cert else ("--grpc-tls-key", "--grpc-tls-cert")
+        )
+        raise ConfigError(f"{given} needs {missing} too")
+    if ca is not None and cert is None:
+        raise ConfigError(
+            "--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key (mutual TLS is TLS)"
+        )
+    if cert is not None and config.grpc_listen == OFF:
+        raise ConfigError("--grpc-tls-cert with --grpc-listen off: there is no gRPC server")
+    secret, clients = config.zmq_curve_secret_key, config.zmq_curve_clients
+    if clients is not None and secret is None:
+        raise ConfigError("--zmq-curve-clients needs --zmq-curve-secret-key (the server's key)")
+    if secret is not None and config.zmq_listen == OFF:
+        raise ConfigError(
+            "--zmq-curve-secret-key with --zmq-listen off: CURVE applies to the --zmq-listen "
+            "ROUTER only (engine-mode sockets stay plain)"
+        )
+    grpc_tls_from_config(config)
+    curve_from_config(config)
 
 
 def _check_engine_mode(config: ServeConfig) -> None:

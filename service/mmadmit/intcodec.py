@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmadmit import native
+from mmadmit.limits import MAX_DEPTH
 
 try:
     from mmadmit import _intcodec as _BUILT  # type: ignore[attr-defined]
@@ -74,7 +75,6 @@ __all__ = [
 HAVE_NATIVE: bool = _intcodec is not None
 
 _INT64_MAX = 2**63 - 1
-MAX_DEPTH = 1024  # check_structure's ceiling for max_depth (the C walk's stack)
 _MAX_ARRAY_COUNT = 2**32 - 1
 _PREFIX = "msgpack int array: "
 

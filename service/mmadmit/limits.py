@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import TooLarge
-from .intcodec import MAX_DEPTH
+
+# The ceiling of --max-msgpack-depth: the deepest nesting the codec's structure
+# walk (mmadmit.intcodec.check_structure, C and Python) keeps a stack for.
+MAX_DEPTH = 1024
 
 __all__ = ["DEFAULT_LIMITS", "MAX_DEPTH", "Limits", "check_shape"]
 

@@ -18,9 +18,12 @@ transports what they need (CLI.md, ``--grpc-tls-*`` and ``--zmq-curve-*``):
   (CURVE still encrypts, and a client without CURVE never gets through).
 
 Every problem is a :class:`~mmadmit.errors.ConfigError` naming the flag and the
-file, raised by :func:`check_config` from :func:`mmadmit.config.build_config`
+file, raised when :func:`mmadmit.config.build_config` loads them once to check
 (so ``mmadmit serve`` exits 2 with one line before anything binds) and again,
-should a file change in between, when the server loads the files.
+should a file change in between, when the server loads the files. Which flag
+combinations are allowed is the configuration's business (``config.py``); this
+module only reads and checks the files, from any object with the five settings
+(:class:`SecuritySettings`), and imports nothing of the configuration.
 
 Non-goals: certificate reloading (restart to rotate; a Kubernetes rollout does
 this), encrypted private keys (gRPC takes none), and engine mode's sockets,
@@ -33,14 +36,27 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     import grpc
 
-    from .config import ServeConfig
+
+class SecuritySettings(Protocol):
+    """The settings this module reads (the frozen ``ServeConfig`` has them)."""
+
+    @property
+    def grpc_tls_cert(self) -> str | None: ...
+    @property
+    def grpc_tls_key(self) -> str | None: ...
+    @property
+    def grpc_tls_client_ca(self) -> str | None: ...
+    @property
+    def zmq_curve_secret_key(self) -> str | None: ...
+    @property
+    def zmq_curve_clients(self) -> str | None: ...
 
 
 _CERT_MARK = b"-----BEGIN CERTIFICATE-----"
@@ -234,51 +250,23 @@ class CurveAuthenticator:
 # --------------------------------------------------------------------------- from the config
 
 
-def grpc_tls_from_config(config: ServeConfig) -> GrpcTls | None:
+def grpc_tls_from_config(config: SecuritySettings) -> GrpcTls | None:
     if config.grpc_tls_cert is None or config.grpc_tls_key is None:
         return None
     return load_grpc_tls(config.grpc_tls_cert, config.grpc_tls_key, config.grpc_tls_client_ca)
 
 
-def curve_from_config(config: ServeConfig) -> CurveServer | None:
+def curve_from_config(config: SecuritySettings) -> CurveServer | None:
     if config.zmq_curve_secret_key is None:
         return None
     return load_curve_server(config.zmq_curve_secret_key, config.zmq_curve_clients)
 
 
-def check_config(config: ServeConfig) -> None:
-    """The flags' combinations, then every file read and checked (ConfigError)."""
-    from .config import OFF
-
-    cert, key, ca = config.grpc_tls_cert, config.grpc_tls_key, config.grpc_tls_client_ca
-    if (cert is None) != (key is None):
-        given, missing = (
-            ("--grpc-tls-cert", "--grpc-tls-key") if cert else ("--grpc-tls-key", "--grpc-tls-cert")
-        )
-        raise ConfigError(f"{given} needs {missing} too")
-    if ca is not None and cert is None:
-        raise ConfigError(
-            "--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key (mutual TLS is TLS)"
-        )
-    if cert is not None and config.grpc_listen == OFF:
-        raise ConfigError("--grpc-tls-cert with --grpc-listen off: there is no gRPC server")
-    secret, clients = config.zmq_curve_secret_key, config.zmq_curve_clients
-    if clients is not None and secret is None:
-        raise ConfigError("--zmq-curve-clients needs --zmq-curve-secret-key (the server's key)")
-    if secret is not None and config.zmq_listen == OFF:
-        raise ConfigError(
-            "--zmq-curve-secret-key with --zmq-listen off: CURVE applies to the --zmq-listen "
-            "ROUTER only (engine-mode sockets stay plain)"
-        )
-    grpc_tls_from_config(config)
-    curve_from_config(config)
-
-
 __all__ = [
+    "SecuritySettings",
     "CurveAuthenticator",
     "CurveServer",
     "GrpcTls",
-    "check_config",
     "curve_from_config",
     "grpc_tls_from_config",
     "load_curve_keypair",
