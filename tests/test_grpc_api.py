@@ -42,6 +42,7 @@ from mmadmit.materializer import Materializer
 from mmadmit.model import Modality, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import ModelProfile, load_profile
+from mmadmit.telemetry import Telemetry
 from mmadmit.wire import decode_message
 from mmadmit_client import ClientStateError, RequestTimeout, TransportError
 from mmadmit_client.grpc import (
@@ -911,3 +912,25 @@ async def test_unary_admit_of_bytes_that_do_not_parse_is_invalid_argument(qwen: 
     assert "does not parse as an AdmitRequest" in info.value.details()
     assert "class" not in info.value.details()
     assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "next")), Materialized)
+
+
+async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> None:
+    """The refusal decided from the wire bytes is one outcome, counted once under
+    TOO_LARGE for transport grpc, like any other (telemetry and the servicer's counts)."""
+    telemetry = Telemetry("qwen3_5", log_outcomes=False)
+    async with running("qwen3_5", telemetry=telemetry) as r:
+        req = _image_request(r.profile, "many-items")
+        for _ in range(300):
+            req.mm_inputs.items.add().CopyFrom(req.mm_inputs.items[0])
+        outcome = await r.client.admit(req)
+        assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE"
+
+        def total(outcome: str, code: str) -> float | None:
+            return telemetry.registry.get_sample_value(
+                "mmadmit_requests_total", {"transport": "grpc", "outcome": outcome, "code": code}
+            )
+
+        assert total("aborted", "TOO_LARGE") == 1
+        assert total("aborted", "INVALID_REQUEST") in (None, 0)
+        assert r.server.servicer.admissions.stats.aborted_by_code == {"TOO_LARGE": 1}
+        assert r.pool.stats.admitted == 0  # never reached the pool

@@ -655,6 +655,13 @@ async def test_too_many_frames_is_too_large_and_the_rest_is_released(
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(good, copy=False)
     assert as_outcome(await recv(sock)).materialized
+    # exactly one frame past the limit: refused, though every frame is well formed
+    one_over = [*frames_of(v, "one-over"), b""]
+    assert len(one_over) == len(good) + 1
+    await sock.send_multipart(one_over, copy=False)
+    reply = as_outcome(await recv(sock))
+    assert (reply.rid, reply.abort_code) == ("one-over", "TOO_LARGE")
+    assert svc.ingest.stats.aborted_by_code == {"TOO_LARGE": 1}
     over = [*frames_of(v, "many"), *([b"x" * 10] * 500)]
     before = svc.ingest.stats.received_bytes
     await sock.send_multipart(over, copy=False)
