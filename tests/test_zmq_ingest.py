@@ -502,12 +502,18 @@ async def test_watchdog_recovers_a_lost_wake_up(
     svc = await service("qwen3_5", inline_max_tokens=16384, watchdog_s=watchdog_s)
     router = svc.ingest._res.router
     loop, fd = svc.ingest._res.reader
+    intake = svc.ingest._res.intake
+    assert intake is not None
     await until(lambda: not svc.ingest._read_scheduled)  # the start-up read is done
-    loop.remove_reader(fd)  # deaf for a moment
+    # Deaf for a moment, the watchdog too: a 50 ms watchdog could otherwise read the
+    # message before the test sees it waiting (a flake seen once).
+    intake.disarm_watchdog()
+    loop.remove_reader(fd)
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(frames_of(v, "lost"), copy=False)
     await until(lambda: bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN))  # signal consumed
     loop.add_reader(fd, svc.ingest._on_readable)
+    intake.arm_watchdog()
     if watchdog_s is None:
         assert await silent(sock, 0.3)  # the lost wake-up is real
         assert svc.ingest.stats.received == 0

@@ -159,10 +159,7 @@ class SocketReader:
         fd = cast(int, self.sock.getsockopt(zmq.FD))
         loop.add_reader(fd, _weakly, self._ref, SocketReader.on_readable)
         self.registration = (loop, fd)
-        if self.watchdog_s is not None:
-            self._watchdog = loop.call_later(
-                self.watchdog_s, _weakly, self._ref, SocketReader._on_watchdog
-            )
+        self.arm_watchdog()
         self.schedule_read()  # a peer may have sent before the reader was registered
 
     def stop(self) -> None:
@@ -225,9 +222,23 @@ class SocketReader:
             self.stats.watchdog_reads += 1
             logger.debug("%s intake: input was waiting unseen; reading now", self.name)
             self.schedule_read()
-        self._watchdog = self._loop.call_later(
-            self.watchdog_s, _weakly, self._ref, SocketReader._on_watchdog
-        )
+        self.arm_watchdog()
+
+    def arm_watchdog(self) -> None:
+        """(Re)start the watchdog's period from now (a no-op without a watchdog)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self.watchdog_s is not None and self._loop is not None:
+            self._watchdog = self._loop.call_later(
+                self.watchdog_s, _weakly, self._ref, SocketReader._on_watchdog
+            )
+
+    def disarm_watchdog(self) -> None:
+        """Stop the watchdog until :meth:`arm_watchdog`."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     # ------------------------------------------------------------------ reading
 
