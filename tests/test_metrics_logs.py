@@ -36,6 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_grpc_api import request_from_vector
 from test_server_lifecycle import (
     EPHEMERAL,
+    MODEL,
+    READY_RE,
     ServeProcess,
     big_request,
     small_request,
@@ -113,7 +115,7 @@ class Sent:
 async def test_metrics_and_json_logs_match_what_was_sent() -> None:
     assert QWEN35, "the repository carries the qwen3_5 vectors"
     srv = JsonServe(*EPHEMERAL, "--workers", "1", "--log-format", "json",
-                    "--max-tokens", str(MAX_TOKENS))  # fmt: skip
+                    "--max-tokens", str(MAX_TOKENS), "--log-outcomes", "all")  # fmt: skip
     try:
         addr = await srv.wait_ready()
         sent: list[Sent] = []
@@ -293,35 +295,39 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
     assert events.index("ready") < events.index("drain") < events.index("stopped")
 
 
-async def test_log_outcomes_off_and_text_format() -> None:
-    """``--log-outcomes off`` silences the per-outcome lines, nothing else; text lines
-    keep their classic shape."""
-    srv = ServeProcess(*EPHEMERAL, "--workers", "1", "--log-outcomes", "off")
-    try:
-        addr = await srv.wait_ready()
-        async with AsyncZmqClient(addr["zmq"], timeout_s=30) as zc:
-            assert (await zc.admit(small_request("quiet"))).materialized
-        srv.send()
-        assert (await srv.wait_exit(20))[0] == 0, srv.stderr
-    finally:
-        srv.kill()
-    assert not [line for line in srv.lines if "rid=quiet" in line], srv.stderr
-    assert any(re.match(r"\S+ \S+ INFO mmadmit.server: ready: mmadmit ready", line)
-               for line in srv.lines), srv.stderr  # fmt: skip
+async def test_log_outcomes_modes_and_text_format() -> None:
+    """``--log-outcomes``: by default (``aborts``) a line per abort, the operator's
+    signal, and none per success; ``all`` a line per outcome; ``off`` none. Text
+    lines keep their classic shape."""
 
-    srv = ServeProcess(*EPHEMERAL, "--workers", "1")  # the default: outcome lines on
-    try:
-        addr = await srv.wait_ready()
-        async with AsyncZmqClient(addr["zmq"], timeout_s=30) as zc:
-            assert (await zc.admit(small_request("loud"))).materialized
-        srv.send()
-        assert (await srv.wait_exit(20))[0] == 0, srv.stderr
-    finally:
-        srv.kill()
-    lines = [line for line in srv.lines if "rid=loud" in line]
-    assert len(lines) == 1, srv.stderr
-    assert re.search(r"INFO mmadmit\.outcome: rid=loud transport=zmq outcome=materialized "
-                     r"code=OK tokens=40 items=1 latency_ms=\d+\.\d{3}$", lines[0])  # fmt: skip
+    async def run(*args: str) -> list[str]:
+        srv = ServeProcess(*EPHEMERAL, "--workers", "1", *args)
+        try:
+            addr = await srv.wait_ready()
+            async with AsyncZmqClient(addr["zmq"], timeout_s=30) as zc:
+                assert (await zc.admit(small_request("good"))).materialized
+                bad = small_request("bad")
+                assert bad.mm is not None and bad.mm.items[0].offsets is not None
+                bad.mm.items[0].offsets[0, 1] -= 1  # one placeholder short of its grid
+                assert (await zc.admit(bad)).abort_code == "INVALID_REQUEST"
+            srv.send()
+            assert (await srv.wait_exit(20))[0] == 0, srv.stderr
+        finally:
+            srv.kill()
+        assert any(re.match(r"\S+ \S+ INFO mmadmit.server: ready: mmadmit ready", line)
+                   for line in srv.lines), srv.stderr  # fmt: skip
+        return [line for line in srv.lines if "mmadmit.outcome:" in line]
+
+    default = await run()
+    assert len(default) == 1 and "rid=bad transport=zmq outcome=aborted" in default[0], default
+    assert re.search(r"INFO mmadmit\.outcome: rid=bad transport=zmq outcome=aborted "
+                     r"code=INVALID_REQUEST tokens=40 items=1 latency_ms=\d+\.\d{3}$",
+                     default[0])  # fmt: skip
+    every = await run("--log-outcomes", "all")
+    assert [line.split("rid=")[1].split()[0] for line in every] == ["good", "bad"], every
+    assert re.search(r"INFO mmadmit\.outcome: rid=good transport=zmq outcome=materialized "
+                     r"code=OK tokens=40 items=1 latency_ms=\d+\.\d{3}$", every[0])  # fmt: skip
+    assert await run("--log-outcomes", "off") == []
 
 
 async def test_metrics_http_contract_on_a_live_process() -> None:
@@ -358,3 +364,50 @@ async def test_metrics_http_contract_on_a_live_process() -> None:
         assert (await srv.wait_exit(20))[0] == 0, srv.stderr
     finally:
         srv.kill()
+
+
+async def test_a_stderr_nobody_reads_never_stalls_the_service() -> None:
+    """Logging never blocks the event loop: with every outcome logged and a stderr
+    pipe that nobody reads after the ready line (the pipe holds ~64 KiB, about 430
+    outcome lines), 3,000 requests are all answered; then SIGTERM still exits 0
+    within the bounded flush."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmadmit", "serve", "--model", str(MODEL), "--device", "cpu",
+         *EPHEMERAL, "--workers", "1", "--log-outcomes", "all"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        zmq_addr = metrics_addr = None
+        while zmq_addr is None:  # read up to the ready line, then never again
+            line = await asyncio.to_thread(proc.stderr.readline)
+            assert line, f"serve exited {proc.poll()} before ready"
+            m = READY_RE.match(line.strip())
+            if m:
+                zmq_addr, metrics_addr = m.group(2), m.group(3)
+        n = 3000
+        started = time.monotonic()
+        async with AsyncZmqClient(zmq_addr, timeout_s=30) as zc:
+            for base in range(0, n, 50):  # within --max-inflight (64)
+                outs = await asyncio.gather(
+                    *(zc.admit(small_request(f"q{base + i}")) for i in range(50))
+                )
+                assert all(o.materialized for o in outs)
+        assert time.monotonic() - started < 60
+        assert metrics_addr is not None
+        status, body = await http_get(metrics_addr)
+        assert status == 200 and "mmadmit_log_records_dropped_total" in body
+        proc.terminate()
+        rc = await asyncio.wait_for(asyncio.to_thread(proc.wait), 30)
+        assert rc == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stderr is not None:
+            rest = proc.stderr.read()  # what the writer got out before the exit
+            proc.stderr.close()
+    assert "rid=q0 " in rest  # the first lines were written, in order, once read

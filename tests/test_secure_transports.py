@@ -613,7 +613,7 @@ async def test_refused_tls_clients_leave_json_logs_json(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "mmadmit", "serve", "--device", "cpu", "--workers", "1",
         "--grpc-listen", "127.0.0.1:0", "--zmq-listen", "off", "--metrics-listen", "off",
-        "--log-format", "json", "--grpc-tls-cert", pki["server.pem"],
+        "--log-format", "json", "--log-outcomes", "all", "--grpc-tls-cert", pki["server.pem"],
         "--grpc-tls-key", pki["server.key"], stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip

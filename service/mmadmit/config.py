@@ -88,6 +88,20 @@ def _bool(text: str) -> bool:
     raise ValueError("must be a boolean (1/0, true/false, yes/no, on/off)")
 
 
+LogOutcomes = Literal["off", "aborts", "all"]
+
+
+def _log_outcomes(text: str) -> LogOutcomes:
+    low = text.strip().lower()
+    if low in ("aborts", "abort"):
+        return "aborts"
+    if low in ("all", "on", "1", "true", "yes"):
+        return "all"
+    if low in ("off", "0", "false", "no"):
+        return "off"
+    raise ValueError("must be aborts, all (on) or off")
+
+
 def _host_port(text: str) -> str:
     if text == OFF:
         return text
@@ -357,12 +371,13 @@ class ServeConfig:
             "help": "text, or json: one JSON object per line (outcomes, start-up, ready, drain)",
         },
     )
-    log_outcomes: bool = field(
-        default=True,
+    log_outcomes: LogOutcomes = field(
+        default="aborts",
         metadata={
-            "parse": _bool,
-            "help": "one info line per terminal outcome (rid, transport, outcome, code, tokens, "
-            "items, latency); off to silence them",
+            "parse": _log_outcomes,
+            "help": "an info line per terminal outcome (rid, transport, outcome, code, tokens, "
+            "items, latency): aborts (the operator's signal), all (successes too; on is the "
+            "same), or off",
         },
     )
     malloc_arenas: int = field(

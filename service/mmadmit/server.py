@@ -44,7 +44,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +54,7 @@ from . import native, security
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
-from .logs import configure_logging, fields, json_line
+from .logs import configure_logging, fields, json_line, stop_writer, write_line
 from .materializer import CPU_OPS, ArrayOps, Materializer
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
 from .pool import BeforeRun, MaterializerPool
@@ -321,10 +320,7 @@ async def start_server(
 
 def _print_line(config: ServeConfig, line: str, extra: dict[str, Any]) -> None:
     """A machine-readable line on stderr at any log level (a JSON object in json format)."""
-    if config.log_format == "json":
-        print(json_line(logger.name, line, extra), file=sys.stderr, flush=True)
-    else:
-        print(line, file=sys.stderr, flush=True)
+    write_line(json_line(logger.name, line, extra) if config.log_format == "json" else line)
 
 
 def _scheduler_gone(handle: ServerHandle, why: str) -> None:
@@ -368,11 +364,11 @@ async def engine_handshake(handle: ServerHandle) -> int | None:
         task.result()
     except HandshakeError as exc:
         logger.error("engine handshake failed: %s", exc, extra=fields("handshake_failed"))
-        print(f"mmadmit: engine handshake failed: {exc}", file=sys.stderr, flush=True)
+        write_line(f"mmadmit: engine handshake failed: {exc}")
         return EXIT_HANDSHAKE
     except HandshakeTimeout as exc:
         logger.error("engine handshake timed out: %s", exc, extra=fields("handshake_timeout"))
-        print(f"mmadmit: engine handshake timed out: {exc}", file=sys.stderr, flush=True)
+        write_line(f"mmadmit: engine handshake timed out: {exc}")
         return EXIT_SCHEDULER_GONE
     return handle.exit_code or None
 
@@ -446,9 +442,9 @@ async def serve(
         ready = fields("ready", **handle.ready_fields())
         if config.log_format == "json":
             # the ready line is this JSON object (its message is the text line), at any level
-            print(json_line(logger.name, line, ready), file=sys.stderr, flush=True)
+            write_line(json_line(logger.name, line, ready))
         else:
-            print(line, file=sys.stderr, flush=True)
+            write_line(line)
             logger.info("ready: %s", line, extra=ready)
         if on_ready is not None:
             result = on_ready(handle)
@@ -491,3 +487,5 @@ def run(config: ServeConfig) -> int:
     except OSError as exc:
         # A bind failure is an operator problem, not a crash: one clear line.
         raise ConfigError(f"cannot start: {exc}") from exc
+    finally:
+        stop_writer()  # what is queued reaches stderr (bounded: a reader may be gone)

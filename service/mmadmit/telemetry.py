@@ -1,4 +1,4 @@
-"""What the service tells its operators: Prometheus series and one log line per outcome.
+"""What the service tells its operators: Prometheus series and a log line per outcome.
 
 Scope: the one :class:`Telemetry` object of a server, shared by both
 transports and the pool. Each transport calls :meth:`Telemetry.outcome` once
@@ -27,7 +27,10 @@ Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
 
 Cost on the request path: label children are resolved once and cached, so an
 outcome is a dict lookup, a counter increment and a histogram observation
-(about 2 microseconds), plus the log line when outcome logging is on.
+(about 2 microseconds), plus the log line when outcome logging asks for one
+(``--log-outcomes``: aborts by default, every outcome with ``all``). The line is
+queued for the log writer thread (:mod:`mmadmit.logs`): it never blocks the
+event loop, and its message is formatted off the loop.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .errors import Abort
+from .logs import dropped_records
 from .model import Materialized, Request
 from .runtime import heap_stats
 
@@ -125,10 +129,16 @@ class Telemetry:
         family: str,
         *,
         registry: CollectorRegistry | None = None,
-        log_outcomes: bool = True,
+        log_outcomes: bool | str = "aborts",
     ) -> None:
         self.family = family
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        # "all", "aborts" (the default: the operator's signal) or "off"; True / False
+        # are "all" / "off".
+        if isinstance(log_outcomes, bool):
+            log_outcomes = "all" if log_outcomes else "off"
+        if log_outcomes not in ("all", "aborts", "off"):
+            raise ValueError(f"log_outcomes must be all, aborts or off, not {log_outcomes!r}")
         self.log_outcomes = log_outcomes
         reg = self.registry
         self._requests = Counter(
@@ -207,7 +217,12 @@ class Telemetry:
         bucket = token_bucket(tokens)
         self._child((self._requests, transport, kind, code)).inc()
         self._child((self._latency, transport, self.family, bucket)).observe(latency_s)
-        if self.log_outcomes and outcome_logger.isEnabledFor(logging.INFO):
+        mode = self.log_outcomes
+        if (
+            mode != "off"
+            and (mode == "all" or kind == "aborted")
+            and outcome_logger.isEnabledFor(logging.INFO)
+        ):
             outcome_logger.info(
                 "rid=%s transport=%s outcome=%s code=%s tokens=%d items=%d latency_ms=%.3f",
                 rid,
@@ -342,6 +357,12 @@ class StatsCollector(Collector):
         )
         info.add_metric([self.build[k] for k in sorted(self.build)], 1)
         yield info
+        yield _counter(
+            "mmadmit_log_records_dropped",
+            "Log records and lines dropped because standard error could not keep up "
+            "(logging never blocks the service).",
+            dropped_records(),
+        )
 
 
 def _engine_families(stats: Any) -> Iterator[Metric]:
