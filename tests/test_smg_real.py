@@ -487,3 +487,51 @@ async def test_engine_mode_a_stalled_scheduler_does_not_look_dead_to_smg(tmp_pat
         log = st.gateway.log_text()
         assert "send window" not in log and "death window" not in log
         assert len(st.adds()) == 41
+
+
+async def test_grpc_face_a_concurrent_mix_through_the_real_smg(tmp_path: Path) -> None:
+    """40 clients at once through SMG and the face: streamed and whole answers, images
+    and text, a third of the streams dropped after their first event. Every request
+    that stayed reaches the scheduler once and is answered; every dropped stream's
+    request is aborted at the scheduler after its ADD; nothing stays open."""
+    async with grpc_stack(tmp_path, "qwen2_5_vl", chunks=20, chunk_interval_s=0.05) as st:
+        image = g.image_part(g.png_data_url(64, 64, 3))
+
+        def one(i: int) -> Any:
+            parts = [image, f"q{i}"] if i % 2 else [f"q{i}"]
+            if i % 3 == 0:
+                return st.gateway.chat_stream(
+                    [g.user_message(*parts)], max_tokens=64, disconnect_after=1
+                )
+            if i % 3 == 1:
+                return st.gateway.chat_stream([g.user_message(*parts)], max_tokens=64)
+            return st.gateway.chat([g.user_message(*parts)], max_tokens=64)
+
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(40) as pool:
+            results = await asyncio.gather(
+                *(loop.run_in_executor(pool, lambda i=i: one(i)) for i in range(40))
+            )
+        for i, result in enumerate(results):
+            if i % 3 == 0:
+                assert result.disconnected, i
+            elif i % 3 == 1:
+                assert result.status == 200 and result.finish_reasons() == ["stop"], i
+            else:
+                assert result.status == 200, result.text
+                assert result.json()["usage"]["completion_tokens"] == 20
+        dropped = sum(1 for i in range(40) if i % 3 == 0)
+        await until(lambda: len(st.adds()) == 40, f"40 ADDs: {len(st.adds())}")
+        await until(
+            lambda: len([k for k, _ in st.seen if k == "ABORT"]) == dropped,
+            f"ABORTs for the dropped streams: {st.kinds().count('ABORT')}",
+        )
+        aborted = [rid for kind, rids in st.seen if kind == "ABORT" for rid in rids]
+        assert len(aborted) == len(set(aborted))  # one ABORT per request at most
+        add_at = {req.rid: n for n, (kind, req) in enumerate(st.seen) if kind == "ADD"}
+        for n, (kind, rids) in enumerate(st.seen):
+            if kind == "ABORT":
+                assert all(add_at[rid] < n for rid in rids)  # never before its ADD
+        for req in st.adds():
+            if req.mm is not None:
+                check_materialized("qwen2_5_vl", req)
