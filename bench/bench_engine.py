@@ -99,6 +99,35 @@ async def bare_relay(smg_handshake: str) -> None:
     await asyncio.gather(requests(), outputs())
 
 
+def print_tables(
+    results: dict[tuple[str, str], list[float]], names: Any, stages: dict[str, list[float]]
+) -> None:
+    """The round-trip table (median, p99 per path and workload) and the in-process
+    table (decode + materialize + encode, with each stage's median)."""
+    print("| workload | path | median us | p99 us |")
+    print("|---|---|---:|---:|")
+    for (name, path), times in results.items():
+        if path == "in process":
+            continue
+        us = [t * 1e6 for t in times]
+        print(f"| {name} | {path} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} |")
+    print()
+    print(
+        "| workload | in process: decode + materialize + encode, median us | p99 us "
+        "| decode | materialize | encode |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        us = [t * 1e6 for t in results[(name, "in process")]]
+        medians = [statistics.median(stages[f"{name}/{s}"]) * 1e6 for s in STAGES]
+        print(
+            f"| {name} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} | "
+            + " | ".join(f"{m:.0f}" for m in medians)
+            + " |"
+        )
+    print()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -265,28 +294,7 @@ async def main_async(args: argparse.Namespace) -> int:
         f"round trips at concurrency 1, {args.rounds * args.per_round} per path and workload, "
         f"paths alternated every {args.per_round}; total {elapsed:.0f}s\n"
     )
-    print("| workload | path | median us | p99 us |")
-    print("|---|---|---:|---:|")
-    for (name, path), times in results.items():
-        if path == "in process":
-            continue
-        us = [t * 1e6 for t in times]
-        print(f"| {name} | {path} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} |")
-    print()
-    print(
-        "| workload | in process: decode + materialize + encode, median us | p99 us "
-        "| decode | materialize | encode |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for name in bases:
-        us = [t * 1e6 for t in results[(name, "in process")]]
-        stages = [statistics.median(inproc.stages[f"{name}/{s}"]) * 1e6 for s in STAGES]
-        print(
-            f"| {name} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} | "
-            + " | ".join(f"{s:.0f}" for s in stages)
-            + " |"
-        )
-    print()
+    print_tables(results, bases, inproc.stages)
     print(
         "| workload | added median us | median ratio | added p99 us | p99 ratio "
         "| bare relay adds (median us) | via - bare relay (median us) | bound |"

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import workloads  # noqa: E402
-from bench_engine import percentile, scheduler, wait_line  # noqa: E402
+from bench_engine import print_tables, scheduler, wait_line  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.admission import Key  # noqa: E402
 from mmadmit.config import ServeConfig, build_config  # noqa: E402
@@ -360,31 +360,7 @@ async def main_async(args: argparse.Namespace) -> int:
         + ", ".join(f"{name} {size / 1024:.1f} KiB" for name, size in sizes.items())
         + "\n"
     )
-    print("| workload | path | median us | p99 us |")
-    print("|---|---|---:|---:|")
-    for (name, path), times in results.items():
-        if path == "in process":
-            continue
-        us = [t * 1e6 for t in times]
-        print(f"| {name} | {path} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} |")
-    print()
-    print(
-        "| workload | in process: decode + materialize + encode, median us | p99 us "
-        "| decode | materialize | encode |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for name in bases:
-        us = [t * 1e6 for t in results[(name, "in process")]]
-        stages = [
-            statistics.median(inproc.stages[f"{name}/{s}"]) * 1e6
-            for s in ("decode", "materialize", "encode")
-        ]
-        print(
-            f"| {name} | {statistics.median(us):.0f} | {percentile(us, 0.99):.0f} | "
-            + " | ".join(f"{s:.0f}" for s in stages)
-            + " |"
-        )
-    print()
+    print_tables(results, bases, inproc.stages)
     print(
         "| workload | bare relay median us | via mmadmit median us | added us | bound us | bound |"
     )
