@@ -38,6 +38,7 @@ bench: setup
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_engine.py
 	$(PY) bench/bench_smg_grpc.py
+	$(PY) bench/bench_inline.py
 
 protos: setup
 	$(PY) scripts/gen_protos.py

@@ -268,6 +268,51 @@ async def test_what_stays_on_the_workers(hold: Hold) -> None:
         _qwen_pool(-1)
 
 
+async def test_larger_requests_run_inline_by_their_estimated_cost() -> None:
+    """Past ``inline_max_tokens`` a request that hashes nothing runs inline when its
+    estimated time is within ``inline_max_us``; the estimate's rate follows the runs
+    the pool times; one that hashes never runs inline; ``inline_max_tokens=0`` is off."""
+    pool = _qwen_pool(48, inline_max_us=1000.0)
+    try:
+        cost = pool.inline_cost
+        big = _image_req("big", n_text=40_000)  # 40,024 tokens and one item: 41,024 units
+        assert cost.units(big) == 40_024 + 1000
+        cost.rate_ns = 10.0  # 20 + 410.2 us: within the budget
+        assert pool.runs_inline(big)
+        ticket = pool.submit(big)
+        assert ticket.done and isinstance(ticket.result(), Materialized)
+        assert pool.stats.inline == 1 and cost.samples == 1
+        learned = cost.rate_ns
+        assert learned != 10.0  # moved toward the measured rate of that run
+        cost.rate_ns = 30.0  # 20 + 1230.7 us: over the budget, to a worker
+        assert not pool.runs_inline(big)
+        late = pool.submit(_image_req("big2", n_text=40_000))
+        assert not late.done
+        assert isinstance(await late.outcome(), Materialized)
+        assert cost.samples == 2  # the worker's run of a request that hashed nothing teaches too
+        assert not pool.runs_inline(_image_req("to-hash", hashed=False))
+        cost.rate_ns = 0.0
+        hashing = _image_req("hash-big", n_text=40_000, hashed=False)
+        assert not pool.runs_inline(hashing)  # hashing never runs on the loop
+        with pytest.raises(ValueError, match="hash nothing"):
+            pool.calibrate_inline(hashing)
+        rate = pool.calibrate_inline(big, runs=2)
+        assert rate > 0 and cost.samples == 4 and pool.stats.admitted == 2  # not counted
+    finally:
+        pool.close()
+    off = _qwen_pool(0, inline_max_us=1e9)
+    budgetless = _qwen_pool(48, inline_max_us=0.0)
+    try:
+        assert not off.runs_inline(_image_req("x"))
+        assert budgetless.runs_inline(_image_req("fits"))
+        assert not budgetless.runs_inline(_image_req("longer", n_text=25))
+    finally:
+        off.close()
+        budgetless.close()
+    with pytest.raises(ValueError, match="inline_max_us"):
+        _qwen_pool(48, inline_max_us=-1.0)
+
+
 async def test_inline_is_refused_while_draining_and_not_counted_in_flight() -> None:
     gate = threading.Event()
 

@@ -268,7 +268,16 @@ class ServeConfig:
         metadata={
             "parse": _nonneg_int,
             "help": "requests of at most this many tokens (and no features to hash) are "
-            "materialized on the event loop instead of a worker; 0 turns this off",
+            "materialized on the event loop instead of a worker; 0 turns inline runs off",
+        },
+    )
+    inline_max_us: float = field(
+        default=1000.0,
+        metadata={
+            "parse": _nonneg_float,
+            "help": "a larger request with no features to hash is materialized on the event "
+            "loop too when its estimated materializer time (learned from the runs) is at "
+            "most this many microseconds; 0: only --inline-max-tokens decides",
         },
     )
     max_tokens: int = field(

@@ -15,17 +15,21 @@ already running finishes on its worker and its outcome is discarded. The
 in-flight count (queued + running) drops only when a worker really lets go of
 the request, so "in flight" never hides work still holding memory.
 
-**Small requests run inline.** A request of at most ``inline_max_tokens``
-tokens whose items need no feature hashing is materialized at once, on the
-calling (event loop) thread, and :meth:`~MaterializerPool.submit` returns its
-ticket already finished. Such a request costs the materializer less than the
-loop already spent decoding it (a few hundred microseconds at most), while a
-trip through a worker costs two thread hand-offs and a GIL convoy, which on a
-small host are worth more than the work itself. Bigger requests, and every
-request that hashes feature bytes, go to the workers. Inline requests never
-count as in flight (they are done before ``submit`` returns) and use the CPU
-array ops, which give the same bytes as any worker's. ``inline_max_tokens=0``
-turns this off; a pool with a ``before_run`` test hook never runs inline.
+**Requests with nothing to hash run inline, up to a measured cost.** A request
+whose items need no feature hashing is materialized at once, on the calling
+(event loop) thread, and :meth:`~MaterializerPool.submit` returns its ticket
+already finished, when it has at most ``inline_max_tokens`` tokens, or more
+tokens but an estimated materializer time within ``inline_max_us``
+(:class:`InlineCost`: a fixed part plus a rate per token and item, the rate
+learned from the runs this pool times, inline or not). Such a request is array
+work, well under a millisecond even at 128K tokens, while a trip through a
+worker costs two thread hand-offs and a GIL convoy, which on a small host are
+worth more than the work itself. Every request that hashes feature bytes goes
+to the workers, and so does one whose estimate is over the budget: the loop
+never stalls behind a large request. Inline requests never count as in flight
+(they are done before ``submit`` returns) and use the CPU array ops, which give
+the same bytes as any worker's. ``inline_max_tokens=0`` turns inline runs off;
+a pool with a ``before_run`` test hook never runs inline.
 
 Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
 and numpy/torch/C array work on large arrays run in parallel. Each worker owns
@@ -51,6 +55,54 @@ from .materializer import CPU_OPS, ArrayOps, Materializer, Outcome
 from .model import Request
 
 logger = logging.getLogger(__name__)
+
+# The inline estimate (InlineCost): a run costs FIXED_US plus RATE_NS per unit,
+# a unit being a token or a thousandth of an item (an item's checks and plan cost
+# about what a thousand tokens of arrays do). The rate starts cautious and then
+# follows the runs this pool times (an exponential average over runs big enough
+# for the rate to dominate).
+INLINE_FIXED_US = 20.0
+INLINE_RATE_NS = 4.0
+ITEM_UNITS = 1000
+_LEARN_MIN_UNITS = 16_384
+_LEARN_WEIGHT = 0.2
+
+
+class InlineCost:
+    """The estimated materializer time of a request that hashes nothing."""
+
+    __slots__ = ("fixed_us", "rate_ns", "samples")
+
+    def __init__(self, fixed_us: float = INLINE_FIXED_US, rate_ns: float = INLINE_RATE_NS):
+        self.fixed_us, self.rate_ns, self.samples = fixed_us, rate_ns, 0
+
+    @staticmethod
+    def units(req: Request) -> int:
+        mm = req.mm
+        return len(req.input_ids) + ITEM_UNITS * (len(mm.items) if mm is not None else 0)
+
+    def estimate_us(self, req: Request) -> float:
+        return self.fixed_us + self.rate_ns * self.units(req) / 1000.0
+
+    def learn(self, req: Request, seconds: float) -> None:
+        """Fold one timed run of a request that hashed nothing into the rate."""
+        units = self.units(req)
+        if units < _LEARN_MIN_UNITS:
+            return  # the fixed part dominates: says little about the rate
+        rate = max(0.0, seconds * 1e6 - self.fixed_us) * 1000.0 / units
+        self.rate_ns += _LEARN_WEIGHT * (rate - self.rate_ns)
+        self.samples += 1
+
+
+def hashes_nothing(req: Request) -> bool:
+    """No item needs its feature bytes hashed (the one cost with no bound here)."""
+    mm = req.mm
+    if mm is not None:
+        for item in mm.items:
+            if item.hash is None and (item.feature is not None or item.feature_shm is not None):
+                return False
+    return True
+
 
 # A test hook run on the worker thread before each request (tests hold workers
 # with it to make queueing deterministic); None in production.
@@ -165,17 +217,22 @@ class MaterializerPool:
         choose_ops: Callable[[Request, ArrayOps], ArrayOps] | None = None,
         before_run: BeforeRun | None = None,
         inline_max_tokens: int = 0,
+        inline_max_us: float = 0.0,
         observe_run: RunObserver | None = None,
     ) -> None:
         if workers < 1 or max_inflight < 1:
             raise ValueError("workers and max_inflight must be positive")
         if inline_max_tokens < 0:
             raise ValueError("inline_max_tokens must be >= 0 (0 turns inline runs off)")
+        if inline_max_us < 0:
+            raise ValueError("inline_max_us must be >= 0")
         self.materializer = materializer
         self.workers = workers
         self.max_inflight = max_inflight
         # a before_run hook exists to hold workers: then every request must reach one
         self.inline_max_tokens = 0 if before_run is not None else inline_max_tokens
+        self.inline_max_us = inline_max_us
+        self.inline_cost = InlineCost()
         self.stats = PoolStats()
         self._ids = itertools.count(1)
         self._ops_factory = ops_factory
@@ -209,12 +266,17 @@ class MaterializerPool:
         return self._timed_run(req, ops, False)
 
     def _timed_run(self, req: Request, ops: ArrayOps, inline: bool) -> Outcome:
+        learn = ops is CPU_OPS and hashes_nothing(req)  # what an inline run would cost
         observe = self._observe_run
-        if observe is None:
+        if observe is None and not learn:
             return self.materializer.run(req, ops)
         t0 = time.perf_counter()
         outcome = self.materializer.run(req, ops)
-        observe(len(req.input_ids), time.perf_counter() - t0, inline)
+        seconds = time.perf_counter() - t0
+        if learn:
+            self.inline_cost.learn(req, seconds)  # a float store: safe from a worker
+        if observe is not None:
+            observe(len(req.input_ids), seconds, inline)
         return outcome
 
     # ------------------------------------------------------------------ admission
@@ -236,17 +298,28 @@ class MaterializerPool:
     def draining(self) -> bool:
         return self._draining
 
+    def calibrate_inline(self, req: Request, runs: int = 3) -> float:
+        """Time ``req`` (which must hash nothing) on the CPU ops ``runs`` times, outside
+        the pool's counts, and learn the inline rate from it (start-up: this machine's
+        rate before any request); returns the rate in ns per unit."""
+        if not hashes_nothing(req):
+            raise ValueError("calibrate_inline: the request must hash nothing")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            self.materializer.run(req, CPU_OPS)
+            self.inline_cost.learn(req, time.perf_counter() - t0)
+        return self.inline_cost.rate_ns
+
     def runs_inline(self, req: Request) -> bool:
-        """Whether :meth:`submit` materializes ``req`` at once on the calling thread."""
-        if len(req.input_ids) > self.inline_max_tokens:  # also: 0 turns it off
+        """Whether :meth:`submit` materializes ``req`` at once on the calling thread:
+        it hashes nothing, and it is small (``inline_max_tokens``) or its estimated
+        cost is within ``inline_max_us``."""
+        limit = self.inline_max_tokens
+        if limit == 0 or not hashes_nothing(req):
             return False
-        mm = req.mm
-        if mm is not None:
-            for item in mm.items:
-                # hashing feature bytes is the one cost that grows past any bound here
-                if item.hash is None and (item.feature is not None or item.feature_shm is not None):
-                    return False
-        return True
+        if len(req.input_ids) <= limit:
+            return True
+        return self.inline_cost.estimate_us(req) <= self.inline_max_us
 
     def submit(self, req: Request, *, timeout_s: float | None = None) -> Ticket:
         """Admit ``req`` now or raise ``Overloaded`` / ``ShuttingDown``; never blocks.

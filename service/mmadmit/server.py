@@ -129,6 +129,12 @@ def warmup_request(profile: ModelProfile) -> Request:
     return Request(rid="mmadmit-warmup", input_ids=ids, mm=MultimodalInputs(items=[item]))
 
 
+def calibration_request(profile: ModelProfile, tokens: int = 32_768) -> Request:
+    """A text request big enough for the pool to learn its inline rate from."""
+    ids = np.arange(tokens, dtype=np.int64) % max(2, min(profile.vocab_size, 30_000))
+    return Request(rid="mmadmit-calibration", input_ids=ids)
+
+
 def build_pool(
     config: ServeConfig,
     profile: ModelProfile,
@@ -150,13 +156,14 @@ def build_pool(
 
     workers = default_workers(config, device == "cuda")
     logger.info(
-        "materializer: %s on %s, %d worker(s), max %d in flight, inline up to %d tokens, "
-        "native code %s",
+        "materializer: %s on %s, %d worker(s), max %d in flight, inline up to %d tokens "
+        "(larger ones up to an estimated %.0f us), native code %s",
         profile.family.value,
         device,
         workers,
         config.max_inflight,
         config.inline_max_tokens,
+        config.inline_max_us,
         "on" if config.native else "off",
         extra=fields(
             "starting",
@@ -165,6 +172,7 @@ def build_pool(
             workers=workers,
             max_inflight=config.max_inflight,
             inline_max_tokens=config.inline_max_tokens,
+            inline_max_us=config.inline_max_us,
             native=config.native,
         ),
     )
@@ -176,6 +184,7 @@ def build_pool(
         choose_ops=choose_ops,
         before_run=before_run,
         inline_max_tokens=config.inline_max_tokens,
+        inline_max_us=config.inline_max_us,
         observe_run=telemetry.materialize_time if telemetry is not None else None,
     )
 
@@ -313,6 +322,8 @@ async def start_server(
     outcome = await pool.materialize(warmup_request(profile))
     if not isinstance(outcome, Materialized):
         raise RuntimeError(f"warm-up request failed: {outcome}")
+    # this machine's inline rate (pool.InlineCost) before the first request
+    pool.calibrate_inline(calibration_request(profile))
     if handle.grpc is not None and handle.link is None:
         handle.grpc.set_serving()
     return handle
