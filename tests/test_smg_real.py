@@ -535,3 +535,21 @@ async def test_grpc_face_a_concurrent_mix_through_the_real_smg(tmp_path: Path) -
         for req in st.adds():
             if req.mm is not None:
                 check_materialized("qwen2_5_vl", req)
+
+
+async def test_engine_mode_a_refusal_reaches_the_client_as_an_abort(tmp_path: Path) -> None:
+    # Over the msgpack wire a refused request is forwarded marked with its
+    # validation_error (what was decoded of it, never a feature); the scheduler
+    # answers it "abort", which
+    # SMG reports to its client as the choice's finish reason.
+    async with engine_stack(tmp_path, "llava", mmadmit_args=("--max-tokens", "64")) as st:
+        result = await st.call(
+            st.gateway.chat, [g.user_message(g.image_part(g.png_data_url()), "What is it?")]
+        )
+        (add,) = st.adds()
+        assert add.validation_error is not None
+        assert add.validation_error.startswith("TOO_LARGE: ")
+        # a codec breach is never decoded: the minimal marked request, no features
+        assert add.mm is None and len(add.input_ids) == 0
+        assert result.status == 200, result.text
+        assert result.json()["choices"][0]["finish_reason"] == "abort", result.text
