@@ -672,3 +672,34 @@ def test_security_doc_names_only_real_flags() -> None:
         "--curve-client-key",
     } <= named
     assert named <= known, sorted(named - known)
+
+
+async def test_the_smg_face_speaks_the_same_tls(pki: Pki) -> None:
+    """``--smg-grpc-listen`` uses the gRPC TLS settings too (SMG's ``grpcs://``
+    workers): a client with the CA gets the face's HealthCheck, a plaintext one is
+    refused; the face may be the only gRPC server."""
+    from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
+    from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
+
+    async with serving(
+        grpc_listen="off",
+        zmq_listen="off",
+        smg_grpc_listen="127.0.0.1:0",
+        engine_handshake_listen="tcp://127.0.0.1:0",
+        grpc_tls_cert=pki["server.pem"],
+        grpc_tls_key=pki["server.key"],
+    ) as handle:
+        address = handle.addresses["smg-grpc"]
+        assert handle.smg_port.security == "TLS"
+        creds = tls_credentials(ca=pki["ca.pem"])
+        async with grpc.aio.secure_channel(address, creds) as channel:
+            health = await ts_grpc.TokenSpeedSchedulerStub(channel).HealthCheck(
+                ts.HealthCheckRequest(), timeout=5
+            )
+            assert not health.healthy  # no scheduler yet: but it answered over TLS
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await ts_grpc.TokenSpeedSchedulerStub(channel).HealthCheck(
+                    ts.HealthCheckRequest(), timeout=2
+                )
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE

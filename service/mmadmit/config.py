@@ -213,7 +213,8 @@ class ServeConfig:
     grpc_tls_cert: str | None = field(
         default=None,
         metadata={
-            "help": "serve gRPC over TLS with this PEM certificate chain (needs --grpc-tls-key)"
+            "help": "serve gRPC over TLS with this PEM certificate chain (needs --grpc-tls-key; "
+            "the SMG face's port too)"
         },
     )
     grpc_tls_key: str | None = field(
@@ -529,8 +530,11 @@ def _check_security(config: ServeConfig) -> None:
         raise ConfigError(
             "--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key (mutual TLS is TLS)"
         )
-    if cert is not None and config.grpc_listen == OFF:
-        raise ConfigError("--grpc-tls-cert with --grpc-listen off: there is no gRPC server")
+    if cert is not None and config.grpc_listen == OFF and not config.smg_grpc:
+        raise ConfigError(
+            "--grpc-tls-cert with --grpc-listen off (and no --smg-grpc-listen): there is no "
+            "gRPC server"
+        )
     secret, clients = config.zmq_curve_secret_key, config.zmq_curve_clients
     if clients is not None and secret is None:
         raise ConfigError("--zmq-curve-clients needs --zmq-curve-secret-key (the server's key)")

@@ -283,11 +283,14 @@ async def start_server(
         stack.push_async_callback(face.stop)
         handle.addresses["engine"] = await face.bind()
         handle.smg = face
+        tls = security.grpc_tls_from_config(config)  # the same TLS as --grpc-listen
         port = GrpcPort(
             {SERVICE: face.handlers()},
             listen=config.smg_grpc_listen,
             max_message_bytes=config.max_message_bytes,
             max_streams=config.max_grpc_streams,
+            credentials=tls.server_credentials() if tls is not None else None,
+            security=("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
         )
         stack.push_async_callback(port.stop, 0.0)
         handle.addresses["smg-grpc"] = await port.start()
