@@ -933,4 +933,5 @@ async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> N
         assert total("aborted", "TOO_LARGE") == 1
         assert total("aborted", "INVALID_REQUEST") in (None, 0)
         assert r.server.servicer.admissions.stats.aborted_by_code == {"TOO_LARGE": 1}
+        assert r.server.stats.aborted_by_code == {"TOO_LARGE": 1}  # one count, exported
         assert r.pool.stats.admitted == 0  # never reached the pool

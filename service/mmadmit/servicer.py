@@ -63,7 +63,7 @@ from google.protobuf.message import DecodeError
 from . import pbwire
 from ._proto import admission_pb2 as pb
 from ._proto import admission_pb2_grpc as pb_grpc
-from .admission import Admissions
+from .admission import Admissions, AdmissionStats
 from .dtypes import parse_dtype
 from .errors import (
     Abort,
@@ -115,8 +115,9 @@ Payloads: TypeAlias = list[memoryview] | None
 
 
 @dataclass
-class ServicerStats:
-    """Counters of the gRPC transport (exported by ``metrics.py`` as ``mmadmit_grpc_*``).
+class ServicerStats(AdmissionStats):
+    """Counters of the gRPC transport (exported by ``metrics.py`` as ``mmadmit_grpc_*``);
+    its outcome counts (``materialized``, ``aborted_by_code``) are the admission path's.
 
     Written on the event loop thread only.
     """
@@ -484,10 +485,14 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         self._pool = pool
         self._profile = profile
         self.telemetry = telemetry
-        self.admissions = Admissions(
-            pool, transport="grpc", telemetry=telemetry, scope="on this replica"
-        )
         self.stats = ServicerStats()
+        self.admissions = Admissions(
+            pool,
+            transport="grpc",
+            telemetry=telemetry,
+            scope="on this replica",
+            stats=self.stats,
+        )
 
     @property
     def inflight_ids(self) -> frozenset[str]:
