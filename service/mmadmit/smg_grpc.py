@@ -81,6 +81,7 @@ from .errors import (
     Unsupported,
     abort_from_exception,
 )
+from .handshake import ENGINE_CORE_DEAD
 from .limits import Limits
 from .model import Materialized, Modality, MultimodalInputs, Request
 from .pbwire import (
@@ -119,14 +120,17 @@ STATUS_OF: dict[AbortCode, grpc.StatusCode] = {
     AbortCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
-# Scheduler outputs not yet read by their calls before the face stops reading
-# the scheduler's output socket (its PUSH then meets ZMQ's own high-water mark).
+# The sender's pending bound for ADD / ABORT messages that libzmq has not taken
+# yet (a scheduler that stops reading). Nothing pauses on it: what queues is
+# bounded by the calls gRPC lets in (--max-grpc-streams), each waiting for its
+# outputs.
 MAX_PENDING_ADDS = 4096
 
 _ADD = bytes([wire.MSG_ADD])
 _ABORT = bytes([wire.MSG_ABORT])
 _ENC = msgspec.msgpack.Encoder()
 _OUTPUT_TAG = "BatchTokenIDOutSlim"
+_DEAD_LEN = len(ENGINE_CORE_DEAD)
 _MODALITIES = {
     Modality.IMAGE: common_pb2.IMAGE,
     Modality.VIDEO: common_pb2.VIDEO,
@@ -565,7 +569,7 @@ class SmgGrpcFace(SchedulerLink):
         stats = self.stats
         stats.output_messages += 1
         first = frames[0]
-        if len(frames) == 1 and first.bytes == b"ENGINE_CORE_DEAD":
+        if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
             self._scheduler_died("it sent ENGINE_CORE_DEAD")
             return
         try:
