@@ -106,7 +106,7 @@ class Admissions:
         was materialized at once and is not registered."""
         peer, rid = key
         if key in self._inflight:
-            raise InvalidRequest(f"request id {rid!r} is already in flight {self.scope}")
+            raise self.duplicate(rid)
         if self.closing:
             raise ShuttingDown("the service is shutting down; retry on another replica")
         count = self._peer_counts.get(peer, 0)
@@ -120,6 +120,11 @@ class Admissions:
             self._inflight[key] = ticket
             self._peer_counts[peer] = count + 1
         return ticket
+
+    def duplicate(self, rid: str) -> InvalidRequest:
+        """The refusal of a request whose id is already in flight (the one wording;
+        a face with requests past admission checks its own registry with it)."""
+        return InvalidRequest(f"request id {rid!r} is already in flight {self.scope}")
 
     def release(self, key: Key, ticket: Ticket) -> None:
         """Forget ``key`` if it still names ``ticket`` (idempotent); a transport

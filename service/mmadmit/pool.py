@@ -266,7 +266,8 @@ class MaterializerPool:
         return self._timed_run(req, ops, False)
 
     def _timed_run(self, req: Request, ops: ArrayOps, inline: bool) -> Outcome:
-        learn = ops is CPU_OPS and hashes_nothing(req)  # what an inline run would cost
+        # What an inline run would cost (an inline request was checked to hash nothing).
+        learn = inline or (ops is CPU_OPS and hashes_nothing(req))
         observe = self._observe_run
         if observe is None and not learn:
             return self.materializer.run(req, ops)

@@ -639,8 +639,8 @@ class SmgGrpcFace(SchedulerLink):
         req: Request | None = None
         try:
             req = request_from_generate(msg, self.profile, payloads)
-            if rid in self._calls:
-                raise InvalidRequest(f"request id {rid!r} is already in flight on this replica")
+            if rid in self._calls:  # forwarded, still generating
+                raise self.admissions.duplicate(rid)
             outcome = await self._admit(key, req)
         except AdmissionError as exc:
             await self._refuse(context, rid, req, exc.to_abort(), t0)
@@ -656,15 +656,9 @@ class SmgGrpcFace(SchedulerLink):
         if not isinstance(outcome, Materialized):
             await self._refuse(context, rid, req, outcome, t0)
             return
-        if not self.ready or rid in self._calls:  # the scheduler went meanwhile / a twin won
-            abort = (
-                Abort(AbortCode.SHUTTING_DOWN, "the scheduler went away")
-                if not self.ready
-                else Abort(
-                    AbortCode.INVALID_REQUEST,
-                    f"request id {rid!r} is already in flight on this replica",
-                )
-            )
+        # No await since the admission check: a twin of this rid was refused there.
+        if not self.ready:  # the scheduler went while this request materialized
+            abort = Abort(AbortCode.SHUTTING_DOWN, "the scheduler went away")
             await self._refuse(context, rid, req, abort, t0)
             return
         self.admissions.observe(rid, req, outcome, t0)
