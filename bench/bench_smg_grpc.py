@@ -65,7 +65,7 @@ from mmadmit.config import ServeConfig, build_config  # noqa: E402
 from mmadmit.grpc_server import GrpcPort  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
-from mmadmit.pbwire import StrippedRequest  # noqa: E402
+from mmadmit.pbwire import message_and_payloads  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
 from mmadmit.runtime import tune_allocator  # noqa: E402
@@ -237,11 +237,7 @@ class InProcess:
 
     def run(self, name: str, data: bytes) -> float:
         t0 = time.perf_counter()
-        parsed = parse_generate(data, self.limits)
-        if isinstance(parsed, StrippedRequest):
-            msg, payloads = parsed.msg, parsed.payloads
-        else:
-            msg, payloads = parsed, None
+        msg, payloads = message_and_payloads(parse_generate(data, self.limits))
         req = request_from_generate(msg, self.profile, payloads)
         t1 = time.perf_counter()
         outcome = self.materializer.run(req, CPU_OPS)

@@ -41,10 +41,7 @@ def _admit(m: Materializer, data: bytes, min_bytes: int) -> bytes | None:
         parsed = pbwire.parse_admit_request(data, min_bytes)
     except DecodeError:
         return None
-    if isinstance(parsed, pbwire.StrippedRequest):
-        msg, payloads = parsed.msg, parsed.payloads
-    else:
-        msg, payloads = parsed, None
+    msg, payloads = pbwire.message_and_payloads(parsed)
     rid = msg.request_id
     try:
         req = servicer.request_from_proto(msg, m.profile, payloads)

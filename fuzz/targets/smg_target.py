@@ -43,10 +43,7 @@ def _generate(m: Materializer, data: bytes, min_bytes: int) -> tuple[str, list[b
         parsed = pbwire.parse_request(data, ts.GenerateRequest, min_bytes)
     except DecodeError:
         return None
-    if isinstance(parsed, pbwire.StrippedRequest):
-        msg, payloads = parsed.msg, parsed.payloads
-    else:
-        msg, payloads = parsed, None
+    msg, payloads = pbwire.message_and_payloads(parsed)
     try:
         req = smg_grpc.request_from_generate(msg, m.profile, payloads)
     except AdmissionError as exc:

@@ -82,6 +82,7 @@ __all__ = [
     "parse_request",
     "StrippedRequest",
     "encode_varint",
+    "message_and_payloads",
     "packed_uint32_field",
     "parse_admit_request",
     "resolve_inline",
@@ -193,6 +194,14 @@ class StrippedRequest:
     def inline(self, td: pb.TensorData) -> memoryview:
         """``td.inline`` (``td`` of :attr:`msg`): the stripped payload, or the value's bytes."""
         return resolve_inline(td.inline, self.payloads)
+
+
+def message_and_payloads(parsed: Any) -> tuple[Any, list[memoryview] | None]:
+    """What :func:`parse_request` made, as (the message, the stripped payloads or
+    None for a plain message)."""
+    if isinstance(parsed, StrippedRequest):
+        return parsed.msg, parsed.payloads
+    return parsed, None
 
 
 def resolve_inline(value: bytes, payloads: list[memoryview] | None) -> memoryview:

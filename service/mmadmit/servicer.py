@@ -88,6 +88,7 @@ from .pbwire import (
     RefusedRequest,
     StrippedRequest,
     Undecodable,
+    message_and_payloads,
     packed_uint32_field,
     resolve_inline,
 )
@@ -515,10 +516,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             logger.debug("rid=%s: refused from its bytes: %s", request.request_id, abort.message)
             self.admissions.observe(request.request_id, None, abort, t0)
             return abort_response(request.request_id, abort)
-        if isinstance(request, StrippedRequest):
-            msg, payloads = request.msg, request.payloads
-        else:
-            msg, payloads = request, None
+        msg, payloads = message_and_payloads(request)
         t0 = time.perf_counter()
         rid = msg.request_id
         self.stats.requests += 1

@@ -88,6 +88,7 @@ from .pbwire import (
     RefusedRequest,
     StrippedRequest,
     Undecodable,
+    message_and_payloads,
     parse_or_undecodable,
     parse_request,
 )
@@ -622,10 +623,7 @@ class SmgGrpcFace(SchedulerLink):
             why = f"the message does not parse as a GenerateRequest ({request.message})"
             await self._refuse(context, "", None, Abort(AbortCode.INVALID_REQUEST, why), t0)
             return
-        if isinstance(request, StrippedRequest):
-            msg, payloads = request.msg, request.payloads
-        else:
-            msg, payloads = request, None
+        msg, payloads = message_and_payloads(request)
         rid = msg.request_id
         if not self.ready or self._dead or self.draining:
             why = (
