@@ -118,6 +118,26 @@ class build_with_protos(build):
 
 _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 
+# Pure-Python-mode sources that Cython compiles into a separately named module:
+# the .py file stays importable as plain Python (the reference, and what
+# `--native off` runs) and the compiled build sits beside it.
+_CYTHON_MODULES = [("mmadmit._rules_c", "service/mmadmit/rules.py")]
+
+
+def _cython_extensions() -> list[Extension]:
+    """The compiled builds of _CYTHON_MODULES; none without Cython (optional)."""
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        _LOGGER.warning("mmadmit: Cython is not installed; the rules run as plain Python")
+        return []
+    exts = [
+        Extension(name, sources=[src], extra_compile_args=_COMPILE_ARGS, optional=True)
+        for name, src in _CYTHON_MODULES
+    ]
+    return list(cythonize(exts, build_dir="build/cython", language_level=3, quiet=True))
+
+
 setup(
     cmdclass={
         "build": build_with_protos,
@@ -143,17 +163,11 @@ setup(
             optional=True,
         ),
         Extension(
-            "mmadmit._planner",
-            sources=["service/mmadmit/_planner.c"],
-            depends=["service/mmadmit/_native.h"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
-        Extension(
             "mmadmit._pbwire",
             sources=["service/mmadmit/_pbwire.c"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),
+        *_cython_extensions(),
     ],
 )

@@ -55,7 +55,7 @@ def test_torch_ops_on_host_stream_match_numpy_on_every_vector(name: str) -> None
 
 
 def test_torch_ops_match_numpy_on_generated_prompts() -> None:
-    from mmadmit import mrope
+    from mmadmit import rules
     from prompt_gen import gen_prompt  # the oracle tests' seeded prompt generator
 
     ops = TorchArrayOps("cpu")
@@ -63,7 +63,7 @@ def test_torch_ops_match_numpy_on_generated_prompts() -> None:
         profile = load_profile(family)
         for seed in range(20):
             prompt = gen_prompt(family, seed, hf_compatible=False)
-            plan = mrope.plan_runs(profile, prompt.items)
+            plan = rules.plan_runs(profile, prompt.items)
             n = len(prompt.input_ids)
             a, da = CPU_OPS.positions(n, plan)
             b, db = ops.positions(n, plan)

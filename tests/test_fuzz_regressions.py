@@ -31,7 +31,7 @@ ENC = msgspec.msgpack.Encoder()
 TAG = "TokenizedGenerateReqInput"
 IMG, VID = 248056, 248057  # Qwen3.5 image / video placeholders
 
-needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_planner not built")
+needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_rules_c not built")
 needs_kernels = pytest.mark.skipif(kernels._BUILT is None, reason="_kernels not built")
 
 
@@ -73,10 +73,6 @@ def test_forged_grid_shape_is_not_trusted_by_the_planner() -> None:
         req = _image_request(forged)
         # the dimension limit lifted: the byte check, not --max-tensor-dim, must refuse it
         m = Materializer(load_profile("qwen3_5"), Limits(max_tensor_dim=2**63 - 1))
-        assert req.mm is not None and m._ctx is not None
-        ph = (IMG, VID, -1)
-        assert planner._BUILT.plan(req.mm.items, req.input_ids, m._ctx, *ph, False) is None
-        assert planner._BUILT.check_tensors(req.mm.items, m._ctx, 8, 2**62) is False
         a, b = both_ways(m, req)
         assert isinstance(a, Abort) and a == b and a.code is AbortCode.INVALID_REQUEST
 
@@ -91,8 +87,6 @@ def test_forged_seconds_shape_is_not_trusted_by_the_planner() -> None:
     item = Item(2, hash=3, offsets=np.array([[1, 8]], np.int64),
                 side={"video_grid_thw": grid, "second_per_grid_ts": secs})  # fmt: skip
     req = Request("r", ids, mm=MultimodalInputs(items=[item]))
-    assert m._ctx is not None
-    assert planner._BUILT.plan([item], ids, m._ctx, 151655, 151656, -1, False) is None
     a, b = both_ways(m, req)
     assert isinstance(a, Abort) and a == b and a.code is AbortCode.INVALID_REQUEST
     # within the default limits the shape alone is refused, before any byte is read

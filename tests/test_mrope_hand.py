@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from hf_oracle import hf_positions, hf_rope_index  # noqa: E402
-from mmadmit import mrope  # noqa: E402
+from mmadmit import mrope, rules  # noqa: E402
 from mmadmit.errors import InvalidRequest  # noqa: E402
 from mmadmit.model import Item, Modality, Tensor  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
@@ -59,7 +59,7 @@ def _image(spans: list[list[int]], rows: list[list[int]]) -> Item:
 
 
 def _mmadmit(family: str, ids: list[int], items: list[Item]) -> tuple[np.ndarray, int]:
-    plan = mrope.plan_runs(load_profile(family), items)
+    plan = rules.plan_runs(load_profile(family), items)
     pos, delta = mrope.positions(len(ids), plan)
     assert mrope.delta_only(len(ids), plan) == delta
     return pos, delta
@@ -258,7 +258,7 @@ def test_qwen3_omni_audio_only_prompt_is_plain_text_positions() -> None:
 def test_qwen3_omni_audio_item_must_not_carry_a_grid() -> None:
     item = _item(Modality.AUDIO, [[2, 6]], **_grid("image_grid_thw", [[1, 2, 2]]))
     with pytest.raises(InvalidRequest):
-        mrope.plan_runs(load_profile("qwen3_omni_moe"), [item])
+        rules.plan_runs(load_profile("qwen3_omni_moe"), [item])
 
 
 # --------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_qwen3_5_video_needs_one_span_per_frame() -> None:
     # one span holding all 12 tokens is the Qwen2-VL layout, not Qwen3.5's
     item = _video([[4, 15]], [[3, 4, 4]])
     with pytest.raises(InvalidRequest, match="spans"):
-        mrope.plan_runs(load_profile("qwen3_5"), [item])
+        rules.plan_runs(load_profile("qwen3_5"), [item])
 
 
 # --------------------------------------------------------------------------------------

@@ -297,6 +297,56 @@ kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* Smallest and largest of p[0:n] (n >= 1). */
+MM_VECTORIZE static void
+min_max(const int64_t *p, Py_ssize_t n, int64_t *lo, int64_t *hi)
+{
+    int64_t mn = p[0], mx = p[0];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t x = p[i];
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+    }
+    *lo = mn;
+    *hi = mx;
+}
+
+/* first_outside(ids, lo, hi) -> index of the first id outside [lo, hi), or -1 */
+static PyObject *
+kernels_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "first_outside(ids, lo, hi)");
+        return NULL;
+    }
+    int64_t lo = PyLong_AsLongLong(args[1]), hi = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer b;
+    if (get_buf(args[0], &b, 0, "ids") < 0) {
+        return NULL;
+    }
+    const int64_t *p = b.buf;
+    Py_ssize_t n = b.len / 8, bad = -1;
+    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
+    int64_t mn = 0, mx = 0;
+    if (n > 0) {
+        min_max(p, n, &mn, &mx); /* one vectorized pass; locate only on failure */
+    }
+    if (n > 0 && (mn < lo || mx >= hi)) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (p[i] < lo || p[i] >= hi) {
+                bad = i;
+                break;
+            }
+        }
+    }
+    MM_END_ALLOW_THREADS_IF
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(bad);
+}
+
 static PyMethodDef kernels_methods[] = {
     {"mrope_fill", (PyCFunction)(void (*)(void))kernels_mrope_fill, METH_FASTCALL,
      "mrope_fill(out, start, frames, rows, cols, t_off, t_index) -> delta"},
@@ -304,6 +354,8 @@ static PyMethodDef kernels_methods[] = {
      "spans_check(ids, start, stop, expected) -> first bad span or -1"},
     {"spans_fill", (PyCFunction)(void (*)(void))kernels_spans_fill, METH_FASTCALL,
      "spans_fill(out, start, stop, value) -> None"},
+    {"first_outside", (PyCFunction)(void (*)(void))kernels_first_outside, METH_FASTCALL,
+     "first_outside(ids, lo, hi) -> first index outside [lo, hi) or -1"},
     {NULL, NULL, 0, NULL},
 };
 

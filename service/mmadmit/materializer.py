@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 
-from . import kernels, mrope, planner
+from . import kernels, mrope, planner, rules
 from .errors import (
     Abort,
     AbortCode,
@@ -31,13 +31,11 @@ from .errors import (
     TooLarge,
     abort_from_exception,
 )
-from .hashing import UINT64_MAX, feature_hash, pad_interval, pad_value
+from .hashing import feature_hash
 from .limits import Limits, check_shape
 from .model import (
-    MODALITY_OF,
     Item,
     Materialized,
-    Modality,
     MultimodalInputs,
     Request,
     Rule,
@@ -82,51 +80,13 @@ class CpuArrayOps:
 CPU_OPS = CpuArrayOps()
 
 
-@dataclass(frozen=True)
-class _SpanTable:
-    """Every span of a request, in item order (row ``k`` is span ``k_in_item`` of ``owner``)."""
-
-    start: np.ndarray  # [S] int64
-    stop: np.ndarray  # [S] int64, exclusive
-    owner: np.ndarray  # [S] item index
-    k_in_item: np.ndarray  # [S] index of the span inside its item
-
-    @classmethod
-    def of(cls, items: Sequence[Item]) -> _SpanTable:
-        counts = [0 if it.offsets is None else len(it.offsets) for it in items]
-        if not any(counts):
-            e = np.zeros(0, np.int64)
-            return cls(e, e, e, e)
-        sp = np.concatenate(
-            [it.offsets for it in items if it.offsets is not None and len(it.offsets)]
-        )
-        owner = np.repeat(np.arange(len(items)), counts)
-        k_in_item = np.arange(len(sp)) - np.repeat(np.cumsum(counts) - counts, counts)
-        return cls(sp[:, 0], sp[:, 1] + 1, owner, k_in_item)
-
-    def describe(self, k: int) -> str:
-        return (
-            f"item {int(self.owner[k])}: span {int(self.k_in_item[k])} "
-            f"[{int(self.start[k])}, {int(self.stop[k]) - 1}]"
-        )
-
-    def check_bounds(self, n: int) -> None:
-        bad = (self.start < 0) | (self.start >= self.stop) | (self.stop > n)
-        if bad.any():
-            raise InvalidRequest(
-                f"{self.describe(int(np.argmax(bad)))} is not a valid inclusive range inside "
-                f"input_ids (0 <= start <= end < {n})"
-            )
-
-    def owner_at(self, positions: np.ndarray) -> np.ndarray:
-        """The item owning each token position, -1 outside every span (spans disjoint)."""
-        if not len(self.start):
-            return np.full(len(positions), -1, np.int64)
-        order = np.argsort(self.start, kind="stable")
-        starts = self.start[order]
-        j = np.searchsorted(starts, positions, side="right") - 1
-        inside = (j >= 0) & (positions < self.stop[order][np.maximum(j, 0)])
-        return np.where(inside, self.owner[order][np.maximum(j, 0)], -1)
+def _owner_at(spans: rules.Spans, positions: np.ndarray) -> np.ndarray:
+    """The item owning each token position, -1 outside every span (sorted, disjoint)."""
+    if not len(spans.start):
+        return np.full(len(positions), -1, np.int64)
+    j = np.searchsorted(spans.start, positions, side="right") - 1
+    inside = (j >= 0) & (positions < spans.stop[np.maximum(j, 0)])
+    return np.where(inside, spans.owner[np.maximum(j, 0)], -1)
 
 
 def _parse_validation_error(text: str) -> Abort:
@@ -168,9 +128,9 @@ class Materializer:
     def __init__(self, profile: ModelProfile, limits: Limits | None = None) -> None:
         self.profile = profile
         self.limits = limits or Limits()
-        self._supported = frozenset(m for m in Modality if profile.supports(m))
-        # the native per-item pass (M-RoPE families; None: the Python path only)
-        self._ctx = planner.make_ctx(profile) if profile.uses_mrope else None
+        # rules 5 and 6: the build planner picks (compiled or interpreted rules.py)
+        self._rules: ModuleType | None = None
+        self._rule_set: Any = None
 
     # ------------------------------------------------------------------ entry points
 
@@ -220,21 +180,13 @@ class Materializer:
             return self._upstream(req, mm, original, ops)
 
         # Rules 5 to 8.
-        fast = self._fast_plan(items, mm, original, need_pad=False)
-        if fast is not None:
-            plan: mrope.RunPlan | None = fast.plan
-            new_items = _hash_remaining(items, fast.new_items)
-            starts, stops, owner = fast.span_start, fast.span_stop, fast.span_owner
-        else:
-            plan, spans = self._validate_items(items, mm, original, need_pad=False)
-            new_items = [self._with_pad_value(i, item) for i, item in enumerate(items)]
-            starts, stops, owner = spans.start, spans.stop, spans.owner
+        plan = self._plan(items, mm, original, need_pad=False)
+        new_items = _hash_remaining(items, plan)
         new_mm = _copy_mm(mm, new_items)
         if profile.uses_mrope:
-            assert plan is not None
-            self._set_positions(new_mm, mm, len(original), plan, ops)
-        pads = np.fromiter((it.pad_value for it in new_items), np.int64, len(new_items))
-        padded = ops.substitute(original, starts, stops, pads[owner])
+            self._set_positions(new_mm, mm, len(original), plan.runs, ops)
+        spans = plan.spans
+        padded = ops.substitute(original, spans.start, spans.stop, plan.pads[spans.owner])
         out = Request(
             req.rid,
             padded,
@@ -258,9 +210,9 @@ class Materializer:
             pos = self._check_positions(mm.mrope_positions, len(req.input_ids))
             delta = int(pos.max()) + 1 - len(req.input_ids) if pos.size else 0
         if delta is None:
-            plan, _ = self._validate_items(mm.items, mm, original, need_pad=False, hashable=False)
-            assert plan is not None
-            delta = mrope.delta_only(len(original), plan)
+            plan = self._plan(mm.items, mm, original, need_pad=False, hashable=False)
+            assert plan.runs is not None
+            delta = mrope.delta_only(len(original), plan.runs)
         new_mm = MultimodalInputs(
             items=[],
             im_token_id=mm.im_token_id,
@@ -276,19 +228,12 @@ class Materializer:
         self, req: Request, mm: MultimodalInputs, original: np.ndarray, ops: ArrayOps
     ) -> Materialized:
         items = mm.items
-        fast = self._fast_plan(items, mm, original, need_pad=True)
-        if fast is not None:
-            plan: mrope.RunPlan | None = fast.plan
-            # k_in_item only words span errors, which a valid plan no longer has
-            none = np.full(len(fast.span_start), -1, np.int64)
-            spans = _SpanTable(fast.span_start, fast.span_stop, fast.span_owner, none)
-        else:
-            plan, spans = self._validate_items(items, mm, original, need_pad=True)
-        self._check_unpadded(req, items, spans)
+        plan = self._plan(items, mm, original, need_pad=True)
+        self._check_unpadded(req, items, plan.spans)
         if not self.profile.uses_mrope:
             return Materialized(req, Rule.UPSTREAM)
         new_mm = dataclasses.replace(mm)
-        self._set_positions(new_mm, mm, len(original), plan, ops)
+        self._set_positions(new_mm, mm, len(original), plan.runs, ops)
         return Materialized(dataclasses.replace(req, mm=new_mm), Rule.UPSTREAM)
 
     def _set_positions(
@@ -345,14 +290,6 @@ class Materializer:
                 f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)"
             )
         rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
-        dim_max = lim.max_tensor_dim
-        if (
-            self._ctx is not None
-            and mm.mrope_positions is None
-            and mm.mrope_position_delta is None
-            and planner.tensors_ok(mm.items, self._ctx, rank_max, bytes_max, dim_max)
-        ):
-            return  # the native pass vouches for every item tensor (no feature_shm)
         for what, t in self._tensors(mm):
             check_shape(what, t.shape, lim)
             nbytes = t.data.nbytes
@@ -389,14 +326,14 @@ class Materializer:
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
-        i = planner.first_outside(ids, 0, vocab)
+        i = kernels.first_outside(ids, 0, vocab)
         if i >= 0:
             raise InvalidRequest(
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )
 
     def _check_unpadded(
-        self, req: Request, items: Sequence[Item], spans: _SpanTable | None = None
+        self, req: Request, items: Sequence[Item], spans: rules.Spans | None = None
     ) -> None:
         unpadded = req.input_ids_unpadded
         if unpadded is None:
@@ -410,9 +347,8 @@ class Materializer:
         if differs.size == 0:
             return
         if spans is None:  # not validated yet (decode exemption): they must be usable here
-            spans = _SpanTable.of(items)
-            spans.check_bounds(len(ids))
-        owner = spans.owner_at(differs)
+            spans = self._impl()[0].spans_of(list(items), len(ids))
+        owner = _owner_at(spans, differs)
         pads = np.asarray(
             [-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64
         )
@@ -451,128 +387,29 @@ class Materializer:
             )
         return tensor_delta if tensor_delta is not None else scalar
 
-    def _validate_items(
+    def _impl(self) -> tuple[ModuleType, Any]:
+        """The rules build in use and its rule set for this profile (rebuilt on a switch)."""
+        impl = planner.active
+        if impl is not self._rules:
+            self._rule_set = impl.RuleSet(self.profile)
+            self._rules = impl
+        return impl, self._rule_set
+
+    def _plan(
         self,
-        items: Sequence[Item],
+        items: list[Item],
         mm: MultimodalInputs,
         original: np.ndarray,
         *,
         need_pad: bool,
         hashable: bool = True,
-    ) -> tuple[mrope.RunPlan | None, _SpanTable]:
-        """Rule 5 for every item; returns the M-RoPE plan (M-RoPE families) and the spans."""
-        profile = self.profile
-        n = len(original)
-        placeholder = dict(
-            zip(
-                (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO),
-                self._placeholders(mm),
-                strict=True,
-            )
+    ) -> rules.ItemPlan:
+        """Rules 5 and 6 over the items (:func:`mmadmit.rules.plan_items`)."""
+        impl, rule_set = self._impl()
+        plan: rules.ItemPlan = impl.plan_items(
+            rule_set, items, original, self._placeholders(mm), need_pad, hashable
         )
-        expected_ids = []
-        for i, item in enumerate(items):
-            modality = MODALITY_OF.get(item.modality)
-            if modality is None:
-                raise InvalidRequest(
-                    f"item {i}: unknown modality {item.modality} (1 image, 2 video, 3 audio)"
-                )
-            if modality not in self._supported:
-                raise InvalidRequest(
-                    f"item {i}: the model ({profile.model_type or profile.family.value}) takes no "
-                    f"{modality.name.lower()} input"
-                )
-            if item.offsets is None or len(item.offsets) == 0:
-                raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
-            self._check_hash_and_pad(i, item, modality, need_pad, hashable)
-            expected_ids.append(placeholder[modality])
-        spans = _SpanTable.of(items)
-        spans.check_bounds(n)
-        if len(spans.start) > 1:
-            order = np.argsort(spans.start, kind="stable")
-            clash = spans.start[order[1:]] < spans.stop[order[:-1]]
-            if clash.any():
-                k = int(np.argmax(clash))
-                raise InvalidRequest(
-                    f"{spans.describe(int(order[k + 1]))} overlaps {spans.describe(int(order[k]))}"
-                )
-        self._check_placeholders(
-            original, spans, expected_ids, [Modality(it.modality).name.lower() for it in items]
-        )
-        if profile.uses_mrope:
-            return mrope.plan_runs(profile, items), spans
-        for i, item in enumerate(items):
-            mrope.check_no_audio_in_video(i, item)
-        return None, spans
-
-    def _check_hash_and_pad(
-        self, i: int, item: Item, modality: Modality, need_pad: bool, hashable: bool
-    ) -> None:
-        if item.hash is not None and not 0 <= item.hash <= UINT64_MAX:
-            raise InvalidRequest(f"item {i}: hash {item.hash} is not an unsigned 64-bit integer")
-        if item.pad_value is not None:
-            lo, hi = pad_interval(modality)
-            if not lo <= item.pad_value <= hi:
-                raise InvalidRequest(
-                    f"item {i}: pad_value {item.pad_value} is outside the "
-                    f"{modality.name.lower()} interval [{lo}, {hi}]"
-                )
-        elif need_pad:
-            raise InvalidRequest(
-                f"item {i}: input_ids_unpadded is set (materialized upstream) but the item has no "
-                "pad_value"
-            )
-        elif hashable and item.hash is None:
-            if item.feature is None:
-                why = (
-                    "a shared-memory feature cannot be hashed without reading the segment"
-                    if item.feature_shm is not None
-                    else "it has no feature to hash"
-                )
-                raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
-            if item.feature.nbytes != item.feature.expected_nbytes:
-                raise InvalidRequest(
-                    f"item {i} feature: {item.feature.nbytes} bytes but shape "
-                    f"{list(item.feature.shape)} of {item.feature.dtype.name} needs "
-                    f"{item.feature.expected_nbytes}"
-                )
-
-    @staticmethod
-    def _check_placeholders(
-        original: np.ndarray,
-        spans: _SpanTable,
-        expected_ids: list[int | None],
-        modalities: list[str],
-    ) -> None:
-        """Every token of a span is its modality's placeholder (rule 5)."""
-        if not len(spans.start):
-            return
-        # A request's placeholder override may be any msgpack int; one outside int64
-        # (like a missing id) matches no token: ids were checked to be in [0, vocab).
-        per_item = [
-            -1 if e is None or not _INT64_MIN <= e <= _INT64_MAX else e for e in expected_ids
-        ]
-        want = np.asarray(per_item, np.int64)[spans.owner]
-        k = kernels.first_mismatch(original, spans.start, spans.stop, want)
-        if k >= 0:
-            a, b = int(spans.start[k]), int(spans.stop[k])
-            off = int(np.flatnonzero(original[a:b] != want[k])[0])
-            owner = int(spans.owner[k])
-            shown = expected_ids[owner]
-            raise InvalidRequest(
-                f"{spans.describe(k)} holds token {int(original[a + off])} at {a + off}; every "
-                f"token in a {modalities[owner]} span must be the placeholder "
-                f"{-1 if shown is None else shown}"
-            )
-
-    def _fast_plan(
-        self, items: list[Item], mm: MultimodalInputs, original: np.ndarray, *, need_pad: bool
-    ) -> planner.FastPlan | None:
-        """Rules 5 and 6 in one native pass; ``None`` sends the request down the Python path."""
-        if self._ctx is None:
-            return None
-        placeholders = self._placeholders(mm)
-        return planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
+        return plan
 
     def _placeholders(self, mm: MultimodalInputs) -> tuple[int | None, int | None, int | None]:
         """Image, video and audio placeholder ids: the request's overrides, else the profile's."""
@@ -583,27 +420,23 @@ class Materializer:
             profile.audio_token_id,
         )
 
-    # ------------------------------------------------------------------ rule 6
 
-    @staticmethod
-    def _with_pad_value(i: int, item: Item) -> Item:
-        if item.pad_value is not None:
-            return item
-        content_hash = item.hash
-        if content_hash is None:
-            assert item.feature is not None
-            content_hash = feature_hash(item.feature.data)
-        return item.with_pad(content_hash, pad_value(MODALITY_OF[item.modality], content_hash))
-
-
-def _hash_remaining(items: list[Item], new_items: list[Item | None]) -> list[Item]:
-    """Rule 6 after a native pass: hash the features of the items it left as None."""
+def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> list[Item]:
+    """Rule 6 for the items the plan left to hash (no hash and no pad value supplied)."""
+    new_items = plan.new_items
     if None not in new_items:
         return new_items  # type: ignore[return-value]
-    return [
-        Materializer._with_pad_value(i, items[i]) if new is None else new
-        for i, new in enumerate(new_items)
-    ]
+    out: list[Item] = []
+    for i, new in enumerate(new_items):
+        if new is None:
+            item = items[i]
+            assert item.feature is not None
+            content_hash = feature_hash(item.feature.data)
+            pad = rules.pad_value(item.modality, content_hash)
+            plan.pads[i] = pad
+            new = item.with_pad(content_hash, pad)
+        out.append(new)
+    return out
 
 
 class _Marked(AdmissionError):

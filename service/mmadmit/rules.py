@@ -1,0 +1,567 @@
+"""MATERIALIZE.md rules 5 and 6 over a request's items: the one source.
+
+:func:`plan_items` checks every item of a request (rule 5: modality, spans,
+placeholders, hash and pad value ranges, and for the M-RoPE families the
+grids, timing tensors and span lengths), then derives what the materializer
+needs: the spans sorted by start, the M-RoPE run plan, and each item's pad
+value (rule 6) from its supplied hash. It either returns that
+(:class:`ItemPlan`) or raises the abort, worded here and nowhere else.
+
+One file, two builds. This file runs as plain Python, and it is also compiled
+by Cython (pure-Python mode, ``setup.py``) into ``mmadmit._rules_c`` when
+Cython and a compiler are present at install time. :mod:`mmadmit.planner` picks
+the compiled module unless native code is switched off (``--native off``);
+``tests/test_planner.py`` runs both on valid and on thousands of mutated
+requests and demands the same outcome, message included. The ``cython.*``
+annotations only type locals for the compiled build (C integers, typed
+memoryviews on int64 arrays); in plain Python they are inert. Per-token loops
+stay in :mod:`mmadmit.kernels`; the loops here are per item, span and grid row.
+"""
+
+import struct
+
+import cython
+import numpy as np
+
+from . import kernels
+from .errors import InvalidRequest, Unsupported
+from .hashing import PAD_BASE, PAD_SLOTS, UINT64_MAX
+from .model import MODALITY_OF, Item, Modality, Tensor
+from .mrope import RunPlan
+from .profile import Family, ModelProfile
+
+IMAGE_GRID = "image_grid_thw"
+VIDEO_GRID = "video_grid_thw"
+GRID_KEYS = {Modality.IMAGE: IMAGE_GRID, Modality.VIDEO: VIDEO_GRID}
+AUDIO_IN_VIDEO = "use_audio_in_video"
+
+# Timing side tensors, in lookup order per family (MATERIALIZE.md table).
+_QWEN25_TIME_KEYS = ("second_per_grid_ts", "video_second_per_grid")
+_OMNI_TIME_KEYS = ("video_second_per_grid", "second_per_grid_ts")
+
+MAX_SECONDS_PER_ROW = 1e6  # far beyond any video; keeps float32 products finite
+# Temporal indices at or above this are refused (a profile's tokens_per_second or
+# position_id_per_seconds times MAX_SECONDS_PER_ROW can exceed int64): far beyond
+# any video, and low enough that positions never overflow int64.
+MAX_TEMPORAL_INDEX = 2**40
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+_I64 = np.dtype(np.int64)
+_F32 = struct.Struct("<f")
+
+# how an item gets its pad value (ItemPlan.new_items)
+_PAD_SET = 0  # carried pad_value: the item as it is
+_PAD_FROM_HASH = 1  # a copy with hash and pad_value set
+_PAD_HASH_FEATURE = 2  # None: the materializer hashes the feature
+_PAD_NONE = 3  # no pad value needed (the decode exemption): the item as it is
+
+
+def f32(x: float) -> float:
+    """Round a double to float32, as numpy's float32 arithmetic does (nearest-even).
+
+    Products of two float32 values are exact in a double, so rounding the double
+    product reproduces a float32 multiplication bit for bit.
+    """
+    return float(_F32.unpack(_F32.pack(x))[0])
+
+
+def time_keys(profile: ModelProfile) -> tuple[str, ...]:
+    """The side keys holding a video's seconds per grid row, in lookup order."""
+    return _OMNI_TIME_KEYS if profile.family is Family.QWEN3_OMNI else _QWEN25_TIME_KEYS
+
+
+class RuleSet:
+    """A profile's constants of rules 5 and 6, computed once per materializer."""
+
+    def __init__(self, profile: ModelProfile) -> None:
+        family = profile.family
+        self.profile = profile
+        self.supported = frozenset(int(m) for m in Modality if profile.supports(m))
+        self.model_name = profile.model_type or family.value
+        self.uses_mrope = profile.uses_mrope
+        self.merge = profile.spatial_merge_size
+        self.split_video = family.video_run_per_frame
+        self.family = family
+        self.time_keys = time_keys(profile)
+        default = (profile.seconds_per_chunk or 2.0) if family is Family.QWEN3_OMNI else 1.0
+        self.default_seconds = f32(default)
+        self.tps = f32(float(profile.tokens_per_second or 0.0))
+        self.pps = f32(float(profile.position_id_per_seconds or 0.0))
+
+
+class Spans:
+    """Every span of a request sorted by start (``stop`` exclusive), with its item."""
+
+    __slots__ = ("owner", "start", "stop")
+
+    def __init__(self, start: np.ndarray, stop: np.ndarray, owner: np.ndarray) -> None:
+        self.start = start
+        self.stop = stop
+        self.owner = owner
+
+
+class ItemPlan:
+    """What rules 5 and 6 derive from valid items.
+
+    ``spans``: sorted by start. ``runs``: the M-RoPE run plan (None for the
+    other families). ``pads``: each item's pad value, -1 where the feature
+    must be hashed first. ``new_items``: rule 6 applied: the same item where
+    pad_value was set (or none is needed), a copy with hash and pad_value set
+    where a hash was supplied, None where the feature must be hashed.
+    """
+
+    __slots__ = ("new_items", "pads", "runs", "spans")
+
+    def __init__(
+        self, spans: Spans, runs: RunPlan | None, pads: np.ndarray, new_items: list[Item | None]
+    ) -> None:
+        self.spans = spans
+        self.runs = runs
+        self.pads = pads
+        self.new_items = new_items
+
+
+# ------------------------------------------------------------------ spans
+
+
+def _describe(owner: int, k: int, start: int, end: int) -> str:
+    return f"item {owner}: span {k} [{start}, {end}]"
+
+
+def _offsets(item: Item) -> np.ndarray | None:
+    off = item.offsets
+    if off is None or (type(off) is np.ndarray and off.dtype == _I64 and off.ndim == 2):
+        return off
+    return np.asarray(off, dtype=np.int64).reshape(-1, 2)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def spans_of(items: list, n: cython.longlong) -> Spans:
+    """Every item's spans, checked inside ``input_ids`` and disjoint, sorted by start.
+
+    Items without offsets contribute none (the caller decides whether that is
+    allowed). Errors name the item and its span.
+    """
+    i: cython.Py_ssize_t
+    k: cython.Py_ssize_t
+    pos: cython.Py_ssize_t = 0
+    total: cython.Py_ssize_t = 0
+    a: cython.longlong
+    b: cython.longlong
+    ordered: cython.bint = True
+    n_items: cython.Py_ssize_t = len(items)
+    offs = [_offsets(item) for item in items]
+    for i in range(n_items):
+        if offs[i] is not None:
+            total += len(offs[i])
+    start = np.empty(total, np.int64)
+    stop = np.empty(total, np.int64)
+    owner = np.empty(total, np.int64)
+    kin = np.empty(total, np.int64)
+    sv: cython.longlong[::1] = start
+    ev: cython.longlong[::1] = stop
+    ov: cython.longlong[::1] = owner
+    kv: cython.longlong[::1] = kin
+    for i in range(n_items):
+        if offs[i] is None:
+            continue
+        o: cython.const[cython.longlong][:, :] = offs[i]  # type: ignore[valid-type]
+        for k in range(o.shape[0]):
+            a = o[k, 0]
+            b = o[k, 1]
+            if a < 0 or a > b or b >= n:
+                raise InvalidRequest(
+                    f"{_describe(i, k, a, b)} is not a valid inclusive range inside "
+                    f"input_ids (0 <= start <= end < {n})"
+                )
+            if pos and a < sv[pos - 1]:
+                ordered = False
+            sv[pos] = a
+            ev[pos] = b + 1
+            ov[pos] = i
+            kv[pos] = k
+            pos += 1
+    if not ordered:
+        order = np.argsort(start, kind="stable")
+        start, stop, owner, kin = start[order], stop[order], owner[order], kin[order]
+        sv = start
+        ev = stop
+        ov = owner
+        kv = kin
+    for k in range(1, total):
+        if sv[k] < ev[k - 1]:
+            raise InvalidRequest(
+                f"{_describe(ov[k], kv[k], sv[k], ev[k] - 1)} overlaps "
+                f"{_describe(ov[k - 1], kv[k - 1], sv[k - 1], ev[k - 1] - 1)}"
+            )
+    return Spans(start, stop, owner)
+
+
+def _check_placeholders(
+    ids: np.ndarray, items: list, modalities: list, placeholders: tuple
+) -> None:
+    """Every token of a span is its modality's placeholder (item order decides which
+    span is reported)."""
+    offs: list = [_offsets(item) for item in items]
+    table = np.concatenate(offs) if len(offs) > 1 else offs[0]
+    counts = [len(o) for o in offs]
+    owner = np.repeat(np.arange(len(items)), counts)
+    # A request's placeholder override may be any msgpack int; one outside int64
+    # (like a missing id) matches no token: ids were checked to be in [0, vocab).
+    per_item = []
+    for m in modalities:
+        e = placeholders[m - 1]
+        per_item.append(-1 if e is None or not _INT64_MIN <= e <= _INT64_MAX else e)
+    want = np.asarray(per_item, np.int64)[owner]
+    starts = np.ascontiguousarray(table[:, 0])
+    stops = table[:, 1] + 1
+    k = kernels.first_mismatch(ids, starts, stops, want)
+    if k < 0:
+        return
+    a, b = int(starts[k]), int(stops[k])
+    off = int(np.flatnonzero(ids[a:b] != want[k])[0])
+    who = int(owner[k])
+    span_k = k - sum(counts[:who])
+    shown = placeholders[modalities[who] - 1]
+    raise InvalidRequest(
+        f"{_describe(who, span_k, a, b - 1)} holds token {int(ids[a + off])} at {a + off}; "
+        f"every token in a {Modality(modalities[who]).name.lower()} span must be the "
+        f"placeholder {-1 if shown is None else shown}"
+    )
+
+
+# ------------------------------------------------------------------ hash and pad value
+
+
+def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -> tuple:
+    """Rule 5's hash and pad_value checks, and rule 6's pad value: ``(pad, how)``."""
+    h = item.hash
+    if h is not None and not 0 <= h <= UINT64_MAX:
+        raise InvalidRequest(f"item {i}: hash {h} is not an unsigned 64-bit integer")
+    lo = PAD_BASE + (modality - 1) * PAD_SLOTS
+    pad = item.pad_value
+    if pad is not None:
+        if not lo <= pad <= lo + PAD_SLOTS - 1:
+            raise InvalidRequest(
+                f"item {i}: pad_value {pad} is outside the "
+                f"{Modality(modality).name.lower()} interval [{lo}, {lo + PAD_SLOTS - 1}]"
+            )
+        return pad, _PAD_SET
+    if need_pad:
+        raise InvalidRequest(
+            f"item {i}: input_ids_unpadded is set (materialized upstream) but the item has no "
+            "pad_value"
+        )
+    if h is not None:
+        return lo + h % PAD_SLOTS, _PAD_FROM_HASH
+    if not hashable:
+        return -1, _PAD_NONE
+    if item.feature is None:
+        why = (
+            "a shared-memory feature cannot be hashed without reading the segment"
+            if item.feature_shm is not None
+            else "it has no feature to hash"
+        )
+        raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
+    return -1, _PAD_HASH_FEATURE
+
+
+def pad_value(modality: int, content_hash: int) -> int:
+    """Rule 6: the pad value of a content hash."""
+    return PAD_BASE + (modality - 1) * PAD_SLOTS + content_hash % PAD_SLOTS
+
+
+# ------------------------------------------------------------------ grids and timing
+
+
+def check_no_audio_in_video(idx: int, item: Item) -> None:
+    flag = item.side.get(AUDIO_IN_VIDEO)
+    if flag is None:
+        return
+    if isinstance(flag, Tensor):
+        on = flag.nbytes > 0 and flag.dtype.numpy is not None and bool(flag.to_numpy().any())
+    else:
+        on = bool(flag)
+    if on:
+        raise Unsupported(
+            f"item {idx}: use_audio_in_video (audio interleaved into video) is not supported yet"
+        )
+
+
+def _grid_rows(idx: int, item: Item, modality: int) -> list | None:
+    """The item's grid values ``[t, h, w, t, h, w, ...]`` after the key checks (None: audio)."""
+    side = item.side
+    if modality == 3:
+        for key in (IMAGE_GRID, VIDEO_GRID):
+            if key in side:
+                raise InvalidRequest(f"item {idx}: an audio item must not carry {key}")
+        return None
+    is_video = modality == 2
+    key = VIDEO_GRID if is_video else IMAGE_GRID
+    wrong = IMAGE_GRID if is_video else VIDEO_GRID
+    name = "video" if is_video else "image"
+    if wrong in side:
+        raise InvalidRequest(f"item {idx}: a {name} item must not carry {wrong}")
+    tensor = side.get(key)
+    if tensor is None:
+        raise InvalidRequest(f"item {idx}: {name} item has no {key}")
+    if not isinstance(tensor, Tensor):
+        raise InvalidRequest(f"item {idx}: {key} must be a tensor")
+    dtype = tensor.dtype
+    if not dtype.is_integer:
+        raise InvalidRequest(f"item {idx}: {key} must be an integer tensor, got dtype {dtype.name}")
+    shape = tensor.shape
+    if not (shape == (3,) or (len(shape) == 2 and shape[1] == 3 and shape[0] > 0)):
+        raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(shape)}")
+    if dtype.name == "int64" and tensor.data.nbytes % 8 == 0:
+        return tensor.data.cast("q").tolist()
+    return tensor.to_numpy().reshape(-1).tolist()
+
+
+def _shown(flat: list) -> list:
+    return [flat[k : k + 3] for k in range(0, len(flat), 3)]
+
+
+def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
+    """float32 seconds per grid row for a video item (one value broadcast or one per row)."""
+    for key in rs.time_keys:
+        tensor = item.side.get(key)
+        if tensor is None:
+            continue
+        if (
+            not isinstance(tensor, Tensor)
+            or not (tensor.dtype.is_float or tensor.dtype.is_integer)
+            or tensor.dtype.numpy is None
+        ):
+            raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
+        values: list
+        if tensor.dtype.name == "float32" and tensor.data.nbytes % 4 == 0:
+            values = tensor.data.cast("f").tolist()
+        else:
+            values = tensor.to_numpy().astype(np.float32).reshape(-1).tolist()
+        if len(values) == 1:
+            values = values * rows
+        if len(values) != rows:
+            raise InvalidRequest(
+                f"item {idx}: {key} holds {len(values)} values; "
+                f"expected 1 or one per grid row ({rows})"
+            )
+        for v in values:
+            if not 0 <= v < MAX_SECONDS_PER_ROW:  # also rejects NaN
+                raise InvalidRequest(
+                    f"item {idx}: {key} must hold finite non-negative seconds "
+                    f"(below {MAX_SECONDS_PER_ROW:g})"
+                )
+        return values
+    return [rs.default_seconds] * rows
+
+
+def temporal_index(rs: RuleSet, frames: int, seconds: float) -> list:
+    """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
+    family = rs.family
+    if family is Family.QWEN2_5_VL:  # trunc((k * s) * tokens_per_second)
+        tps = rs.tps
+        return [int(f32(f32(k * seconds) * tps)) for k in range(frames)]
+    if family is Family.QWEN3_OMNI:  # trunc(k * (s * position_id_per_seconds))
+        step = f32(seconds * rs.pps)
+        return [int(f32(k * step)) for k in range(frames)]
+    return list(range(frames))  # Qwen2-VL (per-frame families never get here)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _plan_runs(rs: RuleSet, items: list, modalities: list, n_spans: cython.Py_ssize_t) -> RunPlan:
+    """Match every item's spans to its grid rows and return the runs in prompt order.
+
+    Spans are already valid (bounds, disjointness, placeholder ids); this checks
+    the grids and that each span's length equals its row's merged patch count.
+    """
+    merge: cython.longlong = rs.merge
+    split_video: cython.bint = rs.split_video
+    start = np.empty(n_spans, np.int64)
+    frames = np.empty(n_spans, np.int64)
+    rows = np.empty(n_spans, np.int64)
+    cols = np.empty(n_spans, np.int64)
+    t_off = np.empty(n_spans, np.int64)
+    sv: cython.longlong[::1] = start
+    fv: cython.longlong[::1] = frames
+    rv: cython.longlong[::1] = rows
+    cv: cython.longlong[::1] = cols
+    tv: cython.longlong[::1] = t_off
+    t_index: list = []
+    r: cython.Py_ssize_t = 0
+    k: cython.Py_ssize_t
+    _u: cython.Py_ssize_t
+    a: cython.longlong
+    b: cython.longlong
+    ordered: cython.bint = True
+    for idx in range(len(items)):
+        item = items[idx]
+        modality = modalities[idx]
+        check_no_audio_in_video(idx, item)
+        flat = _grid_rows(idx, item, modality)
+        if flat is None:
+            continue
+        is_video: cython.bint = modality == 2
+        key = VIDEO_GRID if is_video else IMAGE_GRID
+        n_rows: cython.Py_ssize_t = len(flat) // 3
+        expected = 0
+        split: cython.bint = is_video and split_video  # one span per temporal frame of a row
+        for k in range(n_rows):
+            t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
+            if t <= 0 or h <= 0 or w <= 0:
+                raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {_shown(flat)}")
+            if h % merge or w % merge:
+                raise InvalidRequest(
+                    f"item {idx}: {key} h and w must be divisible by spatial_merge_size "
+                    f"{merge}, got {_shown(flat)}"
+                )
+            if not is_video and t != 1:
+                raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {_shown(flat)}")
+            expected += t if split else 1
+        o: cython.const[cython.longlong][:, :] = _offsets(item)  # type: ignore[valid-type]
+        n_item_spans: cython.Py_ssize_t = o.shape[0]
+        if n_item_spans != expected:
+            unit = "temporal frame" if split else "grid row"
+            raise InvalidRequest(
+                f"item {idx}: {n_item_spans} placeholder spans but {expected} expected "
+                f"(one per {unit}; {key}={_shown(flat)})"
+            )
+        seconds = _seconds_per_row(rs, idx, item, n_rows) if is_video else None
+        s: cython.Py_ssize_t = 0
+        for k in range(n_rows):
+            t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
+            hh = h // merge
+            ww = w // merge
+            units = t if split else 1
+            unit_t = 1 if split else t
+            for _u in range(units):
+                a = o[s, 0]
+                b = o[s, 1]
+                want = unit_t * hh * ww
+                if b - a + 1 != want:
+                    raise InvalidRequest(
+                        f"item {idx}: span {s} [{a}, {b}] holds {b - a + 1} tokens; "
+                        f"grid row {k} {[t, h, w]} requires {want} "
+                        f"(t*h*w/{merge * merge}" + (" per frame)" if split else ")")
+                    )
+                if r and a < sv[r - 1]:
+                    ordered = False
+                sv[r] = a
+                fv[r] = unit_t
+                rv[r] = hh
+                cv[r] = ww
+                tv[r] = len(t_index)
+                if is_video and not split:
+                    assert seconds is not None
+                    ti = temporal_index(rs, unit_t, seconds[k])
+                    last = ti[len(ti) - 1]  # monotone: the last is the extreme
+                    if not 0 <= last < MAX_TEMPORAL_INDEX:
+                        raise InvalidRequest(
+                            f"item {idx}: grid row {k} gives frame {unit_t - 1} the temporal "
+                            f"index {last}, outside [0, {MAX_TEMPORAL_INDEX}) (seconds per "
+                            f"grid row {seconds[k]:g})"
+                        )
+                    t_index.extend(ti)
+                else:
+                    t_index.extend([0] * unit_t)
+                r += 1
+                s += 1
+    plan = RunPlan(
+        start=start[:r],
+        frames=frames[:r],
+        rows=rows[:r],
+        cols=cols[:r],
+        t_off=t_off[:r],
+        t_index=np.array(t_index, np.int64),
+    )
+    if ordered:
+        return plan
+    order = np.argsort(plan.start, kind="stable")
+    return RunPlan(
+        plan.start[order],
+        plan.frames[order],
+        plan.rows[order],
+        plan.cols[order],
+        plan.t_off[order],
+        plan.t_index,
+    )
+
+
+def plan_runs(profile: ModelProfile, items: list) -> RunPlan:
+    """The grid checks and run plan alone, for items whose spans are known valid
+    (tests and tools; the materializer calls :func:`plan_items`)."""
+    items = list(items)
+    n_spans = sum(0 if it.offsets is None else len(it.offsets) for it in items)
+    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], n_spans)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def plan_items(
+    rs: RuleSet,
+    items: list,
+    ids: np.ndarray,
+    placeholders: tuple,
+    need_pad: bool,
+    hashable: bool = True,
+) -> ItemPlan:
+    """Rules 5 and 6 over ``items``; ``ids`` are the original (unpadded) ids and
+    ``placeholders`` the image, video and audio placeholder ids (None: no such id).
+
+    ``need_pad``: every item must carry its pad value (rule 4). ``hashable``:
+    an item without hash nor pad value needs a feature to hash (False for the
+    decode exemption, which needs no pad values).
+    """
+    n_items: cython.Py_ssize_t = len(items)
+    i: cython.Py_ssize_t
+    n_spans: cython.Py_ssize_t = 0
+    pads = np.empty(n_items, np.int64)
+    pv: cython.longlong[::1] = pads
+    hows = []
+    modalities = []
+    supported = rs.supported
+    for i in range(n_items):
+        item = items[i]
+        m = item.modality
+        modality = MODALITY_OF.get(m)
+        if modality is None:
+            raise InvalidRequest(f"item {i}: unknown modality {m} (1 image, 2 video, 3 audio)")
+        mi = int(modality)
+        if mi not in supported:
+            raise InvalidRequest(
+                f"item {i}: the model ({rs.model_name}) takes no {modality.name.lower()} input"
+            )
+        off = item.offsets
+        if off is None or len(off) == 0:
+            raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
+        n_spans += len(off)
+        pad, how = _pad_of(i, item, mi, need_pad, hashable)
+        pv[i] = pad
+        hows.append(how)
+        modalities.append(mi)
+    spans = spans_of(items, len(ids))
+    if n_items:
+        _check_placeholders(ids, items, modalities, placeholders)
+    if rs.uses_mrope:
+        runs = _plan_runs(rs, items, modalities, n_spans)
+    else:
+        runs = None
+        for i in range(n_items):
+            check_no_audio_in_video(i, items[i])
+    new_items: list = []
+    for i in range(n_items):
+        how = hows[i]
+        item = items[i]
+        if how == _PAD_FROM_HASH:
+            new_items.append(item.with_pad(item.hash, int(pv[i])))
+        elif how == _PAD_HASH_FEATURE:
+            new_items.append(None)
+        else:
+            new_items.append(item)
+    return ItemPlan(spans, runs, pads, new_items)
