@@ -130,6 +130,7 @@ def _describe(owner: int, k: int, start: int, end: int) -> str:
 
 
 def _offsets(item: Item) -> np.ndarray | None:
+    """The item's spans as an int64 ``[k, 2]`` array (rows ``[start, end]``)."""
     off = item.offsets
     if off is None or (type(off) is np.ndarray and off.dtype == _I64 and off.ndim == 2):
         return off
@@ -138,21 +139,18 @@ def _offsets(item: Item) -> np.ndarray | None:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def spans_of(items: list, n: cython.longlong) -> Spans:
-    """Every item's spans, checked inside ``input_ids`` and disjoint, sorted by start.
-
-    Items without offsets contribute none (the caller decides whether that is
-    allowed). Errors name the item and its span.
-    """
+def _span_table(offs: list, n: cython.longlong, wants: list | None) -> tuple:
+    """Every span in item order, checked inside ``input_ids``: ``(start, stop, owner,
+    k_in_item, want)`` int64 arrays (``stop`` exclusive; ``want``: the owner's
+    placeholder id, when ``wants`` gives one per item)."""
     i: cython.Py_ssize_t
     k: cython.Py_ssize_t
     pos: cython.Py_ssize_t = 0
     total: cython.Py_ssize_t = 0
     a: cython.longlong
     b: cython.longlong
-    ordered: cython.bint = True
-    n_items: cython.Py_ssize_t = len(items)
-    offs = [_offsets(item) for item in items]
+    w: cython.longlong = -1
+    n_items: cython.Py_ssize_t = len(offs)
     for i in range(n_items):
         if offs[i] is not None:
             total += len(offs[i])
@@ -160,13 +158,17 @@ def spans_of(items: list, n: cython.longlong) -> Spans:
     stop = np.empty(total, np.int64)
     owner = np.empty(total, np.int64)
     kin = np.empty(total, np.int64)
+    want = np.empty(total, np.int64)
     sv: cython.longlong[::1] = start
     ev: cython.longlong[::1] = stop
     ov: cython.longlong[::1] = owner
     kv: cython.longlong[::1] = kin
+    wv: cython.longlong[::1] = want
     for i in range(n_items):
         if offs[i] is None:
             continue
+        if wants is not None:
+            w = wants[i]
         o: cython.const[cython.longlong][:, :] = offs[i]  # type: ignore[valid-type]
         for k in range(o.shape[0]):
             a = o[k, 0]
@@ -176,20 +178,33 @@ def spans_of(items: list, n: cython.longlong) -> Spans:
                     f"{_describe(i, k, a, b)} is not a valid inclusive range inside "
                     f"input_ids (0 <= start <= end < {n})"
                 )
-            if pos and a < sv[pos - 1]:
-                ordered = False
             sv[pos] = a
             ev[pos] = b + 1
             ov[pos] = i
             kv[pos] = k
+            wv[pos] = w
             pos += 1
-    if not ordered:
-        order = np.argsort(start, kind="stable")
-        start, stop, owner, kin = start[order], stop[order], owner[order], kin[order]
-        sv = start
-        ev = stop
-        ov = owner
-        kv = kin
+    return start, stop, owner, kin, want
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _sorted_disjoint(
+    start: np.ndarray, stop: np.ndarray, owner: np.ndarray, kin: np.ndarray
+) -> Spans:
+    """The spans sorted by start; overlapping ones are refused."""
+    k: cython.Py_ssize_t
+    total: cython.Py_ssize_t = len(start)
+    sv: cython.longlong[::1] = start
+    for k in range(1, total):
+        if sv[k] < sv[k - 1]:
+            order = np.argsort(start, kind="stable")
+            start, stop, owner, kin = start[order], stop[order], owner[order], kin[order]
+            break
+    sv = start
+    ev: cython.longlong[::1] = stop
+    ov: cython.longlong[::1] = owner
+    kv: cython.longlong[::1] = kin
     for k in range(1, total):
         if sv[k] < ev[k - 1]:
             raise InvalidRequest(
@@ -199,37 +214,43 @@ def spans_of(items: list, n: cython.longlong) -> Spans:
     return Spans(start, stop, owner)
 
 
+def spans_of(items: list, n: int) -> Spans:
+    """Every item's spans, checked inside ``input_ids`` and disjoint, sorted by start.
+
+    Items without offsets contribute none (the caller decides whether that is
+    allowed). Errors name the item and its span.
+    """
+    start, stop, owner, kin, _ = _span_table([_offsets(it) for it in items], n, None)
+    return _sorted_disjoint(start, stop, owner, kin)
+
+
 def _check_placeholders(
-    ids: np.ndarray, items: list, modalities: list, placeholders: tuple
+    ids: np.ndarray, table: tuple, modalities: list, placeholders: tuple
 ) -> None:
-    """Every token of a span is its modality's placeholder (item order decides which
-    span is reported)."""
-    offs: list = [_offsets(item) for item in items]
-    table = np.concatenate(offs) if len(offs) > 1 else offs[0]
-    counts = [len(o) for o in offs]
-    owner = np.repeat(np.arange(len(items)), counts)
-    # A request's placeholder override may be any msgpack int; one outside int64
-    # (like a missing id) matches no token: ids were checked to be in [0, vocab).
-    per_item = []
-    for m in modalities:
-        e = placeholders[m - 1]
-        per_item.append(-1 if e is None or not _INT64_MIN <= e <= _INT64_MAX else e)
-    want = np.asarray(per_item, np.int64)[owner]
-    starts = np.ascontiguousarray(table[:, 0])
-    stops = table[:, 1] + 1
-    k = kernels.first_mismatch(ids, starts, stops, want)
+    """Every token of a span is its modality's placeholder (spans in item order: the
+    first one that is not is reported)."""
+    start, stop, owner, kin, want = table
+    k = kernels.first_mismatch(ids, start, stop, want)
     if k < 0:
         return
-    a, b = int(starts[k]), int(stops[k])
+    a, b = int(start[k]), int(stop[k])
     off = int(np.flatnonzero(ids[a:b] != want[k])[0])
     who = int(owner[k])
-    span_k = k - sum(counts[:who])
     shown = placeholders[modalities[who] - 1]
     raise InvalidRequest(
-        f"{_describe(who, span_k, a, b - 1)} holds token {int(ids[a + off])} at {a + off}; "
-        f"every token in a {Modality(modalities[who]).name.lower()} span must be the "
-        f"placeholder {-1 if shown is None else shown}"
+        f"{_describe(who, int(kin[k]), a, b - 1)} holds token {int(ids[a + off])} at "
+        f"{a + off}; every token in a {Modality(modalities[who]).name.lower()} span must be "
+        f"the placeholder {-1 if shown is None else shown}"
     )
+
+
+def _want(placeholder: int | None) -> int:
+    """A placeholder id as the span check compares it: a request's override may be any
+    msgpack int, and one outside int64 (like a missing id) matches no token (-1: ids
+    were checked to be in [0, vocab))."""
+    if placeholder is None or not _INT64_MIN <= placeholder <= _INT64_MAX:
+        return -1
+    return placeholder
 
 
 # ------------------------------------------------------------------ hash and pad value
@@ -358,21 +379,35 @@ def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
     return [rs.default_seconds] * rows
 
 
-def temporal_index(rs: RuleSet, frames: int, seconds: float) -> list:
+@cython.cfunc
+@cython.inline
+@cython.exceptval(check=False)
+def _round32(x: cython.double) -> cython.double:
+    """:func:`f32` where the build has C floats: the same conversion (a double rounded
+    to the nearest float32, as ``struct``'s ``f`` format does) without the calls."""
+    if cython.compiled:
+        return cython.cast(cython.float, x)
+    return f32(x)
+
+
+def temporal_index(rs: RuleSet, frames: cython.Py_ssize_t, seconds: cython.double) -> list:
     """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
+    k: cython.Py_ssize_t  # noqa: F842 - types the comprehensions' loop variable when compiled
     family = rs.family
     if family is Family.QWEN2_5_VL:  # trunc((k * s) * tokens_per_second)
-        tps = rs.tps
-        return [int(f32(f32(k * seconds) * tps)) for k in range(frames)]
+        tps: cython.double = rs.tps
+        return [int(_round32(_round32(k * seconds) * tps)) for k in range(frames)]
     if family is Family.QWEN3_OMNI:  # trunc(k * (s * position_id_per_seconds))
-        step = f32(seconds * rs.pps)
-        return [int(f32(k * step)) for k in range(frames)]
+        step: cython.double = _round32(seconds * rs.pps)
+        return [int(_round32(k * step)) for k in range(frames)]
     return list(range(frames))  # Qwen2-VL (per-frame families never get here)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _plan_runs(rs: RuleSet, items: list, modalities: list, n_spans: cython.Py_ssize_t) -> RunPlan:
+def _plan_runs(
+    rs: RuleSet, items: list, modalities: list, offs: list, n_spans: cython.Py_ssize_t
+) -> RunPlan:
     """Match every item's spans to its grid rows and return the runs in prompt order.
 
     Spans are already valid (bounds, disjointness, placeholder ids); this checks
@@ -400,7 +435,8 @@ def _plan_runs(rs: RuleSet, items: list, modalities: list, n_spans: cython.Py_ss
     for idx in range(len(items)):
         item = items[idx]
         modality = modalities[idx]
-        check_no_audio_in_video(idx, item)
+        if AUDIO_IN_VIDEO in item.side:
+            check_no_audio_in_video(idx, item)
         flat = _grid_rows(idx, item, modality)
         if flat is None:
             continue
@@ -421,7 +457,7 @@ def _plan_runs(rs: RuleSet, items: list, modalities: list, n_spans: cython.Py_ss
             if not is_video and t != 1:
                 raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {_shown(flat)}")
             expected += t if split else 1
-        o: cython.const[cython.longlong][:, :] = _offsets(item)  # type: ignore[valid-type]
+        o: cython.const[cython.longlong][:, :] = offs[idx]  # type: ignore[valid-type]
         n_item_spans: cython.Py_ssize_t = o.shape[0]
         if n_item_spans != expected:
             unit = "temporal frame" if split else "grid row"
@@ -494,8 +530,9 @@ def plan_runs(profile: ModelProfile, items: list) -> RunPlan:
     """The grid checks and run plan alone, for items whose spans are known valid
     (tests and tools; the materializer calls :func:`plan_items`)."""
     items = list(items)
-    n_spans = sum(0 if it.offsets is None else len(it.offsets) for it in items)
-    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], n_spans)
+    offs = [_offsets(it) for it in items]
+    n_spans = sum(0 if o is None else len(o) for o in offs)
+    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], offs, n_spans)
 
 
 # ------------------------------------------------------------------ entry point
@@ -525,6 +562,9 @@ def plan_items(
     pv: cython.longlong[::1] = pads
     hows = []
     modalities = []
+    offs = []
+    wants = [_want(p) for p in placeholders]
+    item_wants = []
     supported = rs.supported
     for i in range(n_items):
         item = items[i]
@@ -540,16 +580,21 @@ def plan_items(
         off = item.offsets
         if off is None or len(off) == 0:
             raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
+        off = _offsets(item)
+        assert off is not None
         n_spans += len(off)
         pad, how = _pad_of(i, item, mi, need_pad, hashable)
         pv[i] = pad
         hows.append(how)
         modalities.append(mi)
-    spans = spans_of(items, len(ids))
+        offs.append(off)
+        item_wants.append(wants[mi - 1])
+    table = _span_table(offs, len(ids), item_wants)
+    spans = _sorted_disjoint(table[0], table[1], table[2], table[3])
     if n_items:
-        _check_placeholders(ids, items, modalities, placeholders)
+        _check_placeholders(ids, table, modalities, placeholders)
     if rs.uses_mrope:
-        runs = _plan_runs(rs, items, modalities, n_spans)
+        runs = _plan_runs(rs, items, modalities, offs, n_spans)
     else:
         runs = None
         for i in range(n_items):
