@@ -240,6 +240,17 @@ class Service:
     gate: Gate
 
 
+def _output(kw: dict[str, Any]) -> Any:
+    """The ingest's output strategy from the ``service`` fixture's keywords (popped)."""
+    from mmadmit.zmq_output import Forward, Reply
+
+    forward = kw.pop("forward", None)
+    hook = kw.pop("sent_hook", None)
+    if forward is not None:
+        return Forward(forward, max_pending=kw.pop("max_pending_forwards", None), sent_hook=hook)
+    return Reply(send_timeout_s=kw.pop("send_timeout_s", 5.0), sent_hook=hook)
+
+
 @pytest.fixture
 async def service() -> AsyncIterator[Callable[..., Any]]:
     """``await service(family, **kw)`` -> a started :class:`Service` (``MaterializerPool``
@@ -264,7 +275,9 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         """``inline_max_tokens > 0``: small requests run inline, and no gate is
         installed (a ``before_run`` hook turns inline runs off). ``socket_defaults``:
         options for the sockets the ingest makes with ``ctx.socket()`` (its PUSH; the
-        ROUTER is made otherwise), on a context of its own."""
+        ROUTER is made otherwise), on a context of its own. The output: ``forward=
+        ADDRESS`` (with ``max_pending_forwards``) makes it a ``Forward``, else a
+        ``Reply`` (``send_timeout_s``); ``sent_hook`` goes to either."""
         if socket_defaults:
             ctx = zmq.asyncio.Context()
             contexts.append(ctx)
@@ -281,7 +294,8 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         )
         ingest_kw.setdefault("max_message_bytes", 64 << 20)
         ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
-        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
+        output = _output(ingest_kw)
+        ingest = ZmqIngest(pool, output, listen="tcp://127.0.0.1:0", **ingest_kw)
         svc = Service(pool, ingest, "", gate)
         made.append(svc)
         svc.endpoint = await ingest.start()

@@ -115,7 +115,7 @@ async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing
         max_pending_forwards=4,
         socket_defaults={zmq.SNDHWM: 2, zmq.SNDBUF: 8192},
     )
-    assert svc.ingest._res.push.getsockopt(zmq.SNDHWM) == 2
+    assert svc.ingest.output.socket.getsockopt(zmq.SNDHWM) == 2
     pull = zctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 2)
     pull.setsockopt(zmq.RCVBUF, 8192)
@@ -141,7 +141,7 @@ async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing
     n = 40
     for i in range(n):
         await upstream.send_multipart(add_frames(f"b{i}", feature), copy=False)
-    sender = svc.ingest._res.sender
+    sender = svc.ingest.output.fifo
     assert sender is not None
     # libzmq's pipes fill, forwards pile up pending, and the intake pauses: wait until
     # that holds still for 0.3 s (bounded: 30 tries)

@@ -61,6 +61,7 @@ from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.zmq_ingest import ZmqIngest
+from mmadmit.zmq_output import Forward
 from mmadmit_client import ClientStateError, RequestTimeout, ServerUnavailable
 from mmadmit_client.zmq import AsyncZmqClient, ClientState, ZmqClient, ZmqOutcome
 
@@ -873,7 +874,7 @@ async def test_start_failure_releases_everything(zctx: Sockets) -> None:
         await busy.stop(0.1)
         # half-way: the ROUTER binds, then the PUSH address is unusable
         half = ZmqIngest(
-            pool, listen="tcp://127.0.0.1:0", forward="nonsense://x", max_message_bytes=1 << 20
+            pool, Forward("nonsense://x"), listen="tcp://127.0.0.1:0", max_message_bytes=1 << 20
         )
         with pytest.raises(OSError, match="cannot connect ZMQ forward"):
             await half.start()
