@@ -310,3 +310,16 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         ctx.term()
     timed_out = [rid for svc in made for rid in svc.gate.timed_out]
     assert not timed_out, f"held requests were never released: {timed_out}"
+
+
+def requests_total(m: dict[str, float], **labels: str) -> float:
+    """The sum of a parsed scrape's ``mmadmit_requests_total`` samples (every
+    transport) whose labels include ``labels``, e.g. ``outcome="materialized"``."""
+    total = 0.0
+    for key, value in m.items():
+        name, _, rest = key.partition("{")
+        if name == "mmadmit_requests_total" and all(
+            f'{k}="{v}"' in rest for k, v in labels.items()
+        ):
+            total += value
+    return total
