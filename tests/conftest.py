@@ -323,3 +323,21 @@ def requests_total(m: dict[str, float], **labels: str) -> float:
         ):
             total += value
     return total
+
+
+OutcomeSeries = tuple[str, str, str]  # (transport, outcome, code) of mmadmit_requests_total
+
+
+def outcome_counts(registry: Any) -> dict[OutcomeSeries, float]:
+    """Every ``mmadmit_requests_total`` sample of ``registry`` (a ``Telemetry``'s)."""
+    out: dict[OutcomeSeries, float] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == "mmadmit_requests_total":
+                out[(s.labels["transport"], s.labels["outcome"], s.labels["code"])] = s.value
+    return out
+
+
+def grown(before: dict[OutcomeSeries, float], after: dict[OutcomeSeries, float]) -> dict:
+    """The samples that changed between two :func:`outcome_counts`, by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

@@ -74,7 +74,8 @@ pytestmark = [
 
 class Hold:
     """``before_run`` hook: blocks requests whose rid starts with ``hold`` until
-    :meth:`release`; :meth:`arm` makes it hold again. A held request the test
+    :meth:`release`; :meth:`arm` makes it hold again; raises for a rid that starts
+    with ``boom`` (a worker bug: INTERNAL). A held request the test
     never releases fails after ``HOLD_S`` (the worker raises and ``running``
     reports it) instead of quietly going on."""
 
@@ -86,6 +87,8 @@ class Hold:
         self.timed_out: list[str] = []
 
     def __call__(self, req: Request) -> None:
+        if req.rid.startswith("boom"):
+            raise RuntimeError("a worker bug (test hook)")  # answered INTERNAL
         if req.rid.startswith("hold"):
             self._entered.release()
             if not self._gate.wait(self.HOLD_S):

@@ -1,0 +1,273 @@
+"""Each outcome is counted once, and that count is what ``/metrics`` exports.
+
+Contract: a request a transport ends adds exactly 1 to exactly one sample of
+``mmadmit_requests_total{transport,outcome,code}`` (its transport, ``materialized``
+/ ``OK`` or ``aborted`` and its code) and nothing to any other sample, as seen
+by scraping the real ``/metrics`` endpoint of a real server (gRPC and ZMQ on
+ephemeral loopback ports, in reply and in forward mode). Every outcome the
+transport can produce is driven once: materialized, ``INVALID_REQUEST``,
+``UNSUPPORTED``, ``TOO_LARGE``, ``OVERLOADED``, ``CANCELLED``,
+``DEADLINE_EXCEEDED`` (gRPC: the msgpack wire carries no timeout),
+``INTERNAL`` and ``SHUTTING_DOWN``; ``TEXT_ONLY_MODEL`` on a server started
+``--language-model-only``. The engine and SMG gRPC transports count through
+the same ``Admissions.observe`` (``test_engine_mode.py``, ``test_smg_grpc.py``).
+The pool counts no outcome (no ``mmadmit_outcomes_total``), and the
+transports' untyped series do not export the count a second time.
+
+Run with: .venv/bin/python -m pytest tests/test_outcome_counts.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import http_get, until
+from mmadmit import wire
+from mmadmit.errors import AbortCode
+from mmadmit.model import Request, Tensor
+from mmadmit_client.grpc import build_item, build_request
+from prometheus_client.parser import text_string_to_metric_families
+from test_admission_both_transports import MODEL, Service, admit_request, running, small_request
+
+pytestmark = [
+    pytest.mark.skipif(not MODEL.is_file(), reason=f"no model config at {MODEL}"),
+    pytest.mark.timeout(90),
+]
+
+MAX_TOKENS = 1000
+Series = tuple[str, str, str]  # (transport, outcome, code)
+
+
+async def requests_total(svc: Service) -> dict[Series, float]:
+    """Every ``mmadmit_requests_total`` sample of one scrape of the live endpoint."""
+    status, body = await http_get(svc.handle.addresses["metrics"])
+    assert status == 200
+    out: dict[Series, float] = {}
+    for family in text_string_to_metric_families(body):
+        assert family.name != "mmadmit_outcomes"  # the pool counts no outcome
+        for s in family.samples:
+            if s.name == "mmadmit_requests_total":
+                out[(s.labels["transport"], s.labels["outcome"], s.labels["code"])] = s.value
+            # the transports' own series never repeat the outcome count
+            assert not s.name.endswith(("_materialized", "_aborted_by_code")), s.name
+    return out
+
+
+async def counted_once(svc: Service, series: Series, action: Awaitable[Any]) -> Any:
+    """Run ``action`` (one request to its outcome): exactly ``series`` grew, by 1."""
+    before = await requests_total(svc)
+    assert series in before, sorted(before)  # present (0) before it ever happens
+    result = await action
+    after = await requests_total(svc)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert grew == {series: 1.0}, (series, grew)
+    return result
+
+
+def aborted(transport: str, code: AbortCode) -> Series:
+    return (transport, "aborted", code.value)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def unsupported(rid: str) -> Request:
+    req = small_request(rid)
+    assert req.mm is not None
+    req.mm.items[0].side["use_audio_in_video"] = Tensor.from_numpy(np.array([1], np.int64))
+    return req
+
+
+def unsupported_proto(rid: str) -> Any:
+    ids = np.full(40, 100, np.int64)
+    ids[10:26] = 248056
+    item = build_item(
+        "image",
+        offsets=[(10, 25)],
+        feature=np.zeros((64, 32), np.float32),
+        image_grid_thw=[1, 8, 8],
+        side={"use_audio_in_video": np.array([1], np.int64)},
+    )
+    return build_request(rid, ids, [item])
+
+
+def too_long(rid: str) -> Request:
+    return Request(rid=rid, input_ids=np.full(MAX_TOKENS + 1, 100, np.int64))
+
+
+def text(rid: str) -> Request:
+    return Request(rid=rid, input_ids=np.full(8, 100, np.int64))
+
+
+def to_proto(req: Request) -> Any:
+    return build_request(req.rid, np.asarray(req.input_ids), [])
+
+
+# --------------------------------------------------------------------------- a ZMQ peer
+
+
+class ZmqPeer:
+    """A plain DEALER on the ingest; in forward mode also the downstream PULL. An
+    outcome is the reply (reply mode) or the forwarded ADD (forward mode)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, pull: zmq.asyncio.Socket | None):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.pull = pull
+
+    async def send(self, frames: list[Any]) -> None:
+        await self.sock.send_multipart(frames, copy=False)
+
+    async def outcome(self, timeout_s: float = 10.0) -> list[zmq.Frame]:
+        """The next outcome message (forward mode: the next ADD; ABORTs skipped)."""
+        while True:
+            src = self.pull if self.pull is not None else self.sock
+            frames = await asyncio.wait_for(src.recv_multipart(copy=False), timeout_s)
+            if self.pull is None or frames[0].bytes == bytes([wire.MSG_ADD]):
+                return frames
+
+    async def admit(self, req: Request) -> list[zmq.Frame]:
+        await self.send([bytes([wire.MSG_ADD]), *wire.encode_request(req)])
+        return await self.outcome()
+
+    async def abort(self, rid: str) -> None:
+        await self.send([bytes([wire.MSG_ABORT]), msgspec.msgpack.encode([rid])])
+
+
+@contextlib.asynccontextmanager
+async def zmq_peer(svc: Service, pull: zmq.asyncio.Socket | None) -> AsyncIterator[ZmqPeer]:
+    ctx = zmq.asyncio.Context.instance()
+    peer = ZmqPeer(ctx, svc.handle.addresses["zmq"], pull)
+    try:
+        yield peer
+    finally:
+        peer.sock.close(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def downstream(mode: str) -> AsyncIterator[tuple[dict[str, Any], zmq.asyncio.Socket | None]]:
+    """The server settings of ``mode`` and, in forward mode, the PULL it forwards to."""
+    if mode == "reply":
+        yield {}, None
+        return
+    pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind("tcp://127.0.0.1:*")
+    address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        yield {"zmq_forward": address}, pull
+    finally:
+        pull.close(linger=0)
+
+
+# --------------------------------------------------------------------------- ZMQ
+
+
+@pytest.mark.parametrize("mode", ["reply", "forward"])
+async def test_every_zmq_outcome_is_counted_once(mode: str) -> None:
+    z = "zmq"
+    async with (
+        downstream(mode) as (settings, pull),
+        running(workers=1, max_inflight=1, max_tokens=MAX_TOKENS, **settings) as svc,
+        zmq_peer(svc, pull) as peer,
+    ):
+        await counted_once(svc, (z, "materialized", "OK"), peer.admit(small_request("ok")))
+        await counted_once(
+            svc, aborted(z, AbortCode.INVALID_REQUEST), _raw(peer, b"\xc1 not msgpack")
+        )
+        await counted_once(svc, aborted(z, AbortCode.UNSUPPORTED), peer.admit(unsupported("un")))
+        await counted_once(svc, aborted(z, AbortCode.TOO_LARGE), peer.admit(too_long("big")))
+        await counted_once(svc, aborted(z, AbortCode.INTERNAL), peer.admit(small_request("boom")))
+
+        # one request held on the only worker: the next is OVERLOADED (max_inflight 1),
+        # and an ABORT then ends the held one CANCELLED
+        await peer.send([bytes([wire.MSG_ADD]), *wire.encode_request(small_request("hold-1"))])
+        await svc.hold.wait_entered()
+        await counted_once(svc, aborted(z, AbortCode.OVERLOADED), peer.admit(small_request("o")))
+        await counted_once(svc, aborted(z, AbortCode.CANCELLED), _abort(peer, "hold-1"))
+        svc.hold.release()
+        await until(lambda: svc.pool.inflight == 0)
+
+        svc.pool.begin_drain()
+        await counted_once(svc, aborted(z, AbortCode.SHUTTING_DOWN), peer.admit(small_request("l")))
+        stats = svc.handle.zmq.stats
+        assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == 7
+        assert not svc.handle.grpc.stats.aborted_by_code  # nothing under the other label
+
+
+async def _raw(peer: ZmqPeer, payload: bytes) -> list[zmq.Frame]:
+    await peer.send([bytes([wire.MSG_ADD]), payload])
+    return await peer.outcome()
+
+
+async def _abort(peer: ZmqPeer, rid: str) -> list[zmq.Frame]:
+    await peer.abort(rid)
+    return await peer.outcome()
+
+
+# --------------------------------------------------------------------------- gRPC
+
+
+async def test_every_grpc_outcome_is_counted_once() -> None:
+    g = "grpc"
+    async with running(workers=1, max_inflight=1, max_tokens=MAX_TOKENS) as svc:
+        gc = svc.grpc
+        await counted_once(svc, (g, "materialized", "OK"), gc.admit(admit_request("ok")))
+        bad = admit_request("bad")
+        bad.mm_inputs.items[0].placeholders[0].length = 15  # 15 placeholders for a 16 grid
+        await counted_once(svc, aborted(g, AbortCode.INVALID_REQUEST), gc.admit(bad))
+        await counted_once(svc, aborted(g, AbortCode.UNSUPPORTED), gc.admit(unsupported_proto("u")))
+        await counted_once(svc, aborted(g, AbortCode.TOO_LARGE), gc.admit(to_proto(too_long("b"))))
+        await counted_once(svc, aborted(g, AbortCode.INTERNAL), gc.admit(admit_request("boom")))
+
+        held = asyncio.ensure_future(gc.admit(admit_request("hold-1"), timeout=20))
+        await svc.hold.wait_entered()
+        await counted_once(svc, aborted(g, AbortCode.OVERLOADED), gc.admit(admit_request("o")))
+
+        async def abort_rpc() -> Any:
+            assert await gc.abort("hold-1") is True
+            return await held
+
+        await counted_once(svc, aborted(g, AbortCode.CANCELLED), abort_rpc())
+        svc.hold.release()
+        await until(lambda: svc.pool.inflight == 0)  # its late result is discarded
+
+        # the request's own deadline (timeout_ms) passes while it holds the worker
+        late = admit_request("hold-late")
+        late.timeout_ms = 100
+        svc.hold.arm()
+        await counted_once(svc, aborted(g, AbortCode.DEADLINE_EXCEEDED), gc.admit(late))
+        svc.hold.release()
+        await until(lambda: svc.pool.inflight == 0)
+
+        svc.pool.begin_drain()
+        await counted_once(svc, aborted(g, AbortCode.SHUTTING_DOWN), gc.admit(admit_request("l")))
+        assert not svc.handle.zmq.stats.aborted_by_code  # nothing under the other label
+
+
+# --------------------------------------------------------------------------- text-only model
+
+
+async def test_text_only_model_is_counted_once_on_both_transports() -> None:
+    async with (
+        running(workers=1, language_model_only=True) as svc,
+        zmq_peer(svc, None) as peer,
+    ):
+        await counted_once(svc, ("zmq", "materialized", "OK"), peer.admit(text("t-z")))
+        await counted_once(
+            svc, aborted("zmq", AbortCode.TEXT_ONLY_MODEL), peer.admit(small_request("i-z"))
+        )
+        await counted_once(svc, ("grpc", "materialized", "OK"), svc.grpc.admit(to_proto(text("t"))))
+        await counted_once(
+            svc, aborted("grpc", AbortCode.TEXT_ONLY_MODEL), svc.grpc.admit(admit_request("i-g"))
+        )
+
