@@ -108,6 +108,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,22 @@ class _Resources:
         self.stop_auth()
         if self.own_ctx and self.ctx is not None and not self.ctx.closed:
             self.ctx.term()  # sockets are closed with linger 0: returns at once
+
+
+def _spawner(ingest: ZmqIngest) -> Callable[[Any], None]:
+    """``ingest._spawn`` for its output, without keeping the ingest alive: the output
+    is held by the finalizer's resources, so a strong reference back would keep an
+    unstopped ingest (and its sockets) alive for good (STYLE 9)."""
+    ref = weakref.ref(ingest)
+
+    def spawn(coro: Any) -> None:
+        owner = ref()
+        if owner is None:  # the ingest is gone: nothing may run for it
+            coro.close()
+            return
+        owner._spawn(coro)
+
+    return spawn
 
 
 def _curve_note(curve: CurveServer | None) -> str:
@@ -391,7 +408,7 @@ class ZmqIngest:
             intake,
             reader,
             stats=self.stats,
-            spawn=self._spawn,
+            spawn=_spawner(self),
             name=self.transport,
             default_max_pending=2 * self.pool.max_inflight,
         )
