@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import grpc
 import msgspec
 import numpy as np
 import pytest
@@ -31,11 +32,11 @@ import zmq
 import zmq.asyncio
 from conftest import http_get, until
 from mmadmit import wire
+from mmadmit._proto import admission_pb2 as pb
 from mmadmit.errors import AbortCode
 from mmadmit.model import Request, Tensor
-from mmadmit_client.grpc import build_item, build_request
 from prometheus_client.parser import text_string_to_metric_families
-from test_admission_both_transports import MODEL, Service, admit_request, running, small_request
+from test_admission_both_transports import MODEL, Service, running, small_request
 
 pytestmark = [
     pytest.mark.skipif(not MODEL.is_file(), reason=f"no model config at {MODEL}"),
@@ -86,17 +87,67 @@ def unsupported(rid: str) -> Request:
     return req
 
 
-def unsupported_proto(rid: str) -> Any:
+def image_proto(rid: str, placeholders: int = 16, **side: np.ndarray) -> pb.AdmitRequest:
+    """``small_request`` as an ``AdmitRequest`` (built here from the service's own
+    protos, so that the test does not depend on the client library)."""
     ids = np.full(40, 100, np.int64)
-    ids[10:26] = 248056
-    item = build_item(
-        "image",
-        offsets=[(10, 25)],
-        feature=np.zeros((64, 32), np.float32),
-        image_grid_thw=[1, 8, 8],
-        side={"use_audio_in_video": np.array([1], np.int64)},
+    ids[10:26] = 248056  # Qwen3.5 <|image_pad|>
+    msg = pb.AdmitRequest(request_id=rid)
+    msg.tokenized.input_ids.extend(ids.tolist())
+    item = msg.mm_inputs.items.add(modality=pb.IMAGE)
+    item.placeholders.add(offset=10, length=placeholders)
+    feature = np.arange(64 * 32, dtype=np.float32)
+    item.encoder_input.CopyFrom(tensor([64, 32], "float32", feature))
+    item.model_specific_tensors["image_grid_thw"].CopyFrom(
+        tensor([1, 3], "int64", np.array([1, 8, 8], np.int64))
     )
-    return build_request(rid, ids, [item])
+    for key, value in side.items():
+        item.model_specific_tensors[key].CopyFrom(tensor(list(value.shape), "int64", value))
+    return msg
+
+
+def tensor(shape: list[int], dtype: str, values: np.ndarray) -> pb.TensorData:
+    return pb.TensorData(shape=shape, dtype=dtype, inline=values.tobytes())
+
+
+def text_proto(rid: str, n: int = 8) -> pb.AdmitRequest:
+    msg = pb.AdmitRequest(request_id=rid)
+    msg.tokenized.input_ids.extend([100] * n)
+    return msg
+
+
+class GrpcPeer:
+    """The Admit and Abort RPCs, raw: an outcome is the ``AdmitResponse``."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self._admit = self.channel.unary_unary(
+            "/mmadmit.v1.Admission/Admit",
+            request_serializer=pb.AdmitRequest.SerializeToString,
+            response_deserializer=pb.AdmitResponse.FromString,
+        )
+        self._abort = self.channel.unary_unary(
+            "/mmadmit.v1.Admission/Abort",
+            request_serializer=pb.AbortRequest.SerializeToString,
+            response_deserializer=pb.AbortResponse.FromString,
+        )
+
+    async def admit(self, msg: pb.AdmitRequest) -> pb.AdmitResponse:
+        out: pb.AdmitResponse = await self._admit(msg, timeout=20)
+        return out
+
+    async def abort(self, rid: str) -> bool:
+        out: pb.AbortResponse = await self._abort(pb.AbortRequest(request_id=rid), timeout=5)
+        return out.success
+
+
+@contextlib.asynccontextmanager
+async def grpc_peer(svc: Service) -> AsyncIterator[GrpcPeer]:
+    peer = GrpcPeer(svc.handle.addresses["grpc"])
+    try:
+        yield peer
+    finally:
+        await peer.channel.close()
 
 
 def too_long(rid: str) -> Request:
@@ -105,10 +156,6 @@ def too_long(rid: str) -> Request:
 
 def text(rid: str) -> Request:
     return Request(rid=rid, input_ids=np.full(8, 100, np.int64))
-
-
-def to_proto(req: Request) -> Any:
-    return build_request(req.rid, np.asarray(req.input_ids), [])
 
 
 # --------------------------------------------------------------------------- a ZMQ peer
@@ -219,30 +266,36 @@ async def _abort(peer: ZmqPeer, rid: str) -> list[zmq.Frame]:
 
 async def test_every_grpc_outcome_is_counted_once() -> None:
     g = "grpc"
-    async with running(workers=1, max_inflight=1, max_tokens=MAX_TOKENS) as svc:
-        gc = svc.grpc
-        await counted_once(svc, (g, "materialized", "OK"), gc.admit(admit_request("ok")))
-        bad = admit_request("bad")
-        bad.mm_inputs.items[0].placeholders[0].length = 15  # 15 placeholders for a 16 grid
+    async with (
+        running(workers=1, max_inflight=1, max_tokens=MAX_TOKENS) as svc,
+        grpc_peer(svc) as gc,
+    ):
+        await counted_once(svc, (g, "materialized", "OK"), gc.admit(image_proto("ok")))
+        bad = image_proto("bad", placeholders=15)  # 15 placeholders for a 16 grid
         await counted_once(svc, aborted(g, AbortCode.INVALID_REQUEST), gc.admit(bad))
-        await counted_once(svc, aborted(g, AbortCode.UNSUPPORTED), gc.admit(unsupported_proto("u")))
-        await counted_once(svc, aborted(g, AbortCode.TOO_LARGE), gc.admit(to_proto(too_long("b"))))
-        await counted_once(svc, aborted(g, AbortCode.INTERNAL), gc.admit(admit_request("boom")))
+        un = image_proto("un", use_audio_in_video=np.array([1], np.int64))
+        await counted_once(svc, aborted(g, AbortCode.UNSUPPORTED), gc.admit(un))
+        big = text_proto("big", MAX_TOKENS + 1)
+        await counted_once(svc, aborted(g, AbortCode.TOO_LARGE), gc.admit(big))
+        await counted_once(svc, aborted(g, AbortCode.INTERNAL), gc.admit(image_proto("boom")))
 
-        held = asyncio.ensure_future(gc.admit(admit_request("hold-1"), timeout=20))
+        # one request held on the only worker: the next is OVERLOADED (max_inflight 1),
+        # and the Abort RPC then ends the held one CANCELLED, in band
+        held = asyncio.ensure_future(gc.admit(image_proto("hold-1")))
         await svc.hold.wait_entered()
-        await counted_once(svc, aborted(g, AbortCode.OVERLOADED), gc.admit(admit_request("o")))
+        await counted_once(svc, aborted(g, AbortCode.OVERLOADED), gc.admit(image_proto("o")))
 
-        async def abort_rpc() -> Any:
+        async def abort_rpc() -> pb.AdmitResponse:
             assert await gc.abort("hold-1") is True
             return await held
 
-        await counted_once(svc, aborted(g, AbortCode.CANCELLED), abort_rpc())
+        out = await counted_once(svc, aborted(g, AbortCode.CANCELLED), abort_rpc())
+        assert out.abort.code == pb.CANCELLED
         svc.hold.release()
         await until(lambda: svc.pool.inflight == 0)  # its late result is discarded
 
         # the request's own deadline (timeout_ms) passes while it holds the worker
-        late = admit_request("hold-late")
+        late = image_proto("hold-late")
         late.timeout_ms = 100
         svc.hold.arm()
         await counted_once(svc, aborted(g, AbortCode.DEADLINE_EXCEEDED), gc.admit(late))
@@ -250,7 +303,9 @@ async def test_every_grpc_outcome_is_counted_once() -> None:
         await until(lambda: svc.pool.inflight == 0)
 
         svc.pool.begin_drain()
-        await counted_once(svc, aborted(g, AbortCode.SHUTTING_DOWN), gc.admit(admit_request("l")))
+        await counted_once(svc, aborted(g, AbortCode.SHUTTING_DOWN), gc.admit(image_proto("l")))
+        stats = svc.handle.grpc.stats
+        assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == 8
         assert not svc.handle.zmq.stats.aborted_by_code  # nothing under the other label
 
 
@@ -261,13 +316,13 @@ async def test_text_only_model_is_counted_once_on_both_transports() -> None:
     async with (
         running(workers=1, language_model_only=True) as svc,
         zmq_peer(svc, None) as peer,
+        grpc_peer(svc) as gc,
     ):
         await counted_once(svc, ("zmq", "materialized", "OK"), peer.admit(text("t-z")))
         await counted_once(
             svc, aborted("zmq", AbortCode.TEXT_ONLY_MODEL), peer.admit(small_request("i-z"))
         )
-        await counted_once(svc, ("grpc", "materialized", "OK"), svc.grpc.admit(to_proto(text("t"))))
+        await counted_once(svc, ("grpc", "materialized", "OK"), gc.admit(text_proto("t-g")))
         await counted_once(
-            svc, aborted("grpc", AbortCode.TEXT_ONLY_MODEL), svc.grpc.admit(admit_request("i-g"))
+            svc, aborted("grpc", AbortCode.TEXT_ONLY_MODEL), gc.admit(image_proto("i-g"))
         )
-
