@@ -240,6 +240,17 @@ class Service:
     gate: Gate
 
 
+def _output(kw: dict[str, Any]) -> Any:
+    """The ingest's output strategy from the ``service`` fixture's keywords (popped)."""
+    from mmadmit.zmq_output import Forward, Reply
+
+    forward = kw.pop("forward", None)
+    hook = kw.pop("sent_hook", None)
+    if forward is not None:
+        return Forward(forward, max_pending=kw.pop("max_pending_forwards", None), sent_hook=hook)
+    return Reply(send_timeout_s=kw.pop("send_timeout_s", 5.0), sent_hook=hook)
+
+
 @pytest.fixture
 async def service() -> AsyncIterator[Callable[..., Any]]:
     """``await service(family, **kw)`` -> a started :class:`Service` (``MaterializerPool``
@@ -264,7 +275,9 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         """``inline_max_tokens > 0``: small requests run inline, and no gate is
         installed (a ``before_run`` hook turns inline runs off). ``socket_defaults``:
         options for the sockets the ingest makes with ``ctx.socket()`` (its PUSH; the
-        ROUTER is made otherwise), on a context of its own."""
+        ROUTER is made otherwise), on a context of its own. The output: ``forward=
+        ADDRESS`` (with ``max_pending_forwards``) makes it a ``Forward``, else a
+        ``Reply`` (``send_timeout_s``); ``sent_hook`` goes to either."""
         if socket_defaults:
             ctx = zmq.asyncio.Context()
             contexts.append(ctx)
@@ -281,7 +294,8 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         )
         ingest_kw.setdefault("max_message_bytes", 64 << 20)
         ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
-        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", **ingest_kw)
+        output = _output(ingest_kw)
+        ingest = ZmqIngest(pool, output, listen="tcp://127.0.0.1:0", **ingest_kw)
         svc = Service(pool, ingest, "", gate)
         made.append(svc)
         svc.endpoint = await ingest.start()
@@ -296,3 +310,34 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         ctx.term()
     timed_out = [rid for svc in made for rid in svc.gate.timed_out]
     assert not timed_out, f"held requests were never released: {timed_out}"
+
+
+def requests_total(m: dict[str, float], **labels: str) -> float:
+    """The sum of a parsed scrape's ``mmadmit_requests_total`` samples (every
+    transport) whose labels include ``labels``, e.g. ``outcome="materialized"``."""
+    total = 0.0
+    for key, value in m.items():
+        name, _, rest = key.partition("{")
+        if name == "mmadmit_requests_total" and all(
+            f'{k}="{v}"' in rest for k, v in labels.items()
+        ):
+            total += value
+    return total
+
+
+OutcomeSeries = tuple[str, str, str]  # (transport, outcome, code) of mmadmit_requests_total
+
+
+def outcome_counts(registry: Any) -> dict[OutcomeSeries, float]:
+    """Every ``mmadmit_requests_total`` sample of ``registry`` (a ``Telemetry``'s)."""
+    out: dict[OutcomeSeries, float] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == "mmadmit_requests_total":
+                out[(s.labels["transport"], s.labels["outcome"], s.labels["code"])] = s.value
+    return out
+
+
+def grown(before: dict[OutcomeSeries, float], after: dict[OutcomeSeries, float]) -> dict:
+    """The samples that changed between two :func:`outcome_counts`, by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, http_get, until
+from conftest import CONFIGS, http_get, requests_total, until
 from mmadmit import native, wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.config import build_config
@@ -74,7 +74,8 @@ pytestmark = [
 
 class Hold:
     """``before_run`` hook: blocks requests whose rid starts with ``hold`` until
-    :meth:`release`; :meth:`arm` makes it hold again. A held request the test
+    :meth:`release`; :meth:`arm` makes it hold again; raises for a rid that starts
+    with ``boom`` (a worker bug: INTERNAL). A held request the test
     never releases fails after ``HOLD_S`` (the worker raises and ``running``
     reports it) instead of quietly going on."""
 
@@ -86,6 +87,8 @@ class Hold:
         self.timed_out: list[str] = []
 
     def __call__(self, req: Request) -> None:
+        if req.rid.startswith("boom"):
+            raise RuntimeError("a worker bug (test hook)")  # answered INTERNAL
         if req.rid.startswith("hold"):
             self._entered.release()
             if not self._gate.wait(self.HOLD_S):
@@ -238,8 +241,9 @@ async def scrape(svc: Service) -> dict[str, float]:
     return out
 
 
-def outcomes_metric(code: str) -> str:
-    return f'mmadmit_outcomes_total{{outcome="{code}"}}'
+def outcomes(m: dict[str, float], code: str) -> float:
+    """``mmadmit_requests_total`` of ``code`` (``OK``: materialized), all transports."""
+    return requests_total(m, code=code)
 
 
 # --------------------------------------------------------------------------- back-pressure
@@ -264,7 +268,7 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
             assert m["mmadmit_inflight"] == 2
             assert m["mmadmit_queue_depth"] == 1
             assert m["mmadmit_running"] == 1
-            assert m[outcomes_metric("OVERLOADED")] == 49
+            assert outcomes(m, "OVERLOADED") == 49
             assert m["mmadmit_admitted_total"] == 3  # warm-up, hold-0, the queued one
             svc.hold.release()
             outs = await asyncio.wait_for(asyncio.gather(*burst), 10)
@@ -284,12 +288,15 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
         assert zstats.received == 26 and zstats.replied == 26
         assert svc.handle.grpc.stats.requests == 25
         stats = svc.pool.stats
-        assert (stats.admitted, stats.overloaded, stats.completed) == (3, 49, 3)
-        assert stats.outcomes == {"MATERIALIZED": 3}
+        assert (stats.admitted, stats.completed) == (3, 3)  # warm-up, hold-0, the queued one
+        gstats = svc.handle.grpc.stats
+        assert zstats.materialized + gstats.materialized == 2  # each outcome counted once
+        assert (zstats.aborted_by_code["OVERLOADED"] + gstats.aborted_by_code["OVERLOADED"]
+                == 49)  # fmt: skip
         m = await scrape(svc)
         assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
-        assert m[outcomes_metric("OVERLOADED")] == 49
-        assert m[outcomes_metric("MATERIALIZED")] == 3
+        assert outcomes(m, "OVERLOADED") == 49
+        assert outcomes(m, "OK") == 2
         assert m["mmadmit_zmq_replied"] == 26 and m["mmadmit_grpc_requests"] == 25
 
 
@@ -360,13 +367,15 @@ async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
         assert svc.handle.zmq.inflight == 0
         stats = pool.stats
         assert (stats.cancelled_queued, stats.discarded_running) == (3, 2)
-        assert stats.outcomes == {"MATERIALIZED": 1, "CANCELLED": 5}  # 1: the warm-up
+        assert servicer_stats.aborted_by_code == {"CANCELLED": 3}  # 2 calls gone, 1 Abort RPC
+        assert zstats.aborted_by_code == {"CANCELLED": 2}  # the ABORTs
+        assert servicer_stats.materialized == zstats.materialized == 0
         assert servicer_stats.aborts_requested == 1 and servicer_stats.calls_cancelled == 2
         assert zstats.cancelled_by_peer == 2 and zstats.replied == 2
         m = await scrape(svc)
         assert m["mmadmit_cancelled_queued_total"] == 3
         assert m["mmadmit_discarded_running_total"] == 2
-        assert m[outcomes_metric("CANCELLED")] == 5
+        assert outcomes(m, "CANCELLED") == 5
         assert m["mmadmit_inflight"] == 0
         # and both transports still serve
         assert (await zc.admit(small_request("after-z"))).materialized
@@ -419,7 +428,9 @@ async def test_drain_refuses_new_work_and_finishes_admitted_work() -> None:
                 await asyncio.gather(stopping, return_exceptions=True)
             peer.close()
         stats = pool.stats
-        assert stats.rejected_shutting_down == 3 and stats.shutdown_aborted == 0
+        assert stats.shutdown_aborted == 0
+        assert svc.handle.zmq.stats.aborted_by_code == {"SHUTTING_DOWN": 2}
+        assert svc.handle.grpc.stats.aborted_by_code == {"SHUTTING_DOWN": 1}
         assert pool.inflight == 0
         assert svc.handle.zmq.stats.undeliverable == 0
 
@@ -434,15 +445,17 @@ async def test_metrics_endpoint_paths() -> None:
         assert isinstance(await svc.grpc.admit(admit_request("m-g"), timeout=10), Materialized)
         status, body = await http_get(address, "/metrics?name[]=mmadmit_inflight")
         assert status == 200  # prometheus_client's name filter
-        assert "mmadmit_inflight 0.0" in body and "mmadmit_outcomes" not in body
+        assert "mmadmit_inflight 0.0" in body and "mmadmit_requests" not in body
         status, body = await http_get(address, "/metrics")
         assert status == 200
         assert "# TYPE mmadmit_inflight gauge" in body
-        assert "# TYPE mmadmit_outcomes_total counter" in body
+        assert "# TYPE mmadmit_requests_total counter" in body
+        assert "mmadmit_outcomes" not in body  # the pool counts no outcome (one count each)
         m = await scrape(svc)
         assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
         assert m["mmadmit_max_inflight"] == 2 and m["mmadmit_draining"] == 0
-        assert m[outcomes_metric("MATERIALIZED")] == 3  # warm-up + 2
+        assert outcomes(m, "OK") == 2  # the warm-up is no transport's request
+        assert "mmadmit_zmq_materialized" not in m  # exported once, as requests_total
         assert m["mmadmit_grpc_requests"] == 1 and m["mmadmit_zmq_replied"] == 1
         for path in ("/", "/metric", "/metrics/x", "/healthz"):
             assert (await http_get(address, path))[0] == 404, path

@@ -63,20 +63,33 @@ from typing import Any
 import engine_peers
 import grpc
 import msgspec
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, TESTS_DIR, http_get, load_vector, vector_names
+from conftest import (
+    CONFIGS,
+    TESTS_DIR,
+    grown,
+    http_get,
+    load_vector,
+    outcome_counts,
+    until,
+    vector_names,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mmadmit import handshake as hs
 from mmadmit import scheduler_link, wire
 from mmadmit.config import build_config
 from mmadmit.engine_mode import EngineRelay
-from mmadmit.errors import ConfigError
+from mmadmit.errors import AbortCode, ConfigError
 from mmadmit.frames import parse_frames
 from mmadmit.materializer import Materializer
+from mmadmit.model import Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
+from mmadmit.telemetry import Telemetry
+from test_admission_both_transports import small_request
 from test_zmq_ingest import assert_error_vector, assert_matches_vector
 
 pytestmark = pytest.mark.timeout(60)
@@ -653,7 +666,9 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def relay_env(smg_handshake: str | None = None, timeout_s: float = 20) -> AsyncIterator[Env]:
+async def relay_env(
+    smg_handshake: str | None = None, timeout_s: float = 20, telemetry: Telemetry | None = None
+) -> AsyncIterator[Env]:
     ctx = zmq.asyncio.Context()
     smg = engine_peers.Smg(ctx, "tcp://127.0.0.1:0", report=False)
     profile = load_profile(str(CONFIGS / "qwen3_5.json"))
@@ -670,6 +685,7 @@ async def relay_env(smg_handshake: str | None = None, timeout_s: float = 20) -> 
         on_gone=gone.append,
         watchdog_s=None,
         output_hook=hooked.append,
+        telemetry=telemetry,
     )
     env = Env(ctx, smg, relay, "", gone, hooked)
     try:
@@ -720,6 +736,45 @@ async def test_in_process_zero_copy_outputs_scheduler_dead_frame_and_passthrough
         assert [len(f) for f in env.hooked[0]][1] == 100_000
         await env.relay.stop(0.5)
         assert await recv_or_none(env.smg, 0.3) is None  # stopping sends no second one
+
+
+async def test_in_process_each_outcome_is_counted_once_under_engine() -> None:
+    """Materialized, refused at decode, refused by the materializer, refused while
+    draining: each adds exactly 1 to its own ``requests_total{transport="engine"}``
+    sample, and nothing anywhere else (the relay is forward mode's very code, whose
+    every code is driven in ``test_outcome_counts.py``)."""
+    telemetry = Telemetry("qwen3_5", log_outcomes=False)
+    async with relay_env(telemetry=telemetry) as env:
+        seen = env.scheduler()
+        assert outcome_counts(telemetry.registry) == {}  # no relay intake yet
+        await env.handshakes()
+        counts = outcome_counts(telemetry.registry)  # every code present from the start
+        assert len(counts) == 1 + len(AbortCode) and not any(counts.values())
+        unsupported = small_request("un")
+        assert unsupported.mm is not None
+        flag = Tensor.from_numpy(np.array([1], np.int64))
+        unsupported.mm.items[0].side["use_audio_in_video"] = flag
+        cases: list[tuple[str, list[Any]]] = [
+            ("OK", engine_peers.vector_frames("qwen3_5_image1", "ok")),
+            ("INVALID_REQUEST", [b"\x00", b"\xc1 not msgpack"]),
+            ("UNSUPPORTED", [b"\x00", *wire.encode_request(unsupported)]),
+            ("SHUTTING_DOWN", engine_peers.vector_frames("qwen3_5_image1", "late")),
+        ]
+        for code, frames in cases:
+            if code == "SHUTTING_DOWN":
+                env.relay.pool.begin_drain()
+            before = outcome_counts(telemetry.registry)
+            n = len(seen)
+            await env.smg.send(frames)
+            await until(lambda n=n: len(seen) > n)  # forwarded (marked unless OK)
+            outcome = "materialized" if code == "OK" else "aborted"
+            assert grown(before, outcome_counts(telemetry.registry)) == {
+                ("engine", outcome, code): 1
+            }, code
+        assert env.relay.stats.materialized == 1
+        assert env.relay.stats.aborted_by_code == {
+            "INVALID_REQUEST": 1, "UNSUPPORTED": 1, "SHUTTING_DOWN": 1
+        }  # fmt: skip
 
 
 async def test_in_process_handshake_timeout_names_the_step(

@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import CONFIGS, REPO_ROOT, http_get
+from conftest import CONFIGS, REPO_ROOT, http_get, requests_total
 from mmadmit import wire
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.errors import Abort, AbortCode
@@ -466,7 +466,9 @@ async def test_ready_line_then_serving_on_every_transport() -> None:
             assert (await zc.admit(small_request("z"))).materialized
         m = await metrics(addr["metrics"])
         assert m["mmadmit_inflight"] == 0
-        assert m['mmadmit_outcomes_total{outcome="MATERIALIZED"}'] == 3  # warm-up + 2
+        assert requests_total(m, outcome="materialized") == 2  # the warm-up is no request
+        assert requests_total(m, transport="grpc", code="OK") == 1
+        assert requests_total(m, transport="zmq", code="OK") == 1
         srv.send()
         rc, took = await srv.wait_exit(10)
         assert rc == 0, srv.stderr

@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 import workloads
 import zmq.asyncio
-from conftest import CONFIGS, load_vector, until
+from conftest import CONFIGS, grown, load_vector, outcome_counts, until
 from mmadmit import wire
 from mmadmit.config import build_config
 from mmadmit.errors import AbortCode, ConfigError
@@ -449,6 +449,42 @@ async def test_outcomes_are_counted_once_under_their_own_transport_label(
         assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 1}
     lines = [r.getMessage() for r in caplog.records if r.name == "mmadmit.outcome"]
     assert len(lines) == 2 and all("transport=smg_grpc" in line for line in lines)
+
+
+async def test_each_outcome_adds_one_to_its_own_sample_only() -> None:
+    """Materialized, refused while translating (INVALID_REQUEST, UNSUPPORTED), refused
+    while draining: each adds exactly 1 to its own ``requests_total{transport=
+    "smg_grpc"}`` sample and nothing to any other (every code is present from the start)."""
+    telemetry = Telemetry("qwen3_5", log_outcomes=False)
+    async with face_env(scheduler={}, telemetry=telemetry) as env:
+        counts = outcome_counts(telemetry.registry)
+        assert len(counts) == 1 + len(AbortCode) and not any(counts.values())
+
+        def generate(rid: str, n: int = 1) -> ts.GenerateRequest:
+            req = ts.GenerateRequest(request_id=rid)
+            req.tokenized.input_ids.extend([1, 2, 3] if rid != "empty" else [])
+            req.sampling_params.n = n
+            return req
+
+        cases = [
+            ("OK", generate("ok")),
+            ("INVALID_REQUEST", ts.GenerateRequest(request_id="empty")),
+            ("UNSUPPORTED", generate("two", n=2)),
+            ("SHUTTING_DOWN", generate("late")),
+        ]
+        for code, req in cases:
+            if code == "SHUTTING_DOWN":
+                env.face.begin_drain()
+            before = outcome_counts(telemetry.registry)
+            if code == "OK":
+                await collect(env.stub.Generate(req))
+            else:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await collect(env.stub.Generate(req))
+            outcome = "materialized" if code == "OK" else "aborted"
+            assert grown(before, outcome_counts(telemetry.registry)) == {
+                ("smg_grpc", outcome, code): 1
+            }, code
 
 
 async def test_logprobs_and_the_schedulers_load_reach_smg() -> None:

@@ -61,6 +61,7 @@ from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.zmq_ingest import ZmqIngest
+from mmadmit.zmq_output import Forward, Reply
 from mmadmit_client import ClientStateError, RequestTimeout, ServerUnavailable
 from mmadmit_client.zmq import AsyncZmqClient, ClientState, ZmqClient, ZmqOutcome
 
@@ -873,7 +874,7 @@ async def test_start_failure_releases_everything(zctx: Sockets) -> None:
         await busy.stop(0.1)
         # half-way: the ROUTER binds, then the PUSH address is unusable
         half = ZmqIngest(
-            pool, listen="tcp://127.0.0.1:0", forward="nonsense://x", max_message_bytes=1 << 20
+            pool, Forward("nonsense://x"), listen="tcp://127.0.0.1:0", max_message_bytes=1 << 20
         )
         with pytest.raises(OSError, match="cannot connect ZMQ forward"):
             await half.start()
@@ -883,6 +884,32 @@ async def test_start_failure_releases_everything(zctx: Sockets) -> None:
         await half.stop(0.1)
         # a stop() without start() is a no-op too
         await ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1).stop(0)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("mode", ["reply", "forward"])
+async def test_an_ingest_dropped_without_stop_releases_its_sockets(mode: str) -> None:
+    """The output (held by the ingest's finalizer) never keeps the ingest alive: an
+    ingest dropped without ``stop()`` is freed and its finalizer closes its sockets
+    and its own context."""
+    import gc
+    import weakref
+
+    pool = MaterializerPool(Materializer(load_profile(str(config_for_family("llama")))), workers=1)
+    try:
+        output = Reply() if mode == "reply" else Forward("tcp://127.0.0.1:1")
+        ingest = ZmqIngest(pool, output, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 20)
+        await ingest.start()
+        router, ctx = ingest._res.router, ingest._res.ctx
+        assert router is not None and ctx is not None and not router.closed
+        ref = weakref.ref(ingest)
+        del ingest
+        await asyncio.sleep(0)  # let the forward sender task start and park
+        gc.collect()
+        assert ref() is None
+        assert router.closed and ctx.closed
+        assert mode == "reply" or (output.socket is not None and output.socket.closed)
     finally:
         pool.close()
 

@@ -15,8 +15,12 @@ between is the same on every face, and lives here once
 * **cancel**: by key, with the code that says why;
 * **outcome counting**: :meth:`Admissions.observe` counts every terminal
   outcome of the transport once (:class:`AdmissionStats`, the transport's
-  ``materialized`` / ``aborted_by_code``) and tells telemetry under the
-  transport's label.
+  ``materialized`` / ``aborted_by_code``), and that count is the only one:
+  telemetry exports it at scrape time as ``mmadmit_requests_total`` under the
+  transport's label (:meth:`~mmadmit.telemetry.Telemetry.track`) and is told
+  of each outcome only for its latency histogram and log line. The pool
+  counts its own work (admitted, inline, cancelled while queued, ...), never
+  outcomes.
 
 Non-goals: decoding, encoding and delivery (the transports), materializing
 (the pool). Everything here runs on the event loop; nothing blocks.
@@ -77,6 +81,8 @@ class Admissions:
         self.scope = scope
         self.max_per_peer = max_per_peer
         self.stats = stats if stats is not None else AdmissionStats()
+        if telemetry is not None:
+            telemetry.track(transport, self.stats)
         self.closing = False  # set at shutdown: new requests are refused SHUTTING_DOWN
         self._inflight: dict[Key, Ticket] = {}
         self._peer_counts: dict[Hashable, int] = {}
@@ -152,7 +158,8 @@ class Admissions:
     def observe(
         self, rid: str, request: Request | None, outcome: Materialized | Abort, t0: float
     ) -> None:
-        """Count one terminal outcome of this transport (call exactly once per request)."""
+        """Count one terminal outcome of this transport (call exactly once per request;
+        this is the one count of it) and tell telemetry for its latency and log line."""
         self.stats.count(outcome)
         if self.telemetry is not None:
             self.telemetry.outcome(self.transport, rid, request, outcome, t0)

@@ -24,13 +24,14 @@ The relay, once both handshakes are done:
 
 * **requests**: SMG's input DEALER is the intake of a forward-mode
   :class:`~mmadmit.zmq_ingest.ZmqIngest` (:meth:`~mmadmit.zmq_ingest.ZmqIngest.adopt`)
-  whose forward target is the scheduler's input ROUTER: every request is
-  materialized through the shared pool and forwarded as an ADD the scheduler's
-  decoder accepts, an aborted one marked with ``validation_error`` and its
-  features removed; ABORTs go after their ADD; large requests do not hold up
-  small ones (only per-rid order is kept); back-pressure from the scheduler
-  stops intake from SMG. Messages of other types (utility calls) are forwarded
-  unchanged, in order. This is the very code of forward mode, not a copy.
+  whose :class:`~mmadmit.zmq_output.Forward` output is the scheduler's input
+  ROUTER: every request is materialized through the shared pool and forwarded
+  as an ADD the scheduler's decoder accepts, an aborted one marked with
+  ``validation_error`` and its features removed; ABORTs go after their ADD;
+  large requests do not hold up small ones (only per-rid order is kept);
+  back-pressure from the scheduler stops intake from SMG. Messages of other
+  types (utility calls) are forwarded unchanged, in order. This is the very
+  code of forward mode, not a copy.
 * **outputs**: the output PULL is read by a :class:`~mmadmit.zsock.SocketReader`
   and every message goes to SMG's output PUSH through an
   :class:`~mmadmit.zsock.OrderedSender`: the received ``zmq.Frame`` objects
@@ -76,6 +77,7 @@ from .pool import MaterializerPool
 from .scheduler_link import PROGRESS_S, SchedulerLink, SchedulerStats
 from .telemetry import Telemetry
 from .zmq_ingest import ZmqIngest, ZmqIngestStats
+from .zmq_output import Forward
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
 logger = logging.getLogger(__name__)
@@ -251,31 +253,33 @@ class EngineRelay(SchedulerLink):
         )
         out.pauses(reader)
         out.start()
+        assert self._scheduler_identity is not None
+        # Forward mode's own output, on the scheduler's input ROUTER (each message
+        # addressed to the scheduler's identity) instead of a PUSH of its own.
+        to_scheduler = Forward(
+            f"the scheduler's input {self.input_address}",
+            socket=self._in_down,
+            prefix=[self._scheduler_identity],
+            on_forward=self._forwarded,
+            passthrough=True,
+        )
         ingest = self.ingest = ZmqIngest(
             self.pool,
+            to_scheduler,
             listen=f"SMG input (engine {self.engine_index})",
-            forward=f"the scheduler's input {self.input_address}",
             max_message_bytes=self.max_message_bytes,
             context=self._ctx,
             watchdog_s=self._watchdog_s,
             telemetry=self.telemetry,
             transport="engine",
             stats=self.stats,
-            on_forward=self._forwarded,
-            passthrough=True,
             limits=self.limits,
             max_frames=self.max_frames,
         )
-        assert self._scheduler_identity is not None
         # The ingest owns these two from here (it closes them at stop).
         self._socks.remove(intake)
         self._socks.remove(self._in_down)
-        ingest.adopt(
-            intake,
-            self._in_down,
-            peer=self.identity,
-            forward_prefix=[self._scheduler_identity],
-        )
+        ingest.adopt(intake, peer=self.identity)
         reader.start()
         if self._dead:  # the scheduler went while SMG's handshake ran
             self._send_dead()

@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import Abort, AbortCode, Overloaded, ShuttingDown
 from .materializer import CPU_OPS, ArrayOps, Materializer, Outcome
@@ -114,17 +114,16 @@ RunObserver = Callable[[int, float, bool], None]
 
 @dataclass
 class PoolStats:
-    """Counters for metrics; written on the event loop thread only."""
+    """Counters of the pool's own work, for metrics; written on the event loop thread
+    only. Outcomes (and refusals) are counted by the transports, once
+    (:class:`~mmadmit.admission.AdmissionStats`), not here."""
 
     admitted: int = 0
-    overloaded: int = 0
-    rejected_shutting_down: int = 0
-    completed: int = 0
+    completed: int = 0  # admitted requests whose run gave their outcome
     cancelled_queued: int = 0  # removed before a worker took them
     discarded_running: int = 0  # ended early while running; result thrown away
-    shutdown_aborted: int = 0
+    shutdown_aborted: int = 0  # ended SHUTTING_DOWN at the drain deadline
     inline: int = 0  # admitted and materialized on the calling thread (small requests)
-    outcomes: dict[str, int] = field(default_factory=dict)  # by outcome name
 
 
 class Ticket:
@@ -190,9 +189,6 @@ class Ticket:
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
             self._deadline_handle = None  # the handle's callback refers back to us
-        name = outcome.code.value if isinstance(outcome, Abort) else "MATERIALIZED"
-        stats = self._pool.stats
-        stats.outcomes[name] = stats.outcomes.get(name, 0) + 1
 
     def _release(self) -> None:
         if not self._released:
@@ -334,12 +330,10 @@ class MaterializerPool:
             self._idle = asyncio.Event()
             self._idle.set()
         if self._draining:
-            self.stats.rejected_shutting_down += 1
             raise ShuttingDown("the service is shutting down; retry on another replica")
         if self.runs_inline(req):
             return self._run_inline(req, loop)
         if len(self._tickets) >= self.max_inflight:
-            self.stats.overloaded += 1
             raise Overloaded(
                 f"{len(self._tickets)} requests in flight (limit {self.max_inflight}, "
                 "--max-inflight); retry later"

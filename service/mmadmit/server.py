@@ -230,11 +230,12 @@ async def start_server(
         handle.grpc = grpc_server
     if config.zmq_listen != OFF:
         from .zmq_ingest import ZmqIngest
+        from .zmq_output import Forward, Reply
 
         ingest = ZmqIngest(
             pool,
+            Reply() if config.zmq_forward is None else Forward(config.zmq_forward),
             listen=config.zmq_listen,
-            forward=config.zmq_forward,
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
             curve=security.curve_from_config(config),

@@ -393,7 +393,6 @@ class SmgStats(SchedulerStats, AdmissionStats):
     """The face's counters (``mmadmit_smg_grpc_*`` and the outcome counts)."""
 
     generate_calls: int = 0  # Generate calls received
-    refused: int = 0  # calls ended with a status before reaching the scheduler
     adds_sent: int = 0  # ADDs handed to the scheduler's input
     aborts_sent: int = 0  # ABORTs handed to the scheduler's input
     abort_calls: int = 0  # Abort RPCs that ended a request
@@ -766,8 +765,8 @@ class SmgGrpcFace(SchedulerLink):
         abort: Abort,
         t0: float,
     ) -> None:
-        """End a call that never reached the scheduler (counted once, as its outcome)."""
-        self.stats.refused += 1
+        """End a call that never reached the scheduler (counted once, as its outcome:
+        ``requests_total{transport="smg_grpc",outcome="aborted"}``)."""
         self.admissions.observe(rid, req, abort, t0)
         logger.debug("rid=%s: refused %s: %s", rid, abort.code.value, abort.message)
         await context.abort(STATUS_OF[abort.code], _status_message(abort))

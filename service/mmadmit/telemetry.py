@@ -1,20 +1,25 @@
 """What the service tells its operators: Prometheus series and a log line per outcome.
 
-Scope: the one :class:`Telemetry` object of a server, shared by both
-transports and the pool. Each transport calls :meth:`Telemetry.outcome` once
-for every request it ends (materialized or aborted, admitted or refused before
-admission); the pool reports how long each materializer run took. Everything
-else (in-flight, queue depth, draining, bytes received and sent, the pool's and
-transports' own counters) is read from their ``stats`` objects when
-``/metrics`` is scraped (:class:`StatsCollector`), so it costs the request
-path nothing but a plain integer add.
+Scope: the one :class:`Telemetry` object of a server, shared by every
+transport and the pool. Each outcome is counted in exactly one place: the
+transport's :class:`~mmadmit.admission.AdmissionStats` (a plain integer add in
+:meth:`~mmadmit.admission.Admissions.observe`), which registers with
+:meth:`Telemetry.track` and is exported as ``requests_total`` when
+``/metrics`` is scraped. :meth:`Telemetry.outcome`, called by the same
+``observe``, adds what a count cannot hold: the latency observation, the
+feature bytes hashed and the outcome log line. The pool reports how long each
+materializer run took. Everything else (in-flight, queue depth, draining,
+bytes received and sent, the pool's and transports' own counters) is read from
+their ``stats`` objects at scrape time too (:class:`StatsCollector`), so it
+costs the request path nothing but a plain integer add.
 
 Non-goals: the HTTP endpoint (``metrics.py``), and deciding outcomes: this
 module only observes them.
 
 Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
 
-    requests_total{transport,outcome,code}          one per terminal outcome
+    requests_total{transport,outcome,code}          one per terminal outcome (read from
+                                                    the transports' AdmissionStats)
     request_duration_seconds{transport,family,tokens}   receipt -> outcome sent
     materialize_duration_seconds{family,tokens,path}    one materializer run
     received_bytes_total{transport}, sent_bytes_total{transport}
@@ -26,7 +31,7 @@ Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
     engine_scheduler_up                              engine mode (server wires it)
 
 Cost on the request path: label children are resolved once and cached, so an
-outcome is a dict lookup, a counter increment and a histogram observation
+outcome is an integer add, a dict lookup and a histogram observation
 (about 2 microseconds), plus the log line when outcome logging asks for one
 (``--log-outcomes``: aborts by default, every outcome with ``all``). The line is
 queued for the log writer thread (:mod:`mmadmit.logs`): it never blocks the
@@ -45,12 +50,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .errors import Abort
+from .errors import Abort, AbortCode
 from .logs import dropped_records
 from .model import Materialized, Request
 from .runtime import heap_stats
 
 if TYPE_CHECKING:
+    from .admission import AdmissionStats
     from .pool import MaterializerPool
 
 outcome_logger = logging.getLogger("mmadmit.outcome")
@@ -141,13 +147,8 @@ class Telemetry:
             raise ValueError(f"log_outcomes must be all, aborts or off, not {log_outcomes!r}")
         self.log_outcomes = log_outcomes
         reg = self.registry
-        self._requests = Counter(
-            "mmadmit_requests",
-            "Terminal outcomes by transport: outcome is materialized or aborted, code the "
-            "abort code (OK when materialized).",
-            ["transport", "outcome", "code"],
-            registry=reg,
-        )
+        self._outcomes = OutcomeCollector()
+        reg.register(self._outcomes)
         self._latency = Histogram(
             "mmadmit_request_duration_seconds",
             "End to end, from the request's receipt to its outcome handed to the transport.",
@@ -171,8 +172,11 @@ class Telemetry:
         self._lock = threading.Lock()
         self._children: dict[tuple[Any, ...], Any] = {}
         self._hashed_by = {t: self._hashed.labels(t) for t in TRANSPORTS}
-        for t in TRANSPORTS:  # so that a scrape shows every transport from the start
-            self._requests.labels(t, "materialized", "OK")
+
+    def track(self, transport: str, stats: AdmissionStats) -> None:
+        """Export ``stats`` (a transport's one count of its outcomes) as
+        ``requests_total{transport=...}`` from now on (idempotent per object)."""
+        self._outcomes.track(transport, stats)
 
     # ------------------------------------------------------------------ children
 
@@ -202,8 +206,8 @@ class Telemetry:
         outcome: Materialized | Abort,
         started: float,
     ) -> None:
-        """Count and log one terminal outcome; ``started`` is the receipt's
-        ``time.perf_counter()``."""
+        """Time and log one terminal outcome (counted by the caller's stats, see
+        :meth:`track`); ``started`` is the receipt's ``time.perf_counter()``."""
         latency_s = time.perf_counter() - started
         tokens, items = request_size(request)
         if isinstance(outcome, Abort):
@@ -215,7 +219,6 @@ class Telemetry:
                 if hashed:
                     self._hashed_by[transport].inc(hashed)
         bucket = token_bucket(tokens)
-        self._child((self._requests, transport, kind, code)).inc()
         self._child((self._latency, transport, self.family, bucket)).observe(latency_s)
         mode = self.log_outcomes
         if (
@@ -250,13 +253,51 @@ class Telemetry:
 # --------------------------------------------------------------------------- scrape-time
 
 
+class OutcomeCollector(Collector):
+    """``mmadmit_requests_total{transport,outcome,code}``, read at scrape time from the
+    transports' outcome counts (:class:`~mmadmit.admission.AdmissionStats`): the one
+    count of each outcome, exported once. Every code of a tracked transport is
+    present from the start (0 until it happens), so a rate never begins mid-series."""
+
+    def __init__(self) -> None:
+        self._tracked: list[tuple[str, AdmissionStats]] = []
+
+    def track(self, transport: str, stats: AdmissionStats) -> None:
+        if not any(s is stats for _, s in self._tracked):
+            self._tracked.append((transport, stats))
+
+    def collect(self) -> Iterator[Metric]:
+        totals: dict[tuple[str, str, str], float] = {}
+        for transport, stats in list(self._tracked):  # scrape thread: copy, then read
+            key = (transport, "materialized", "OK")
+            totals[key] = totals.get(key, 0) + stats.materialized
+            aborted = dict(stats.aborted_by_code)
+            for code in AbortCode:
+                key = (transport, "aborted", code.value)
+                totals[key] = totals.get(key, 0) + aborted.get(code.value, 0)
+        family = CounterMetricFamily(
+            "mmadmit_requests",
+            "Terminal outcomes by transport: outcome is materialized or aborted, code the "
+            "abort code (OK when materialized).",
+            labels=["transport", "outcome", "code"],
+        )
+        for labels, value in totals.items():
+            family.add_metric(list(labels), value)
+        yield family
+
+
+# The outcome counts every transport's stats carry: exported by OutcomeCollector
+# as requests_total, so not again as mmadmit_<transport>_<name>.
+_OUTCOME_FIELDS = frozenset({"materialized", "aborted_by_code"})
+
+
 def _numeric(stats: Any) -> dict[str, float]:
     if stats is None or not hasattr(stats, "__dict__"):
         return {}
     return {
         k: v
         for k, v in list(vars(stats).items())
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _OUTCOME_FIELDS
     }
 
 
@@ -303,17 +344,16 @@ class StatsCollector(Collector):
         admissions.add_metric(["inline"], stats.inline)
         admissions.add_metric(["worker"], stats.admitted - stats.inline)
         yield admissions
-        outcomes = dict(stats.outcomes)
-        outcomes["OVERLOADED"] = outcomes.get("OVERLOADED", 0) + stats.overloaded
-        outcomes["SHUTTING_DOWN"] = outcomes.get("SHUTTING_DOWN", 0) + stats.rejected_shutting_down
-        family = CounterMetricFamily(
-            "mmadmit_outcomes",
-            "Outcomes of the pool (admitted requests, and admissions refused) by code.",
-            labels=["outcome"],
+        yield _counter(
+            "mmadmit_completed",
+            "Admitted requests whose materializer run gave their outcome.",
+            stats.completed,
         )
-        for name, value in sorted(outcomes.items()):
-            family.add_metric([name], value)
-        yield family
+        yield _counter(
+            "mmadmit_shutdown_aborted",
+            "Admitted requests ended SHUTTING_DOWN because the drain deadline passed.",
+            stats.shutdown_aborted,
+        )
         undeliverable = CounterMetricFamily(
             "mmadmit_undeliverable_replies",
             "Outcomes that reached nobody: ZMQ replies or forwards given up, gRPC calls "
@@ -414,6 +454,7 @@ def _untyped(name: str, value: float) -> Metric:
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "OutcomeCollector",
     "disable_created_metrics",
     "StatsCollector",
     "Telemetry",

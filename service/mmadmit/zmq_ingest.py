@@ -1,24 +1,29 @@
 """The ZMQ msgpack front end (WIRE.md): a ROUTER that admits requests into the pool.
 
-Scope: sockets and delivery only. Decoding and encoding are :mod:`mmadmit.wire`,
-admission and materialization are :class:`~mmadmit.pool.MaterializerPool`; this
-module reads messages, hands requests to the pool and sends each outcome where
-it belongs. Reading and writing the sockets on the event loop (intake,
-back-pressure, delivery retries) is :mod:`mmadmit.zsock`, shared with engine
-mode. Non-goals: the SMG handshake (:mod:`mmadmit.engine_mode` adopts an ingest
-for its relay, see :meth:`ZmqIngest.adopt`), metrics export
-(:class:`ZmqIngestStats` holds the counters a metrics module reads).
+Scope: a thin adapter. Decoding and encoding are :mod:`mmadmit.wire`; the
+request-id registry, submit, cancel and outcome counting are
+:class:`~mmadmit.admission.Admissions` (shared with both gRPC faces);
+materializing is :class:`~mmadmit.pool.MaterializerPool`; where an outcome
+goes is the ingest's :class:`~mmadmit.zmq_output.Output` strategy; reading
+and writing the sockets on the event loop (intake, back-pressure, delivery
+retries) is :mod:`mmadmit.zsock`. This module reads messages, hands requests
+to the admission path and each outcome to its output. Non-goals: the SMG
+handshake (:mod:`mmadmit.engine_mode` adopts an ingest for its relay, see
+:meth:`ZmqIngest.adopt`), metrics export (:class:`ZmqIngestStats` holds the
+counters a metrics module reads).
 
-Two modes, one intake (a bound ROUTER; peers connect DEALERs):
+One intake (a bound ROUTER; peers connect DEALERs), two outputs:
 
-* **reply mode** (``forward=None``): every ADD gets exactly one reply
-  ``[status, payload, *aux]`` on the ROUTER, addressed by the peer's identity.
-  Replies may leave out of order (each waits for its own outcome).
-* **forward mode** (``forward="tcp://..."``): senders get nothing back; every
-  outcome leaves on a PUSH connected to ``forward`` as an ordinary ADD
-  (``[0x00, payload, *aux]``, aborts marked with ``validation_error``), ready for
-  a scheduler's msgpack receiver. ABORT messages are forwarded too, after every
-  ADD of the same peer and request id that intake saw before them.
+* :class:`~mmadmit.zmq_output.Reply` (reply mode, the default): every ADD gets
+  exactly one reply ``[status, payload, *aux]`` on the ROUTER, addressed by the
+  peer's identity. Replies may leave out of order (each waits for its own
+  outcome).
+* :class:`~mmadmit.zmq_output.Forward` (forward mode, ``--zmq-forward``):
+  senders get nothing back; every outcome leaves downstream as an ordinary ADD
+  (``[0x00, payload, *aux]``, aborts marked with ``validation_error``), ready
+  for a scheduler's msgpack receiver. ABORT messages are forwarded too, after
+  every ADD of the same peer and request id that intake saw before them.
+  Engine mode runs the same output on the scheduler's input socket.
 
 How the hard parts work:
 
@@ -35,10 +40,12 @@ How the hard parts work:
 * **Small requests inline**: the pool materializes a small request at once
   (:meth:`~mmadmit.pool.MaterializerPool.runs_inline`); its outcome is emitted
   from the reader callback, with no task and no in-flight entry.
-* **Exactly one reply per ADD**: every path through :meth:`ZmqIngest._handle`
-  ends in one of: an immediate abort, or a ticket whose completion task emits
-  the outcome. The completion task has a broad guard (``INTERNAL``) and a
-  ``finally`` that always releases its forward-ordering slot.
+* **Exactly one output per ADD, counted once**: every path through
+  :meth:`ZmqIngest._handle` ends in one of: an immediate abort, or a ticket
+  whose completion task emits the outcome. Each is counted once, by
+  :meth:`~mmadmit.admission.Admissions.observe`, when its message is encoded.
+  The completion task has a broad guard (``INTERNAL``) and a ``finally`` that
+  always releases what the output reserved for it.
 * **Per-peer request ids**: in-flight tickets are keyed by ``(identity, rid)``
   in :class:`~mmadmit.admission.Admissions` (the bookkeeping shared with
   gRPC: duplicates, closing, the per-peer limit, cancel, outcome counting).
@@ -57,7 +64,7 @@ How the hard parts work:
   queues on a connection that does not exist yet: an absent downstream blocks
   the sender instead of silently filling a pipe. Every forward output is
   counted *pending* from the moment it is registered until libzmq has it; the
-  receive loop stops reading while ``max_pending_forwards`` are pending, so a
+  receive loop stops reading while ``max_pending`` are pending, so a
   blocked downstream stops intake and upstream senders meet ZMQ's own
   back-pressure. Nothing is dropped before it reaches libzmq.
 * **Forward ordering**: each output registers a slot under its keys
@@ -116,56 +123,35 @@ from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
 from .security import CurveAuthenticator, CurveServer
 from .telemetry import Telemetry
-from .zsock import (
-    WATCHDOG_S,
-    CutMessage,
-    OrderedSender,
-    RetryingSender,
-    Slot,
-    SocketReader,
-    sizes,
-)
+from .zmq_output import ABORT, ADD, Forward, Output, OutputStats, PeerKey, Reply
+from .zsock import WATCHDOG_S, CutMessage, Slot, SocketReader, sizes
 
 logger = logging.getLogger(__name__)
-
-ADD = bytes([wire.MSG_ADD])
-ABORT = bytes([wire.MSG_ABORT])
 
 # Messages still queued in the ROUTER when stop() runs are answered
 # SHUTTING_DOWN; at most this many, so a peer that keeps sending cannot hold
 # stop() forever.
 _FINAL_SWEEP_MAX = 10_000
 
-PeerKey = tuple[bytes, str]
-# A test/diagnostic hook called with every outgoing message (``[identity,
-# status, payload, *aux]`` in reply mode, ``[0x00 or 0x01, payload, *aux]`` in
-# forward mode) when it is handed to libzmq; None in production.
-SentHook = Callable[[list[Any]], None]
-
 
 @dataclass
-class ZmqIngestStats(AdmissionStats):
+class ZmqIngestStats(AdmissionStats, OutputStats):
     """Counters for metrics; written on the event loop thread only.
 
     ``materialized`` / ``aborted_by_code`` (from :class:`AdmissionStats`) count
-    the ADDs' outcomes, each once, through :meth:`Admissions.observe`.
+    the ADDs' outcomes, each once, through :meth:`Admissions.observe`; the
+    delivery counters (``replied``, ``forwarded``, ``undeliverable``, ...) are
+    the output's (:class:`~mmadmit.zmq_output.OutputStats`).
     """
 
     received: int = 0  # messages read off the ROUTER (ADD, ABORT or malformed)
     aborts_received: int = 0  # well-formed ABORT messages
     cancelled_by_peer: int = 0  # in-flight tickets ended by an ABORT
     malformed: int = 0  # messages that did not decode (ADDs answered, ABORTs dropped)
-    replied: int = 0  # reply messages handed to libzmq (reply mode)
-    send_retries: int = 0  # reply sends retried after EAGAIN / EHOSTUNREACH
-    undeliverable: int = 0  # replies or forwards given up (peer gone, stop deadline)
-    forwarded: int = 0  # messages handed to the PUSH (forward mode)
-    forwarded_aborts: int = 0  # of which ABORT messages
     inline: int = 0  # ADDs materialized inline (small requests), no task
     wakeups: int = 0  # intake callbacks run (ZMQ_FD signalled, or a scheduled read)
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
     received_bytes: int = 0  # bytes of every message read (all frames but the identity)
-    sent_bytes: int = 0  # bytes of every reply or forward handed to libzmq
-    intake_paused: int = 0  # times intake stopped reading: forwards pending at their bound
 
 
 # --------------------------------------------------------------------------- resources
@@ -182,10 +168,9 @@ class _Resources:
 
     ctx: zmq.asyncio.Context | None
     own_ctx: bool
+    output: Output  # owns the forward socket, if any
     router: zmq.Socket[Any] | None = None  # the intake (plain: the loop's reader drives it)
-    push: zmq.asyncio.Socket | None = None  # the forward target
     intake: SocketReader | None = None
-    sender: OrderedSender | None = None
     auth: CurveAuthenticator | None = None  # the ZAP thread (CURVE with an allow-list)
 
     @property
@@ -200,9 +185,9 @@ class _Resources:
 
     def close_sockets(self, linger_ms: int) -> None:
         self.stop_reading()
-        for sock in (self.router, self.push):
-            if sock is not None and not sock.closed:
-                sock.close(linger=linger_ms)
+        if self.router is not None and not self.router.closed:
+            self.router.close(linger=linger_ms)
+        self.output.close(linger_ms)
 
     def stop_auth(self) -> None:
         """Stop the ZAP thread (before the context terminates; idempotent)."""
@@ -210,12 +195,29 @@ class _Resources:
             self.auth.stop()
 
     def close_now(self) -> None:
-        if self.sender is not None:
-            self.sender.cancel_task()
-        self.close_sockets(0)
+        self.stop_reading()
+        if self.router is not None and not self.router.closed:
+            self.router.close(linger=0)
+        self.output.close_now()
         self.stop_auth()
         if self.own_ctx and self.ctx is not None and not self.ctx.closed:
             self.ctx.term()  # sockets are closed with linger 0: returns at once
+
+
+def _spawner(ingest: ZmqIngest) -> Callable[[Any], None]:
+    """``ingest._spawn`` for its output, without keeping the ingest alive: the output
+    is held by the finalizer's resources, so a strong reference back would keep an
+    unstopped ingest (and its sockets) alive for good (STYLE 9)."""
+    ref = weakref.ref(ingest)
+
+    def spawn(coro: Any) -> None:
+        owner = ref()
+        if owner is None:  # the ingest is gone: nothing may run for it
+            coro.close()
+            return
+        owner._spawn(coro)
+
+    return spawn
 
 
 def _curve_note(curve: CurveServer | None) -> str:
@@ -230,51 +232,43 @@ def _curve_note(curve: CurveServer | None) -> str:
 
 
 class ZmqIngest:
-    """The ZMQ ROUTER front end of WIRE.md, in reply or forward mode.
+    """The ZMQ ROUTER front end of WIRE.md; ``output`` says where outcomes go.
 
     Usage (the server wires it; tests do the same on an ephemeral port)::
 
-        ingest = ZmqIngest(pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 30)
+        ingest = ZmqIngest(pool, Reply(), listen="tcp://127.0.0.1:0",
+                           max_message_bytes=1 << 30)
         endpoint = await ingest.start()        # "tcp://127.0.0.1:43117"
         ...
         pool.begin_drain()                     # new ADDs are answered SHUTTING_DOWN
         await pool.drain(timeout_s)
         await ingest.stop(linger_s=timeout_s)  # idempotent
 
-    ``max_pending_forwards`` bounds forward outputs not yet handed to libzmq
-    (default: twice the pool's ``max_inflight``); ``sent_hook`` is a test hook
-    (see :data:`SentHook`); ``watchdog_s`` is the intake watchdog's period
-    (``None``: no watchdog, so that tests see a lost wake-up as a stall);
-    ``transport`` names the outcomes in telemetry; ``stats`` may be a subclass
-    of :class:`ZmqIngestStats` its owner extends (engine mode). Forward mode
-    only: ``on_forward(rid)`` is told of every ADD output registered for the
-    downstream; with ``passthrough`` a message whose type byte is neither ADD
-    nor ABORT (a utility call of a newer frontend) is forwarded unchanged, in
-    order, instead of being answered as malformed. ``curve`` makes the ROUTER a
-    CURVE server (``start()`` only; adopted sockets are the adopter's).
+    ``output`` is a :class:`~mmadmit.zmq_output.Reply` (the default) or a
+    :class:`~mmadmit.zmq_output.Forward`; the ingest itself never asks which.
+    ``watchdog_s`` is the intake watchdog's period (``None``: no watchdog, so
+    that tests see a lost wake-up as a stall); ``transport`` names the outcomes
+    in telemetry; ``stats`` may be a subclass of :class:`ZmqIngestStats` its
+    owner extends (engine mode); ``curve`` makes the ROUTER a CURVE server
+    (``start()`` only; adopted sockets are the adopter's).
     """
 
     def __init__(
         self,
         pool: MaterializerPool,
+        output: Output | None = None,
         *,
         listen: str,
-        forward: str | None = None,
         max_message_bytes: int,
-        send_timeout_s: float = 5.0,
+        limits: Limits = DEFAULT_LIMITS,
+        max_frames: int | None = None,
+        max_peer_inflight: int | None = None,
         context: zmq.asyncio.Context | None = None,
-        max_pending_forwards: int | None = None,
-        sent_hook: SentHook | None = None,
         watchdog_s: float | None = WATCHDOG_S,
         telemetry: Telemetry | None = None,
         transport: str = "zmq",
         stats: ZmqIngestStats | None = None,
-        on_forward: Callable[[str], None] | None = None,
-        passthrough: bool = False,
         curve: CurveServer | None = None,
-        limits: Limits = DEFAULT_LIMITS,
-        max_frames: int | None = None,
-        max_peer_inflight: int | None = None,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -282,21 +276,12 @@ class ZmqIngest:
             raise ValueError("max_frames must be at least 2 (type and payload)")
         if max_peer_inflight is not None and max_peer_inflight < 1:
             raise ValueError("max_peer_inflight must be positive")
+        self.pool = pool
+        self.output: Output = output if output is not None else Reply()
+        self.listen = listen
+        self.max_message_bytes = max_message_bytes
         self.limits = limits
         self.max_frames = max_frames
-        self.max_peer_inflight = max_peer_inflight
-        if not send_timeout_s >= 0:
-            raise ValueError("send_timeout_s must be a non-negative number")
-        self.pool = pool
-        self.listen = listen
-        self.forward = forward
-        self.max_message_bytes = max_message_bytes
-        self.send_timeout_s = send_timeout_s
-        self.max_pending_forwards = (
-            max_pending_forwards if max_pending_forwards is not None else 2 * pool.max_inflight
-        )
-        if self.max_pending_forwards < 1:
-            raise ValueError("max_pending_forwards must be positive")
         self.stats = stats if stats is not None else ZmqIngestStats()
         self.telemetry = telemetry
         self.transport = transport
@@ -311,11 +296,8 @@ class ZmqIngest:
             stats=self.stats,
         )
         self.endpoint: str | None = None
-        self._sent_hook = sent_hook
-        self._res = _Resources(ctx=context, own_ctx=context is None)
+        self._res = _Resources(ctx=context, own_ctx=context is None, output=self.output)
         self._finalizer = weakref.finalize(self, self._res.close_now)
-        self._fwd: OrderedSender | None = None
-        self._replier: RetryingSender | None = None
         self._intake: SocketReader | None = None
         self._peer: zmq.Frame | None = None  # adopted DEALER intake: the one peer's key
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -323,13 +305,11 @@ class ZmqIngest:
         self._stop_task: asyncio.Future[None] | None = None
         self._answered = False  # the message being handled got its outcome path
         self._watchdog_s = watchdog_s
-        self._on_forward = on_forward
-        self._passthrough = passthrough and forward is not None
         self._curve = curve
 
     @property
     def mode(self) -> str:
-        return "reply" if self.forward is None else "forward"
+        return self.output.mode
 
     @property
     def inflight(self) -> int:
@@ -338,13 +318,13 @@ class ZmqIngest:
 
     @property
     def forward_pending(self) -> int:
-        """Forward outputs registered and not yet handed to libzmq."""
-        return self._fwd.pending if self._fwd is not None else 0
+        """Outputs registered and not yet handed to libzmq (forward mode)."""
+        return self.output.pending
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        """Bind the ROUTER (and connect the PUSH); return the endpoint actually bound."""
+        """Bind the ROUTER (and let the output connect); return the endpoint bound."""
         if self._started:
             raise RuntimeError("ZmqIngest.start() may be called only once")
         self._started = True
@@ -368,22 +348,7 @@ class ZmqIngest:
             except zmq.ZMQError as exc:  # e.g. address in use: an operator error, not a crash
                 raise OSError(exc.errno, f"cannot bind ZMQ {self.listen}: {exc.strerror}") from exc
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            push = None
-            if self.forward is not None:
-                push = res.ctx.socket(zmq.PUSH)
-                res.push = push
-                # IMMEDIATE: queue only on completed connections, so an absent
-                # downstream blocks the sender (back-pressure) and what is not
-                # delivered at stop is still ours to count.
-                push.setsockopt(zmq.IMMEDIATE, 1)
-                push.setsockopt(zmq.LINGER, 0)
-                try:
-                    push.connect(self.forward)
-                except zmq.ZMQError as exc:  # unusable --zmq-forward address
-                    raise OSError(
-                        exc.errno, f"cannot connect ZMQ forward {self.forward}: {exc.strerror}"
-                    ) from exc
-            self._begin(router, push, prefix=None)
+            self._begin(router)
         except BaseException:
             self.admissions.closing = True
             self._finalizer()  # close whatever was created; stop() is then a no-op
@@ -393,50 +358,40 @@ class ZmqIngest:
             self.mode,
             self.endpoint,
             _curve_note(self._curve),
-            f", forwarding to {self.forward}" if self.forward else "",
+            self.output.describe(),
         )
         return self.endpoint
 
-    def adopt(
-        self,
-        intake: zmq.Socket[Any],
-        forward: zmq.asyncio.Socket,
-        *,
-        peer: bytes,
-        forward_prefix: list[Any] | None = None,
-    ) -> None:
-        """Run forward mode on sockets someone else connected (engine mode).
+    def adopt(self, intake: zmq.Socket[Any], *, peer: bytes) -> None:
+        """Run on an intake someone else connected (engine mode).
 
         ``intake`` is a plain DEALER whose one peer sends ``[type, payload,
-        *aux]`` with no identity frame (``peer`` keys its request ids);
-        ``forward`` is an asyncio socket the outputs go to, each prefixed with
-        ``forward_prefix`` (a ROUTER destination identity). The ingest owns both
-        sockets from here (closed by :meth:`stop`), not the context.
+        *aux]`` with no identity frame (``peer`` keys its request ids); the
+        output must not reply on it (:class:`~mmadmit.zmq_output.Forward`, given
+        its socket). The ingest owns ``intake`` from here (closed by
+        :meth:`stop`), not the context.
         """
         if self._started:
             raise RuntimeError("ZmqIngest.adopt() / start() may be called only once")
-        if self.forward is None:
-            raise ValueError("adopt() runs forward mode: give forward= a description")
+        if not self.output.adoptable:
+            raise ValueError("adopt() needs an output that does not reply on the intake")
+        if self._res.ctx is None:
+            raise ValueError("adopt() needs the context= its sockets were made on")
         self._started = True
         res = self._res
-        res.router, res.push = intake, forward
+        res.router = intake
         self._peer = zmq.Frame(peer)
         self.endpoint = self.listen
         try:
-            self._begin(intake, forward, prefix=forward_prefix)
+            self._begin(intake)
         except BaseException:
             self.admissions.closing = True
             self._finalizer()
             raise
 
-    def _begin(
-        self,
-        intake: zmq.Socket[Any],
-        push: zmq.asyncio.Socket | None,
-        *,
-        prefix: list[Any] | None,
-    ) -> None:
+    def _begin(self, intake: zmq.Socket[Any]) -> None:
         res = self._res
+        assert res.ctx is not None
         limit = self.max_frames
         reader = SocketReader(
             intake,
@@ -448,30 +403,15 @@ class ZmqIngest:
             max_frames=None if limit is None else limit + (self._peer is None),
         )
         res.intake = self._intake = reader
-        if push is not None:
-            fwd = OrderedSender(
-                push,
-                max_pending=self.max_pending_forwards,
-                on_sent=self._count_forwarded,
-                on_failed=self._forward_failed,
-                prefix=prefix,
-                sent_hook=self._sent_hook,
-                name=f"{self.transport}-forward",
-                on_pause=self._count_pause,
-            )
-            fwd.pauses(reader)
-            res.sender = self._fwd = fwd
-            fwd.start()
-        else:
-            self._replier = RetryingSender(
-                intake,
-                timeout_s=self.send_timeout_s,
-                on_sent=self._count_replied,
-                on_retry=self._count_retry,
-                give_up=self._give_up,
-                spawn=self._spawn,
-                reader=reader,
-            )
+        self.output.bind(
+            res.ctx,
+            intake,
+            reader,
+            stats=self.stats,
+            spawn=_spawner(self),
+            name=self.transport,
+            default_max_pending=2 * self.pool.max_inflight,
+        )
         reader.start()
 
     async def stop(self, linger_s: float) -> None:
@@ -484,9 +424,9 @@ class ZmqIngest:
         2. wait up to ``linger_s`` for completion and reply tasks (after
            ``pool.drain()`` every ticket has its outcome, so these only send);
            cancel the rest, counting them undeliverable;
-        3. forward mode: let the sender flush its queue until the deadline, then
-           count what is left undeliverable; the PUSH lingers for the rest of
-           ``linger_s`` (messages inside libzmq by then are its to deliver);
+        3. let the output flush until the deadline (forward mode: the FIFO; what
+           is left is counted undeliverable); a forward socket lingers for the
+           rest of ``linger_s`` (messages inside libzmq by then are its to deliver);
         4. close the sockets, terminate an owned context.
         """
         if self._stop_task is None:
@@ -513,19 +453,7 @@ class ZmqIngest:
             logger.warning(
                 "[shutdown] %d ZMQ output(s) unfinished after %.1fs", len(late), linger_s
             )
-        fwd = self._fwd
-        if fwd is not None:
-            while fwd.pending and loop.time() < deadline:
-                await asyncio.sleep(min(0.01, max(0.0, deadline - loop.time())))
-            await fwd.stop()
-            left = len(fwd.abandon_queued())
-            if left:
-                self.stats.undeliverable += left
-                logger.warning(
-                    "[shutdown] %d message(s) never reached the forward socket (%s)",
-                    left,
-                    self.forward,
-                )
+        await self.output.flush(deadline)
         linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
         res.close_sockets(linger_ms)
         res.stop_auth()
@@ -589,10 +517,8 @@ class ZmqIngest:
         if kind == ABORT and len(body) >= 2:
             self._on_abort(identity, body, total)
             return
-        if self._passthrough and kind and kind != ADD and kind != ABORT:
+        if kind and kind != ADD and kind != ABORT and self.output.pass_through(body):
             self._answered = True
-            logger.debug("forwarding a message of type %s unchanged", kind.hex())
-            self._forward_now(list(body), [])
             return
         if total > self.max_message_bytes:
             self._oversized(
@@ -632,12 +558,10 @@ class ZmqIngest:
         if ticket.done:  # materialized inline: emit now, no task, never in flight
             self.stats.inline += 1
             frames_out = self._outcome_frames(request, ticket.result(), t0)
-            self._emit_now(identity, request.rid, frames_out)
+            self._answered = True
+            self.output.emit_now(identity, request.rid, frames_out)
             return
-        slot = None
-        if self._fwd is not None:
-            self._fwd.add_pending()
-            slot = self._fwd.slot([key])
+        slot = self.output.reserve(key)
         self._answered = True
         self._spawn(self._complete(identity, key, request, ticket, slot, t0))
 
@@ -691,8 +615,7 @@ class ZmqIngest:
             if cancel((peer, rid), AbortCode.CANCELLED, "cancelled by the client (ABORT)"):
                 self.stats.cancelled_by_peer += 1
                 logger.info("rid=%s: cancelled by an ABORT from peer %s", rid, peer.hex())
-        if self._fwd is not None:
-            self._forward_now([ABORT, body[1]], [(peer, rid) for rid in rids])
+        self.output.on_abort(peer, body[1], rids)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -707,48 +630,21 @@ class ZmqIngest:
         """An ADD answered without reaching the pool (malformed, dup, refused)."""
         self._answered = True
         self.admissions.observe(rid, request, abort, t0)
-        if self._fwd is not None:
-            frames = [ADD, *self._forward_abort_frames(request, rid, abort)]
-        else:
-            frames = wire.encode_aborted(request, abort, rid)
-        self._emit_now(identity, rid, frames)
-
-    def _emit_now(self, identity: zmq.Frame, rid: str, frames: list[Any]) -> None:
-        """Send an outcome decided in the receive path (no task): ``frames`` are
-        ``[status, payload, *aux]`` in reply mode, ``[ADD, payload, *aux]`` in
-        forward mode."""
-        self._answered = True
-        if self._fwd is not None:
-            if self._on_forward is not None:
-                self._on_forward(rid)
-            self._forward_now(frames, [(identity.bytes, rid)])
-        else:
-            self._reply_now([identity, *frames], rid)
-
-    @staticmethod
-    def _forward_abort_frames(request: Request | None, rid: str, abort: Abort) -> list[Any]:
-        if request is None:
-            return [wire.minimal_abort_payload(rid, abort)]
-        return wire.encode_request(
-            request, validation_error=abort.as_validation_error(), drop_features=True
-        )
+        self.output.emit_now(identity, rid, self.output.frames(request, rid, abort))
 
     def _outcome_frames(
         self, request: Request, outcome: Materialized | Abort, t0: float
     ) -> list[Any]:
-        """``[type/status, payload, *aux]`` for the outcome in this mode; counts it
-        once encoded (an encoding failure is answered, and counted, as INTERNAL)."""
-        fwd = self._fwd is not None
-        if isinstance(outcome, Materialized):
-            if fwd:
-                frames = [ADD, *wire.encode_request(outcome.request)]
-            else:
-                frames = wire.encode_materialized(outcome)
-        elif fwd:
-            frames = [ADD, *self._forward_abort_frames(request, request.rid, outcome)]
-        else:
-            frames = wire.encode_aborted(request, outcome)
-        self.admissions.observe(request.rid, request, outcome, t0)
+        """The output's message for ``outcome``; counts it once encoded (an encoding
+        failure is answered, and counted, as INTERNAL)."""
+        rid = request.rid
+        try:
+            frames = self.output.frames(request, rid, outcome)
+        except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer
+            logger.exception("rid=%s: encoding the outcome failed", rid)
+            outcome = abort_from_exception(exc)
+            frames = self.output.frames(None, rid, outcome)
+        self.admissions.observe(rid, request, outcome, t0)
         return frames
 
     async def _complete(
@@ -762,7 +658,7 @@ class ZmqIngest:
     ) -> None:
         """Await one ticket's outcome and emit it: exactly one output per ADD."""
         rid = request.rid
-        handed_off = False  # the output reached the forward queue / the reply sender
+        emitted = False  # handed to the output, which counts what it cannot deliver
         try:
             try:
                 outcome: Materialized | Abort = await ticket.outcome()
@@ -773,109 +669,14 @@ class ZmqIngest:
                 outcome = abort_from_exception(exc)
             finally:
                 self.admissions.release(key, ticket)
-            try:
-                frames = self._outcome_frames(request, outcome, t0)
-            except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer
-                logger.exception("rid=%s: encoding the outcome failed", rid)
-                abort = abort_from_exception(exc)
-                self.admissions.observe(rid, request, abort, t0)
-                frames = (
-                    [ADD, wire.minimal_abort_payload(rid, abort)]
-                    if self._fwd is not None
-                    else wire.encode_aborted(None, abort, rid)
-                )
-            if self._fwd is not None:
-                assert slot is not None
-                if self._on_forward is not None:
-                    self._on_forward(rid)
-                await self._fwd.enqueue(frames, slot)
-                handed_off = True
-            else:
-                handed_off = True
-                await self._deliver([identity, *frames], rid)
+            frames = self._outcome_frames(request, outcome, t0)
+            emitted = True
+            await self.output.emit(identity, rid, frames, slot)
         finally:
-            if not handed_off:  # cancelled at stop before the output was emitted
+            if not emitted:  # cancelled at stop before the output was emitted
                 self.stats.undeliverable += 1
                 logger.warning("rid=%s: stopped before its outcome could be sent", rid)
-            if self._fwd is not None and slot is not None:
-                self._fwd.release(slot)
-                if not handed_off:
-                    self._fwd.done_pending()
+                self.output.release(slot)
 
-    # ------------------------------------------------------------------ reply mode
 
-    def _count_replied(self, msg: list[Any]) -> None:
-        self.stats.replied += 1
-        self.stats.sent_bytes += sum(sizes(msg[1:]))
-
-    def _count_retry(self) -> None:
-        self.stats.send_retries += 1
-
-    def _reply_now(self, msg: list[Any], rid: str) -> None:
-        """Send from the receive loop; only a send that must be retried gets a task."""
-        if self._sent_hook is not None:
-            self._sent_hook(msg)
-        assert self._replier is not None
-        self._replier.send_now(msg, rid)
-
-    async def _deliver(self, msg: list[Any], rid: str) -> None:
-        """Send one reply, retrying EAGAIN / EHOSTUNREACH for ``send_timeout_s``."""
-        if self._sent_hook is not None:
-            self._sent_hook(msg)
-        assert self._replier is not None
-        await self._replier.deliver(msg, rid)
-
-    def _give_up(self, msg: list[Any], rid: str, why: object) -> None:
-        self.stats.undeliverable += 1
-        peer = msg[0].bytes if isinstance(msg[0], zmq.Frame) else bytes(msg[0])
-        logger.warning(
-            "rid=%s: reply to peer %s undeliverable (send timeout %.1fs): %s",
-            rid,
-            peer.hex(),
-            self.send_timeout_s,
-            why,
-        )
-
-    # ------------------------------------------------------------------ forward mode
-
-    def _count_pause(self) -> None:
-        self.stats.intake_paused += 1
-
-    def _count_forwarded(self, msg: list[Any]) -> None:
-        stats = self.stats
-        stats.forwarded += 1
-        stats.sent_bytes += sum(sizes(msg))
-        if msg[0] == ABORT:
-            stats.forwarded_aborts += 1
-
-    def _forward_failed(self, msg: list[Any], exc: BaseException) -> None:
-        self.stats.undeliverable += 1
-        logger.warning(
-            "rid=%s: forward: could not hand the message to %s (%s)",
-            wire.recover_rid(msg[1]) if msg[0] == ADD else "(ABORT)",
-            self.forward,
-            exc,
-        )
-
-    def _forward_now(self, msg: list[Any], keys: list[PeerKey]) -> None:
-        """Register a forward output decided in the receive loop (abort or ABORT)."""
-        fwd = self._fwd
-        assert fwd is not None
-        fwd.add_pending()
-        if not fwd.has_predecessor(keys):
-            fwd.put(msg)  # FIFO: later outputs of these keys come after
-            return
-        slot = fwd.slot(keys)
-
-        async def after_predecessors() -> None:
-            handed_off = False
-            try:
-                await fwd.enqueue(msg, slot)
-                handed_off = True
-            finally:
-                fwd.release(slot)
-                if not handed_off:
-                    self.stats.undeliverable += 1
-                    fwd.done_pending()
-
-        self._spawn(after_predecessors())
+__all__ = ["Forward", "Output", "Reply", "ZmqIngest", "ZmqIngestStats"]
