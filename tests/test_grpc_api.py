@@ -820,7 +820,7 @@ async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
         outcome = await call
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
         assert outcome.request_id == "many-items"
-        assert outcome.message == "more than 256 items, the limit (--max-items)"
+        assert outcome.message == "at least 257 items exceed the limit of 256 (--max-items)"
     assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "ok")), Materialized)
 
 

@@ -439,16 +439,16 @@ def varint(v: int) -> bytes:
     ("build", "limits", "expected"),
     [
         (lambda: admit_bytes(tokens=1001), Limits(max_tokens=1000),
-         "input_ids: at least 1001 tokens, over the limit of 1000 (--max-tokens)"),
+         "input_ids: at least 1001 tokens exceed the limit of 1000 (--max-tokens)"),
         (lambda: admit_bytes(unpadded=1001), Limits(max_tokens=1000),
          "input_ids_unpadded: at least 1001 tokens"),
         (lambda: admit_bytes(items=257), DEFAULT_LIMITS,
-         "more than 256 items, the limit (--max-items)"),
+         "at least 257 items exceed the limit of 256 (--max-items)"),
         (lambda: admit_bytes(items=1, placeholders=1001), Limits(max_tokens=1000),
-         "item 0: more than 1000 placeholders (--max-tokens)"),
+         "item 0: at least 1001 placeholders exceed the limit of 1000 (--max-tokens)"),
         # 65,537 unknown varint fields (number 50) at the top level
         (lambda: admit_bytes(extra=(varint(50 << 3) + b"\x00") * 65_537), DEFAULT_LIMITS,
-         "AdmitRequest: more than 65536 fields (--max-msgpack-len)"),
+         "AdmitRequest: at least 65537 fields, over the limit of 65536 (--max-msgpack-len)"),
         # input_ids not packed: each id its own field 1 of TokenizedInput, counted the same
         (lambda: admit_bytes(tokens=0, extra=b"\x12" + varint(1001 * 2) + b"\x08\x05" * 1001),
          Limits(max_tokens=1000), "input_ids: at least 1001 tokens"),
