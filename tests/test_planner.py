@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import load_vector, vector_names
+from conftest import forged_tensor, load_vector, vector_names
 from mmadmit import planner, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
@@ -269,8 +269,8 @@ def _mutations(profile: ModelProfile) -> list[Callable[[np.random.Generator, Req
         if choice == 0:
             item.feature = None
         elif choice == 1:
-            t = Tensor.from_numpy(np.zeros((2, 3), np.float32))
-            item.feature = Tensor(t.dtype, (2, 4), t.data)  # byte length mismatch
+            # a dtype numpy lacks (a byte length mismatch cannot be built)
+            item.feature = Tensor("bfloat16", (2, 3), bytes(12))
         elif choice == 2:
             item.feature = None
             item.feature_shm = ShmHandle(name="seg", shape=(2, 3), dtype="float32")
@@ -357,8 +357,10 @@ def test_tensor_check_defers_to_python_on_anything_unusual() -> None:
     assert not planner.tensors_ok(items, ctx, 0, 1 << 30)  # rank limit
     assert not planner.tensors_ok(items, ctx, 8, 4)  # byte limit
     item = items[0]
-    item.feature = Tensor(item.side[next(iter(item.side))].dtype, (99,), memoryview(b"x" * 8))
-    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)  # length mismatch
+    # a length mismatch cannot be built; the native check refuses one forged anyway
+    dtype = item.side[next(iter(item.side))].dtype
+    item.feature = forged_tensor(dtype, (99,), memoryview(b"x" * 8))
+    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)
     item.feature = None
     item.feature_shm = ShmHandle(name="seg")
     assert not planner.tensors_ok(items, ctx, 8, 1 << 30)  # shm: Python looks

@@ -379,14 +379,17 @@ def test_changed_item_is_encoded_not_spliced(change: str) -> None:
         it.feature = new_feature
     elif change == "side_add":
         it.side["extra_tensor"] = Tensor.from_numpy(np.array([1, 2], np.int64))
-    elif change == "side_data":
-        grid = next(iter(it.side.values()))
-        grid.data = memoryview(np.array([[1, 2, 8]], np.int64).tobytes())
+    elif change == "side_data":  # a tensor cannot change: a new one takes the key
+        key, grid = next(iter(it.side.items()))
+        with pytest.raises(AttributeError):
+            grid.data = memoryview(np.array([[1, 2, 8]], np.int64).tobytes())
+        it.side[key] = Tensor(grid.dtype, grid.shape, np.array([[1, 2, 8]], np.int64).data)
     elif change == "modality":
         it.modality = 2 if it.modality == 1 else 1
-    else:
-        assert it.feature is not None
-        it.feature.shape = (it.feature.shape[0] // 2, it.feature.shape[1] * 2)
+    else:  # the same bytes in another shape
+        t = it.feature
+        assert t is not None
+        it.feature = Tensor(t.dtype, (t.shape[0] // 2, t.shape[1] * 2), t.data)
     assert not it.extra.unchanged(it)
     assert _frames(wire.encode_request(req), req) == _general_bytes(req)
     back = _reencode(req).mm.items[0]

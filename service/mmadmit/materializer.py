@@ -360,11 +360,6 @@ class Materializer:
                 raise TooLarge(
                     f"{what}: {nbytes} bytes exceed the limit of {bytes_max} (--max-tensor-bytes)"
                 )
-            if nbytes != t.expected_nbytes:
-                raise InvalidRequest(
-                    f"{what}: {nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
-                    f"needs {t.expected_nbytes}"
-                )
         for i, item in enumerate(mm.items):
             shm = item.feature_shm
             if shm is not None and shm.shape is not None and len(shm.shape) > rank_max:
@@ -530,12 +525,6 @@ class Materializer:
                     else "it has no feature to hash"
                 )
                 raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
-            if item.feature.nbytes != item.feature.expected_nbytes:
-                raise InvalidRequest(
-                    f"item {i} feature: {item.feature.nbytes} bytes but shape "
-                    f"{list(item.feature.shape)} of {item.feature.dtype.name} needs "
-                    f"{item.feature.expected_nbytes}"
-                )
 
     @staticmethod
     def _check_placeholders(
