@@ -219,19 +219,13 @@ def test_temporal_index_beyond_bound_is_invalid_request_not_internal() -> None:
     assert "temporal index" in a.message
 
 
-# ------------------------------------------------ 4. fast item decoder, tensor arity
-
-
-def _refuse(*_: Any) -> Any:
-    raise wire._NotFast
+# ------------------------------------------------ 4. item decoder, tensor arity
 
 
 @pytest.mark.parametrize("where", ["feature", "grid"])
-def test_fast_item_decoder_refuses_a_tensor_with_trailing_elements(
-    where: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``[dtype, shape, data, extra]``: the typed fast decoder skipped the extra element
-    (an array-like struct ignores trailing fields) where the general path refuses it."""
+def test_item_decoder_refuses_a_tensor_with_trailing_elements(where: str) -> None:
+    """``[dtype, shape, data, extra]``: the typed item decoder once skipped the extra
+    element (an array-like struct ignores trailing fields); it is refused, naming it."""
     grid: list[Any] = ["int64", [1, 3], Ext(3, np.array([1, 4, 4], np.int64).tobytes())]
     feature: list[Any] = ["float32", [2], Ext(3, bytes(8))]
     if where == "feature":
@@ -244,22 +238,19 @@ def test_fast_item_decoder_refuses_a_tensor_with_trailing_elements(
     elems: list[Any] = [TAG, "rid-t", None, None, ids, [], False, -1, 0, None]
     elems += [False, None, None, None, False, 0.5, None, None, None, None, None, None, mm, None]
     frames = [b"\x00", ENC.encode(elems)]
-    m = Materializer(load_profile("qwen3_5"))
-
-    def outcome() -> Any:
-        try:
-            req = wire.decode_message(frames).request
-        except wire.WireError as exc:
-            return ("wire", exc.message)
-        assert req is not None
-        return _summary(m.run(req))
-
-    fast = outcome()
-    monkeypatch.setattr(wire, "_decode_mm_fast", _refuse)
-    general = outcome()
-    assert fast == general
     if where == "feature":
-        assert fast == ("wire", "item 0 feature must be a tensor [dtype, shape, data]")
+        with pytest.raises(wire.WireError) as info:
+            wire.decode_message(frames)
+        assert info.value.message == "item 0 feature must be a tensor [dtype, shape, data]"
+        assert info.value.code is AbortCode.INVALID_REQUEST
+    else:  # a side value of another form is not a tensor: kept as a value, the grid missing
+        req = wire.decode_message(frames).request
+        assert req is not None and req.mm is not None
+        kept = req.mm.items[0].side["image_grid_thw"]
+        assert not isinstance(kept, Tensor) and len(kept) == 4
+        out = Materializer(load_profile("qwen3_5")).run(req)
+        assert isinstance(out, Abort) and out.code is AbortCode.INVALID_REQUEST
+        assert "image_grid_thw must be a tensor" in out.message
 
 
 # ------------------------------------ 5. dtype strings reaching numpy's dtype parser
@@ -287,7 +278,7 @@ def test_dtype_strings_numpy_would_parse_are_invalid_request(dtype: str) -> None
     item.encoder_input.inline = bytes(4)
     with pytest.raises(InvalidRequest, match="dtype"):
         servicer.request_from_proto(msg, load_profile("qwen3_5"))
-    # ZMQ: the decoder refuses it, fast and general item paths alike
+    # ZMQ: the item decoder refuses it
     feature: list[Any] = [dtype, [2], Ext(3, bytes(4))]
     item_w = [1, None, None, [[2, 5]], feature, None, {}, None, None, None]
     elems: list[Any] = [TAG, "rid-d", None, None, [1, 2, IMG, IMG, IMG, IMG, 3], [], False, -1]

@@ -56,7 +56,8 @@ def test_bad_shape_is_invalid_request(shape: Any) -> None:
     with pytest.raises(InvalidRequest) as info:
         Tensor(F32, shape, bytes(24), NAME)
     assert info.value.code is AbortCode.INVALID_REQUEST
-    want = f"item 3 feature: shape must be a list of non-negative ints, got {shape!r}"
+    got = list(shape) if isinstance(shape, (list, tuple)) else shape
+    want = f"item 3 feature: shape must be a list of non-negative ints, got {got!r}"
     assert info.value.message == want
 
 

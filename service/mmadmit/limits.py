@@ -12,9 +12,14 @@ one terminal outcome naming the limit's flag:
 Where they are decided: the ZMQ codec (:mod:`mmadmit.wire`) reads every
 count from its msgpack header and walks the structure's headers
 (:func:`mmadmit.intcodec.check_structure`) *before* it decodes an element, so
-a breach allocates nothing sized by the sender. The materializer checks the
-same limits again on every request whatever its transport (gRPC requests are
-parsed by protobuf within ``--max-message-bytes`` first). The transport limits
+a breach allocates nothing sized by the sender; the gRPC request deserializer
+counts from the wire bytes (:func:`mmadmit.pbwire.check_admit_limits`); every
+received tensor is built as a :class:`mmadmit.model.Tensor` with the limits,
+which checks its rank, dimensions and bytes from its shape. The materializer
+checks the same limits again on every request whatever its transport. How a
+breach reads is decided here, one function per limit (:func:`tokens_over`,
+:func:`items_over`, :func:`check_shape`, :func:`tensor_bytes_over`, ...), so
+every transport words it alike. The transport limits
 (message bytes, frames per message, in flight per ZMQ peer, gRPC streams and
 requests per stream) belong to the transports and are their constructors'
 arguments.

@@ -192,7 +192,8 @@ def _label(name: Any) -> Any:
 
 
 def _bad_shape(what: Any, shape: Any) -> InvalidRequest:
-    return InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {shape!r}")
+    got = list(shape) if isinstance(shape, (list, tuple)) else shape
+    return InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {got!r}")
 
 
 _INT64 = parse_dtype("int64")
