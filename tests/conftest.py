@@ -55,6 +55,18 @@ FAMILY_CONFIG = {
 }
 
 
+def forged_tensor(dtype: Any, shape: tuple[int, ...], data: memoryview) -> Any:
+    """A :class:`mmadmit.model.Tensor` whose shape does not match its bytes, made by
+    going around its constructor (which refuses it): only to show that native code
+    handed one anyway (``_planner.c``'s own byte checks) still refuses it."""
+    import msgspec
+    from mmadmit.model import Tensor
+
+    t = Tensor(dtype, (data.nbytes // dtype.itemsize,), data)
+    msgspec.structs.force_setattr(t, "shape", shape)
+    return t
+
+
 def vector_names() -> list[str]:
     """Names of every vector case (``<name>.frames``), sorted; empty if absent."""
     if not VECTORS.is_dir():

@@ -378,6 +378,7 @@ async def test_admit_readable_output_rid_and_aborts(servers: Servers, tmp_path: 
     """Readable output, ``--rid``, and a JSON request the service refuses (exit 1)."""
     bad = json.loads(EXAMPLE.read_text())
     bad["items"][0]["offsets"] = [[4, 19]]  # starts on vision_start: not a placeholder
+    bad["request_id"] = "example-qwen3_5-bad"  # sent alongside the example: not a duplicate
     bad_path = tmp_path / "bad.json"
     bad_path.write_text(json.dumps(bad))
     frames = str(load_vector("qwen3_5_image1").frames_path) if "qwen3_5_image1" in NAMES else None

@@ -38,6 +38,7 @@ from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, until, vector_name
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mmadmit._proto import admission_pb2 as pb
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
+from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Modality, Request, Tensor
 from mmadmit.pool import MaterializerPool
@@ -109,11 +110,12 @@ async def running(
     max_inflight: int = 64,
     gate: Gate | None = None,
     serving: bool = True,
+    limits: Limits = DEFAULT_LIMITS,
     **server_kw: Any,
 ) -> AsyncIterator[Running]:
     profile = load_profile(str(MODEL_CONFIG[family]))
     pool = MaterializerPool(
-        Materializer(profile), workers=workers, max_inflight=max_inflight, before_run=gate
+        Materializer(profile, limits), workers=workers, max_inflight=max_inflight, before_run=gate
     )
     server = GrpcServer(
         pool, profile, listen="127.0.0.1:0", max_message_bytes=64 << 20, **server_kw
@@ -638,6 +640,29 @@ async def test_bad_input_is_an_in_band_abort(qwen: Running, label: str) -> None:
     assert qwen.pool.inflight == 0 and qwen.server.stats.internal_errors == 0
 
 
+@pytest.mark.parametrize(
+    ("at", "past", "flag"),
+    [
+        (Limits(max_tensor_dim=16), Limits(max_tensor_dim=15),
+         "dimension 16 exceeds the limit of 15"),
+        (Limits(max_tensor_rank=2), Limits(max_tensor_rank=1), "rank 2 exceeds the limit of 1"),
+        (Limits(max_tensor_bytes=384), Limits(max_tensor_bytes=383),
+         "shape [16, 6] of float32 is 384 bytes, over the limit of 383"),
+    ],
+)  # fmt: skip
+async def test_tensor_limits_refuse_at_translation(at: Limits, past: Limits, flag: str) -> None:
+    """The servicer builds each inline tensor within the server's limits (the Tensor
+    checks them, worded by mmadmit.limits): at the limit admitted, one past TOO_LARGE
+    naming the proto field."""
+    async with running("qwen3_5", limits=at) as r:
+        assert isinstance(await r.client.admit(_image_request(r.profile, "at")), Materialized)
+    async with running("qwen3_5", limits=past) as r:
+        outcome = await r.client.admit(_image_request(r.profile, "past"))
+        assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
+        assert outcome.message.startswith(f"item 0 encoder_input: {flag}"), outcome.message
+        assert r.server.stats.internal_errors == 0
+
+
 # ------------------------------------------------------------------------- outcome shapes, clients
 
 
@@ -820,7 +845,7 @@ async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
         outcome = await call
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
         assert outcome.request_id == "many-items"
-        assert outcome.message == "more than 256 items, the limit (--max-items)"
+        assert outcome.message == "at least 257 items exceed the limit of 256 (--max-items)"
     assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "ok")), Materialized)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mmadmit.errors import Abort, AbortCode
+from mmadmit.errors import Abort, AbortCode, InvalidRequest
 from mmadmit.hashing import PAD_BASE, PAD_SLOTS
 from mmadmit.materializer import Limits, Materializer
 from mmadmit.model import (
@@ -21,6 +21,7 @@ from mmadmit.model import (
     Rule,
     ShmHandle,
     Tensor,
+    TensorName,
 )
 from mmadmit.profile import ModelProfile, load_profile, profile_from_config
 
@@ -768,15 +769,11 @@ def test_rule5_nothing_to_hash_invalid() -> None:
     aborts(p.request(), AbortCode.INVALID_REQUEST, r"item 0", "hash")
 
 
-def test_rule5_feature_byte_length_mismatch() -> None:
-    p = Prompt().text(2)
-    bad = Tensor(feature().dtype, (10, 2), memoryview(bytes(40)))  # needs 80
-    p.image(4, 6, hash=None, feature=bad)
-    aborts(p.request(), AbortCode.INVALID_REQUEST, r"item 0", "40", "80")
-    # also when a hash is present (the feature is still malformed)
-    p = Prompt().text(2)
-    p.image(4, 6, hash=5, feature=bad)
-    aborts(p.request(), AbortCode.INVALID_REQUEST, r"item 0")
+def test_rule5_feature_byte_length_mismatch_cannot_be_built() -> None:
+    """A feature whose bytes do not match its shape never reaches the materializer:
+    the Tensor refuses to exist (the transports word it with the item's name)."""
+    with pytest.raises(InvalidRequest, match=r"item 0 feature: 40 data bytes .* needs 80"):
+        Tensor(feature().dtype, (10, 2), memoryview(bytes(40)), TensorName(0, "feature"))
 
 
 @pytest.mark.parametrize("pad", [BASE - 1, BASE + SLOTS, BASE + 3 * SLOTS, -5, 5])

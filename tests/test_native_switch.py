@@ -83,8 +83,6 @@ def test_vectors_materialize_with_no_native_call(
     m = Materializer(load_profile(str(vec.config)))
     want = m.run(wire.decode_message(list(vec.frames)).request)  # type: ignore[arg-type]
     with tripwired(monkeypatch):
-        wire_split_min = wire._NATIVE_SPLIT_MIN
-        monkeypatch.setattr(wire, "_NATIVE_SPLIT_MIN", 0)  # every split through intcodec
         req = wire.decode_message(list(vec.frames)).request
         assert req is not None
         got = m.run(req)
@@ -97,7 +95,6 @@ def test_vectors_materialize_with_no_native_call(
             ]
         else:
             assert got == want
-        monkeypatch.setattr(wire, "_NATIVE_SPLIT_MIN", wire_split_min)
 
 
 def test_grpc_shortcuts_with_no_native_call(monkeypatch: pytest.MonkeyPatch) -> None:

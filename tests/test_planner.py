@@ -270,8 +270,8 @@ def _mutations(profile: ModelProfile) -> list[Callable[[np.random.Generator, Req
         if choice == 0:
             item.feature = None
         elif choice == 1:
-            t = Tensor.from_numpy(np.zeros((2, 3), np.float32))
-            item.feature = Tensor(t.dtype, (2, 4), t.data)  # byte length mismatch
+            # a dtype numpy lacks (a byte length mismatch cannot be built)
+            item.feature = Tensor("bfloat16", (2, 3), bytes(12))
         elif choice == 2:
             item.feature = None
             item.feature_shm = ShmHandle(name="seg", shape=(2, 3), dtype="float32")

@@ -1,22 +1,22 @@
-"""The wire codec's fast paths held to its general path (WIRE.md).
+"""The wire codec's shortcuts held to plain encoding and to the pure-Python intcodec (WIRE.md).
 
-The codec splits the payload natively (decoding the token arrays in the same
-walk), decodes every multimodal item with one typed ``msgspec`` call,
-re-encodes a received item by splicing new ``hash`` / ``pad_value`` bytes into
-its received bytes, and re-emits a token array from its received bytes while
-the request still holds the very array decoded from them. None of that may
-change what is decoded, what goes out, or what is refused. Four modes:
+The codec splits every array natively (decoding the token arrays in the same
+walk) and decodes every multimodal item with one typed ``msgspec`` call (its
+one decode path); it re-encodes a received item by splicing new ``hash`` /
+``pad_value`` bytes into its received bytes, and re-emits a token array from
+its received bytes while the request still holds the very array decoded from
+them. None of that may change what is decoded, what goes out, or what is
+refused. Three modes:
 
-* ``fast``: the codec as it runs (payloads under 4 KiB split by ``msgspec``);
-* ``native_split``: as ``fast``, every array split by the native walk;
-* ``general``: the typed item decoder, splicing and verbatim token arrays off,
-  the pure-Python splitter (what the codec did before the fast paths);
+* ``codec``: the codec as it runs;
+* ``encoded``: splicing and verbatim token arrays off (every item and token
+  array encoded from the decoded model);
 * ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (no C
-  extension), the wire fast paths on, every array split through it.
+  extension), the shortcuts on.
 
-On every vector and on generated requests all four decode the same fields
+On every vector and on generated requests all three decode the same fields
 and emit the same bytes (received encodings here are canonical, so verbatim
-and re-encoded bytes coincide); on malformed input all four refuse.
+and re-encoded bytes coincide); on malformed input all three refuse.
 
 Run with: python -m pytest tests/test_wire_fast.py -q
 """
@@ -49,37 +49,27 @@ ENC = msgspec.msgpack.Encoder()
 Ext = msgspec.msgpack.Ext
 NAMES = vector_names()
 needs_vectors = pytest.mark.skipif(not NAMES, reason="no wire vectors")
-MODES = ("fast", "native_split", "general", "fallback")
+MODES = ("codec", "encoded", "fallback")
 FAMILY_PROFILE = {"qwen3_5": "qwen3_5", "qwen3_omni": "qwen3_omni_moe", "llama": "llama"}
 
 
 # --------------------------------------------------------------------------- modes
 
 
-def _refuse(*_: Any) -> Any:
-    raise wire._NotFast
-
-
 @contextlib.contextmanager
 def mode(name: str) -> Iterator[None]:
     """Run the codec in one of MODES (see the module docstring)."""
     with pytest.MonkeyPatch.context() as mp:
-        if name in ("native_split", "fallback"):
-            mp.setattr(wire, "_NATIVE_SPLIT_MIN", 0)
-        if name == "general":
-            mp.setattr(wire, "_decode_mm_fast", _refuse)
+        if name == "encoded":
             mp.setattr(wire._ItemSrc, "unchanged", lambda self, item: False)
             mp.setattr(
                 wire,
                 "_int_array",
                 lambda extra, values: msgspec.Raw(ic.encode_int_array(values)),
             )
-        if name in ("general", "fallback"):
-            for impl in ("_split", "_spans", "_rows"):
-                mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
         if name == "fallback":
-            mp.setattr(ic, "_decode_impl", ic._decode_py)
-            mp.setattr(ic, "_encode_impl", ic._encode_py)
+            for impl in ("_split", "_spans", "_rows", "_decode", "_encode", "_len", "_check"):
+                mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
         yield
 
 
@@ -181,15 +171,15 @@ def check_modes_agree(frames: list[Any], profile: str | None) -> dict[str, Any]:
             req = wire.decode_message(list(frames)).request
             assert req is not None
             results[name] = (snapshot(req), _outputs(req, profile))
-    fast = results["fast"]
+    codec = results["codec"]
     for name in MODES[1:]:
-        assert results[name][0] == fast[0], f"decoded fields differ: fast vs {name}"
-        for key in fast[1]:
-            assert results[name][1][key] == fast[1][key], f"{key} differs: fast vs {name}"
-    return fast[1]
+        assert results[name][0] == codec[0], f"decoded fields differ: codec vs {name}"
+        for key in codec[1]:
+            assert results[name][1][key] == codec[1][key], f"{key} differs: codec vs {name}"
+    return codec[1]
 
 
-def _uses_fast_items(frames: list[Any]) -> bool:
+def _spliceable(frames: list[Any]) -> bool:
     req = wire.decode_message(list(frames)).request
     assert req is not None
     return req.mm is None or all(isinstance(it.extra, wire._ItemSrc) for it in req.mm.items)
@@ -204,7 +194,7 @@ def test_vectors_all_modes_agree(name: str) -> None:
     vec = load_vector(name)
     out = check_modes_agree(vec.frames, FAMILY_PROFILE[vec.meta["family"]])
     assert out["plain"][0] == bytes(vec.frames[1])  # nothing changed: byte-identical
-    assert _uses_fast_items(vec.frames)
+    assert _spliceable(vec.frames)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_omni_moe"])
@@ -218,7 +208,7 @@ def test_generated_requests_all_modes_agree(family: str, n: int, with_hash: bool
     frames = workloads.frames_of(req)
     out = check_modes_agree(frames, family)
     assert "materialized" in out
-    assert _uses_fast_items(frames)
+    assert _spliceable(frames)
 
 
 def _prompt_request(family: str, seed: int) -> Request:
@@ -246,7 +236,7 @@ def _prompt_request(family: str, seed: int) -> Request:
 def test_generated_prompts_all_modes_agree(family: str, seed: int) -> None:
     frames = workloads.frames_of(_prompt_request(family, seed))
     check_modes_agree(frames, family)
-    assert _uses_fast_items(frames)
+    assert _spliceable(frames)
 
 
 def test_text_request_all_modes_agree() -> None:
@@ -340,7 +330,7 @@ def _reencode(req: Request) -> Request:
 
 
 def _general_bytes(req: Request) -> list[Any]:
-    with mode("general"):
+    with mode("encoded"):
         return _frames(wire.encode_request(req), req)
 
 
@@ -379,14 +369,17 @@ def test_changed_item_is_encoded_not_spliced(change: str) -> None:
         it.feature = new_feature
     elif change == "side_add":
         it.side["extra_tensor"] = Tensor.from_numpy(np.array([1, 2], np.int64))
-    elif change == "side_data":
-        grid = next(iter(it.side.values()))
-        grid.data = memoryview(np.array([[1, 2, 8]], np.int64).tobytes())
+    elif change == "side_data":  # a tensor cannot change: a new one takes the key
+        key, grid = next(iter(it.side.items()))
+        with pytest.raises(AttributeError):
+            grid.data = memoryview(np.array([[1, 2, 8]], np.int64).tobytes())
+        it.side[key] = Tensor(grid.dtype, grid.shape, np.array([[1, 2, 8]], np.int64).data)
     elif change == "modality":
         it.modality = 2 if it.modality == 1 else 1
-    else:
-        assert it.feature is not None
-        it.feature.shape = (it.feature.shape[0] // 2, it.feature.shape[1] * 2)
+    else:  # the same bytes in another shape
+        t = it.feature
+        assert t is not None
+        it.feature = Tensor(t.dtype, (t.shape[0] // 2, t.shape[1] * 2), t.data)
     assert not it.extra.unchanged(it)
     assert _frames(wire.encode_request(req), req) == _general_bytes(req)
     back = _reencode(req).mm.items[0]
@@ -646,3 +639,61 @@ def test_shared_aux_frames_all_modes_agree() -> None:
     req = wire.decode_message(frames).request
     assert req is not None and req.extra.feature_aux == {2}  # frame 1 is shared
     assert out["aborted"][1][0] == bytes(range(256)) and out["aborted"][2][0] == b""
+
+
+# (where in item 1, the value put there, how the refusal starts, its code)
+ITEM_ERRORS = [
+    ("hash", "x", "item 1: hash: Expected `int | null`, got `str`", "INVALID_REQUEST"),
+    ("modality", None, "item 1: modality: Expected `int`, got `None`", "INVALID_REQUEST"),
+    ("item", 5, "item 1: Expected `array`, got `int`", "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [2]], "item 1 feature must be a tensor [dtype, shape, data]",
+     "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [-2], Ext(3, b"abcd")],
+     "item 1 feature: shape must be a list of non-negative ints, got [-2]", "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [3], Ext(3, b"abcd")],
+     "item 1 feature: 4 data bytes but shape [3] of bfloat16 needs 6", "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [2], 7],
+     "item 1 feature: data refers to aux frame 7, but the message has 1 aux frame(s)",
+     "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [2], Ext(1, b"x")],
+     "item 1 feature: msgpack ext type 1 (pickle) is never accepted", "INVALID_REQUEST"),
+    ("feature", ["complex", [2], Ext(3, b"abcd")],
+     "item 1 feature: unsupported tensor dtype 'complex'", "INVALID_REQUEST"),
+    ("feature", ["bfloat16", [2**20, 2**20], 1],
+     "item 1 feature: shape [1048576, 1048576] of bfloat16 is 2199023255552 bytes, over the "
+     "limit of 536870912 (--max-tensor-bytes)", "TOO_LARGE"),
+    ("side", ["int64", ["a"], 1], "item 1 g: shape must be a list of non-negative ints",
+     "INVALID_REQUEST"),
+    ("side", ["int64", [1], Ext(3, b"abc")], "item 1 g: 3 data bytes but shape [1] of int64",
+     "INVALID_REQUEST"),
+    ("side", ["int64", [1, 2, 3, 4, 5, 6, 7, 8, 9], 1], "item 1 g: rank 9 exceeds the limit of 8",
+     "TOO_LARGE"),
+    ("offsets", [[1, 2, 3]], "item 1: offsets must be nil or an array of [start, end] pairs",
+     "INVALID_REQUEST"),
+    ("offsets", [[1, 2**64 - 1]], "item 1: offsets must be nil or an array of [start, end] pairs",
+     "INVALID_REQUEST"),
+    ("handshake", {"x": Ext(1, b"x")}, "item 1: msgpack ext type 1 (pickle) is never accepted",
+     "INVALID_REQUEST"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("where", "value", "message", "code"), ITEM_ERRORS)
+def test_item_refusals_name_the_item_and_what_in_it(
+    where: str, value: Any, message: str, code: str
+) -> None:
+    """The one item decoder refuses; the wording names the item and its field or tensor,
+    with the code the problem has (a limit: TOO_LARGE), never INTERNAL."""
+    payload, aux = _small_mm_payload()
+    top = msgspec.msgpack.decode(payload, ext_hook=lambda c, d: Ext(c, bytes(d)))
+    items = top[22][0]
+    slot = {"modality": 0, "hash": 1, "offsets": 3, "feature": 4, "handshake": 9}
+    if where == "item":
+        items[1] = value
+    elif where == "side":
+        items[1][6] = {"g": value}
+    else:
+        items[1][slot[where]] = value
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_message([b"\x00", ENC.encode(top), *aux])
+    assert info.value.message.startswith(message), info.value.message
+    assert info.value.code is AbortCode[code] and info.value.rid == "rid-v"

@@ -18,7 +18,7 @@ import functools
 from google.protobuf.message import DecodeError
 from mmadmit import pbwire, servicer
 from mmadmit._proto import admission_pb2 as pb
-from mmadmit.errors import AbortCode, AdmissionError
+from mmadmit.errors import AbortCode, AdmissionError, TooLarge
 from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
@@ -68,7 +68,7 @@ def _counted(body: bytes) -> None:
     try:
         count.message(0, len(count.view), pbwire._C_ADMIT)
         verdict: str | None = None
-    except pbwire._Breach as exc:
+    except TooLarge as exc:
         assert exc.code is AbortCode.TOO_LARGE
         verdict = exc.message
     except pbwire._Bail:
@@ -90,7 +90,7 @@ def _counted(body: bytes) -> None:
         assert not any(len(it.model_specific_tensors) > 32 for it in items)
     else:
         for key, what in (("input_ids_unpadded", "input_ids_unpadded:"),
-                          ("input_ids", "input_ids:"), ("items", "items, the limit"),
+                          ("input_ids", "input_ids:"), ("items", "items exceed"),
                           ("placeholders", "placeholders")):  # fmt: skip
             if what in verdict:
                 assert sizes[key], f"refused ({verdict}) but protobuf parsed it within"

@@ -52,10 +52,20 @@ def _tensor(arr: np.ndarray) -> Tensor:
 
 
 def _forged(d: Data, t: Tensor) -> Tensor:
-    """The same bytes under a shape that does not match them (a caller may build this)."""
-    shape = list(t.shape) or [1]
-    shape[d.int_in(0, len(shape) - 1)] = abs(d.wild_int()) % 2**63
-    return Tensor(t.dtype, tuple(shape), t.data)
+    """The same bytes under another shape: a wrong rank or layout, or with a dimension
+    of 0 (no bytes), or 1s added. A shape that does not match the bytes cannot be built
+    (the Tensor refuses it: ``tests/test_fuzz_regressions.py``)."""
+    n = t.nbytes // t.dtype.itemsize
+    choice = d.int_in(0, 4)
+    if choice == 0:
+        return Tensor(t.dtype, (n,), t.data)
+    if choice == 1:
+        return Tensor(t.dtype, (1, n), t.data)
+    if choice == 2:
+        return Tensor(t.dtype, (n, 1, 1), t.data)
+    if choice == 3:
+        return Tensor(t.dtype, (0, *t.shape), t.data[:0])
+    return Tensor(t.dtype, (1,) * d.int_in(0, 9) + t.shape, t.data)
 
 
 def _grid(d: Data, rows: list[list[int]]) -> Tensor:

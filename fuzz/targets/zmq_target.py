@@ -1,15 +1,15 @@
 """The whole ZMQ path: decode a captured message, materialize, encode the reply.
 
 The input is a frames container (``mmadmit.frames``: ``[type, payload, *aux]``),
-what ``mmadmit materialize`` replays. It runs three ways: native code on
-(with every payload split by the native walk, not only those of 4 KiB or
-more), native code off (the Python fallbacks), and native off with the typed
-item decoder refused (the general per-item path, which alone decides what
-is accepted). Native and fallback must send the same reply bytes (or the
-same abort code to the same rid); the general path must reach the same
-outcome (the reply bytes may differ: the fast path splices received bytes).
-No outcome may be ``INTERNAL``. Half the inputs run under tight limits
-(:data:`TIGHT`), so that every codec limit's breach is reached and decided alike.
+what ``mmadmit materialize`` replays. It runs three ways: native code on,
+native code off (the Python fallbacks), and native on with the reply's
+shortcuts off (no received item spliced, no token array re-emitted from its
+received bytes: everything encoded from the decoded model). Native and
+fallback must send the same reply bytes (or the same abort code to the same
+rid); the plain encoding must reach the same outcome (the reply bytes may
+differ: a received encoding need not be canonical). No outcome may be
+``INTERNAL``. Half the inputs run under tight limits (:data:`TIGHT`), so that
+every codec limit's breach is reached and decided alike.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mmadmit import wire
 from mmadmit.cli import replay
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.frames import MAGIC, parse_frames
+from mmadmit.intcodec import encode_int_array
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
@@ -49,22 +50,17 @@ def _materializer(name: str, tight: bool = False) -> Materializer:
     return Materializer(load_profile(name), TIGHT if tight else DEFAULT_LIMITS)
 
 
-def _refuse(*_: Any) -> Any:
-    raise wire._NotFast
-
-
 @contextlib.contextmanager
 def _mode(name: str) -> Iterator[None]:
-    saved = wire._NATIVE_SPLIT_MIN, wire._decode_mm_fast
+    saved = wire._ItemSrc.unchanged, wire._int_array
     try:
-        if name == "native":
-            wire._NATIVE_SPLIT_MIN = 0
-        if name == "general":
-            wire._decode_mm_fast = _refuse
-        with native_mode(name == "native"):
+        if name == "encoded":
+            wire._ItemSrc.unchanged = lambda self, item: False  # type: ignore[method-assign]
+            wire._int_array = lambda extra, values: msgspec.Raw(encode_int_array(values))
+        with native_mode(name != "fallback"):
             yield
     finally:
-        wire._NATIVE_SPLIT_MIN, wire._decode_mm_fast = saved
+        wire._ItemSrc.unchanged, wire._int_array = saved  # type: ignore[method-assign]
 
 
 def _run(m: Materializer, frames: list[Any], mode: str) -> tuple[list[bytes], Abort | None]:
@@ -133,11 +129,11 @@ def one(data: bytes) -> None:
         assert a == b, "native and fallback replies differ"
     else:
         assert a[0] == b[0] and _rid(a) == _rid(b), "abort replies differ in status or rid"
-    c, abort_c = _run(m, frames, "general")
+    c, abort_c = _run(m, frames, "encoded")
     code_c = None if abort_c is None else abort_c.code
-    assert code_b == code_c, f"fast item decoder {abort_b} != general decoder {abort_c}"
-    if abort_b is None:
-        assert _meaning(b) == _meaning(c), "fast and general decoders materialize differently"
+    assert code_a == code_c, f"spliced reply {abort_a} != encoded reply {abort_c}"
+    if abort_a is None:
+        assert _meaning(a) == _meaning(c), "spliced and encoded replies mean different things"
 
 
 def _rid(reply: list[bytes]) -> Any:

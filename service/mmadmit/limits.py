@@ -12,9 +12,14 @@ one terminal outcome naming the limit's flag:
 Where they are decided: the ZMQ codec (:mod:`mmadmit.wire`) reads every
 count from its msgpack header and walks the structure's headers
 (:func:`mmadmit.intcodec.check_structure`) *before* it decodes an element, so
-a breach allocates nothing sized by the sender. The materializer checks the
-same limits again on every request whatever its transport (gRPC requests are
-parsed by protobuf within ``--max-message-bytes`` first). The transport limits
+a breach allocates nothing sized by the sender; the gRPC request deserializer
+counts from the wire bytes (:func:`mmadmit.pbwire.check_admit_limits`); every
+received tensor is built as a :class:`mmadmit.model.Tensor` with the limits,
+which checks its rank, dimensions and bytes from its shape. The materializer
+checks the same limits again on every request whatever its transport. How a
+breach reads is decided here, one function per limit (:func:`tokens_over`,
+:func:`items_over`, :func:`check_shape`, :func:`tensor_bytes_over`, ...), so
+every transport words it alike. The transport limits
 (message bytes, frames per message, in flight per ZMQ peer, gRPC streams and
 requests per stream) belong to the transports and are their constructors'
 arguments.
@@ -26,13 +31,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import TooLarge
+from .errors import InvalidRequest, TooLarge
 
 # The ceiling of --max-msgpack-depth: the deepest nesting the codec's structure
 # walk (mmadmit.intcodec.check_structure, C and Python) keeps a stack for.
 MAX_DEPTH = 1024
 
-__all__ = ["DEFAULT_LIMITS", "MAX_DEPTH", "Limits", "check_shape"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "MAX_DEPTH",
+    "Limits",
+    "abort_ids_over",
+    "check_shape",
+    "depth_over",
+    "items_over",
+    "msgpack_len_over",
+    "placeholders_over",
+    "tensor_bytes_over",
+    "tokens_over",
+]
 
 
 @dataclass(frozen=True)
@@ -57,7 +74,8 @@ DEFAULT_LIMITS = Limits()
 
 def check_shape(what: Any, shape: Sequence[int], limits: Limits) -> None:
     """A tensor's rank and dimensions within ``limits`` (``what`` names it), else
-    :class:`~mmadmit.errors.TooLarge`; the codec and the materializer both ask."""
+    :class:`~mmadmit.errors.TooLarge`; :class:`~mmadmit.model.Tensor` and the
+    materializer's shared-memory handles ask."""
     if len(shape) > limits.max_tensor_rank:
         raise TooLarge(
             f"{what}: rank {len(shape)} exceeds the limit of {limits.max_tensor_rank} "
@@ -68,3 +86,59 @@ def check_shape(what: Any, shape: Sequence[int], limits: Limits) -> None:
             f"{what}: dimension {max(shape)} exceeds the limit of {limits.max_tensor_dim} "
             "(--max-tensor-dim)"
         )
+
+
+def tensor_bytes_over(
+    what: Any, shape: Sequence[int], dtype: str, nbytes: int, limit: int
+) -> TooLarge:
+    """``--max-tensor-bytes``: a tensor whose shape needs ``nbytes`` over ``limit``."""
+    return TooLarge(
+        f"{what}: shape {list(shape)} of {dtype} is {nbytes} bytes, over the limit of {limit} "
+        "(--max-tensor-bytes)"
+    )
+
+
+def tokens_over(name: str, count: int, limit: int, *, at_least: bool = False) -> TooLarge:
+    """``--max-tokens``: ``name`` (``input_ids``, ``input_ids_unpadded``) holds ``count``
+    tokens (``at_least``: a transport that stops counting at the breach)."""
+    more = "at least " if at_least else ""
+    return TooLarge(f"{name}: {more}{count} tokens exceed the limit of {limit} (--max-tokens)")
+
+
+def placeholders_over(item: int, count: int, limit: int) -> TooLarge:
+    """``--max-tokens`` bounds one item's placeholder ranges too (each covers a token)."""
+    return TooLarge(
+        f"item {item}: at least {count} placeholders exceed the limit of {limit} (--max-tokens)"
+    )
+
+
+def items_over(count: int, limit: int, *, at_least: bool = False) -> TooLarge:
+    """``--max-items``: the request has ``count`` items."""
+    more = "at least " if at_least else ""
+    return TooLarge(f"{more}{count} items exceed the limit of {limit} (--max-items)")
+
+
+def msgpack_len_over(
+    where: str, count: int, unit: str, limit: int, *, container: str = "", at_least: bool = False
+) -> TooLarge:
+    """``--max-msgpack-len``: ``where`` holds ``count`` ``unit`` (``elements`` of an
+    array, ``entries`` of a map, protobuf ``fields``), ``container`` says which."""
+    more = "at least " if at_least else ""
+    return TooLarge(
+        f"{where}: {container}{more}{count} {unit}, over the limit of {limit} (--max-msgpack-len)"
+    )
+
+
+def depth_over(where: str, depth: int, limit: int) -> InvalidRequest:
+    """``--max-msgpack-depth`` (INVALID_REQUEST: no request nests that deep)."""
+    return InvalidRequest(
+        f"{where}: msgpack nested {depth} levels deep, over the limit of {limit} "
+        "(--max-msgpack-depth)"
+    )
+
+
+def abort_ids_over(count: int, limit: int) -> TooLarge:
+    """``--max-abort-ids``: one ZMQ ABORT names ``count`` request ids."""
+    return TooLarge(
+        f"ABORT payload: {count} request ids exceed the limit of {limit} (--max-abort-ids)"
+    )

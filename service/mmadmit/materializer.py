@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from .errors import (
     abort_from_exception,
 )
 from .hashing import feature_hash
-from .limits import Limits, check_shape
+from .limits import Limits, check_shape, items_over, tokens_over
 from .model import (
     Item,
     Materialized,
@@ -275,7 +275,7 @@ class Materializer:
         if n == 0:
             raise InvalidRequest("input_ids is empty")
         if n > lim.max_tokens:
-            raise TooLarge(f"{n} tokens exceed the limit of {lim.max_tokens} (--max-tokens)")
+            raise tokens_over("input_ids", n, lim.max_tokens)
         mml = self.profile.max_model_len
         if mml is not None and n > mml - 1:
             raise TooLarge(
@@ -286,43 +286,12 @@ class Materializer:
         if mm is None:
             return
         if len(mm.items) > lim.max_items:
-            raise TooLarge(
-                f"{len(mm.items)} items exceed the limit of {lim.max_items} (--max-items)"
-            )
-        rank_max, bytes_max = lim.max_tensor_rank, lim.max_tensor_bytes
-        for what, t in self._tensors(mm):
-            check_shape(what, t.shape, lim)
-            nbytes = t.data.nbytes
-            if nbytes > bytes_max:
-                raise TooLarge(
-                    f"{what}: {nbytes} bytes exceed the limit of {bytes_max} (--max-tensor-bytes)"
-                )
-            if nbytes != t.expected_nbytes:
-                raise InvalidRequest(
-                    f"{what}: {nbytes} data bytes but shape {list(t.shape)} of {t.dtype.name} "
-                    f"needs {t.expected_nbytes}"
-                )
+            raise items_over(len(mm.items), lim.max_items)
+        self._impl()[0].tensors_within(mm, lim)
         for i, item in enumerate(mm.items):
             shm = item.feature_shm
-            if shm is not None and shm.shape is not None and len(shm.shape) > rank_max:
-                raise TooLarge(
-                    f"item {i} feature_shm: rank {len(shm.shape)} exceeds the limit of "
-                    f"{rank_max} (--max-tensor-rank)"
-                )
-
-    @staticmethod
-    def _tensors(mm: MultimodalInputs) -> Iterator[tuple[TensorName, Tensor]]:
-        """Every tensor of a request, named lazily (formatting names costs on the hot path)."""
-        if mm.mrope_positions is not None:
-            yield TensorName(None, "mrope_positions"), mm.mrope_positions
-        if mm.mrope_position_delta is not None:
-            yield TensorName(None, "mrope_position_delta"), mm.mrope_position_delta
-        for i, item in enumerate(mm.items):
-            if item.feature is not None:
-                yield TensorName(i, "feature"), item.feature
-            for key, value in item.side.items():
-                if isinstance(value, Tensor):
-                    yield TensorName(i, key), value
+            if shm is not None and shm.shape is not None:
+                check_shape(TensorName(i, "feature_shm"), shm.shape, lim)
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size

@@ -15,10 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 
 from .dtypes import DType, parse_dtype
 from .errors import InvalidRequest
+from .limits import Limits, check_shape, tensor_bytes_over
 
 
 class Modality(enum.IntEnum):
@@ -49,26 +51,91 @@ class TensorName(NamedTuple):
         return self.key if self.item is None else f"item {self.item} {self.key}"
 
 
-@dataclass(eq=False)
-class Tensor:
-    """Raw tensor bytes with a dtype and a shape.
+class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
+    """Raw tensor bytes with a dtype and a shape, consistent by construction.
 
-    ``data`` is a flat byte ``memoryview``. Whoever built the tensor keeps the
+    ``data`` is a flat, C-contiguous byte ``memoryview`` of exactly
+    ``prod(shape) * dtype.itemsize`` bytes. Whoever built the tensor keeps the
     underlying buffer alive through it (a received ZMQ frame, a protobuf
     ``bytes`` value, or a numpy array the materializer made).
+
+    Everything is checked once, here, when the tensor is built
+    (``Tensor(dtype, shape, data, name, limits)``), and a built tensor cannot
+    be changed (frozen): ``dtype`` a :class:`~mmadmit.dtypes.DType` or a wire
+    dtype name (``unsupported tensor dtype`` otherwise), ``shape`` a list or
+    tuple of non-negative ints (kept as a tuple), ``data`` a buffer (kept as a
+    byte view, never copied) of the byte length the shape needs
+    (:class:`~mmadmit.errors.InvalidRequest`, code INVALID_REQUEST, otherwise).
+    With ``limits`` (what a transport passes for a tensor it received) its
+    rank, dimensions and bytes are within them (:class:`~mmadmit.errors.TooLarge`,
+    worded by :mod:`mmadmit.limits`), decided from the shape before the byte
+    length is compared; without, only consistency (the arrays the
+    materializer makes). ``name`` names the tensor in every message: a
+    string, a :class:`TensorName`, or a plain ``(item, key)`` pair (``item 3
+    feature``), formatted only when a message is (the hot paths build no name
+    object). ``name`` and ``limits`` stay on the tensor: what it was called
+    and checked against when built.
+
+    A ``msgspec.Struct`` (frozen, no GC tracking) because it is built for
+    every tensor of every request: construction runs in C, the checks in
+    ``__post_init__``. Equality is identity (two tensors are never compared
+    by their bytes).
     """
 
-    dtype: DType
-    shape: tuple[int, ...]
-    data: memoryview
+    dtype: DType  # a wire dtype name is accepted too, resolved when built
+    shape: tuple[int, ...]  # a list is accepted too, kept as a tuple
+    data: memoryview  # any C-contiguous buffer is accepted too, kept as a byte view
+    name: Any = "tensor"
+    limits: Limits | None = None
+
+    def __post_init__(self) -> None:
+        dtype, shape, data, name, limits = self.dtype, self.shape, self.data, self.name, self.limits
+        if type(dtype) is not DType:
+            found = _DTYPES.get(dtype) if type(dtype) is str else None
+            dtype = found if found is not None else _dtype_named(dtype, _label(name))
+            _force(self, "dtype", dtype)
+        if type(shape) is not tuple:
+            if not isinstance(shape, (list, tuple)):
+                raise _bad_shape(_label(name), shape)
+            shape = tuple(shape)
+            _force(self, "shape", shape)
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise _bad_shape(_label(name), shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if limits is not None and (
+            nbytes > limits.max_tensor_bytes
+            or len(shape) > limits.max_tensor_rank
+            # a dimension is at most the element count, unless another one is 0
+            or (
+                not 0 < nbytes <= limits.max_tensor_dim
+                and shape
+                and max(shape) > limits.max_tensor_dim
+            )
+        ):
+            name = _label(name)
+            check_shape(name, shape, limits)  # rank and dimensions first
+            raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
+        if (
+            type(data) is not memoryview
+            or data.ndim != 1
+            or data.format != "B"
+            or not data.c_contiguous
+        ):
+            data = _byte_view(data, name)
+            _force(self, "data", data)
+        if data.nbytes != nbytes:
+            raise InvalidRequest(
+                f"{_label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
+                f"{dtype.name} needs {nbytes}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.dtype.name}, {list(self.shape)}, {self.data.nbytes} bytes)"
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
-
-    @property
-    def expected_nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
     def from_numpy(cls, arr: np.ndarray) -> Tensor:
@@ -81,7 +148,7 @@ class Tensor:
 
     @classmethod
     def of_int64(cls, arr: np.ndarray) -> Tensor:
-        """:meth:`from_numpy` for the int64 arrays the materializer makes, minus its checks."""
+        """:meth:`from_numpy` for the int64 arrays the materializer makes, minus its dtype work."""
         if arr.dtype != np.int64 or not arr.flags.c_contiguous:
             return cls.from_numpy(arr)
         return cls(_INT64, arr.shape, arr.data.cast("B"))
@@ -92,6 +159,41 @@ class Tensor:
             raise TypeError(f"dtype {self.dtype.name} has no numpy equivalent")
         arr = np.frombuffer(self.data, dtype=self.dtype.numpy)
         return arr.reshape(self.shape)
+
+
+_force = msgspec.structs.force_setattr  # only while a tensor is being built
+_DTYPES: dict[str, DType] = {}  # wire dtype name -> DType (only valid names are stored)
+
+
+def _dtype_named(name: Any, what: Any) -> DType:
+    """A wire dtype name resolved (cached); INVALID_REQUEST naming the tensor otherwise."""
+    found = _DTYPES.get(name) if type(name) is str else None
+    if found is None:
+        try:
+            found = parse_dtype(name)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{what}: {exc.message}") from None
+        if len(_DTYPES) < 1024:  # valid spellings only, and a bounded number of them
+            _DTYPES[name] = found
+    return found
+
+
+def _byte_view(data: Any, what: Any) -> memoryview:
+    """``data`` as a flat byte view (no copy); it must be C-contiguous."""
+    view = data if type(data) is memoryview else memoryview(data)
+    if not view.c_contiguous:
+        raise InvalidRequest(f"{_label(what)}: tensor data must be C-contiguous bytes")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _label(name: Any) -> Any:
+    """A tensor's name for a message: an ``(item, key)`` pair as a :class:`TensorName`."""
+    return TensorName(*name) if type(name) is tuple else name
+
+
+def _bad_shape(what: Any, shape: Any) -> InvalidRequest:
+    got = list(shape) if isinstance(shape, (list, tuple)) else shape
+    return InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {got!r}")
 
 
 _INT64 = parse_dtype("int64")

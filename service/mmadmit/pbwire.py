@@ -61,8 +61,8 @@ from google.protobuf.message import DecodeError
 
 from . import native
 from ._proto import admission_pb2 as pb
-from .errors import AbortCode
-from .limits import Limits
+from .errors import AbortCode, TooLarge
+from .limits import Limits, items_over, msgpack_len_over, placeholders_over, tokens_over
 
 try:
     from mmadmit import _pbwire as _BUILT  # type: ignore[attr-defined]
@@ -452,11 +452,6 @@ _C_NAMES = {_C_ADMIT: "AdmitRequest", _C_TOKENIZED: "tokenized", _C_MM: "mm_inpu
             _C_ITEM: "item"}  # fmt: skip
 
 
-class _Breach(Exception):
-    def __init__(self, code: AbortCode, message: str) -> None:
-        self.code, self.message = code, message
-
-
 class _Count:
     """One walk over an ``AdmitRequest``'s wire bytes: counts, never builds.
 
@@ -490,8 +485,8 @@ class _Count:
             if sub not in _BOUNDED:  # a field no other limit counts
                 fields += 1
                 if fields > lim.max_msgpack_len:
-                    self.too_large(f"{self.where(kind, item)}: more than {lim.max_msgpack_len} "
-                                   "fields (--max-msgpack-len)")  # fmt: skip
+                    raise msgpack_len_over(self.where(kind, item), fields, "fields",
+                                           lim.max_msgpack_len, at_least=True)  # fmt: skip
             if wire_type == 2:
                 if pos < end and view[pos] < 0x80:
                     length, data_start = view[pos], pos + 1
@@ -522,8 +517,7 @@ class _Count:
                 n = self.tokens[sub] = self.tokens[sub] + values
                 if n > lim.max_tokens:
                     name = "input_ids" if sub == _C_IDS else "input_ids_unpadded"
-                    self.too_large(f"{name}: at least {n} tokens, over the limit of "
-                                   f"{lim.max_tokens} (--max-tokens)")  # fmt: skip
+                    raise tokens_over(name, n, lim.max_tokens, at_least=True)
             elif not packed:
                 continue  # a varint where a sub-message belongs: upb words it
             elif sub == _C_RID:
@@ -531,19 +525,17 @@ class _Count:
             elif sub == _C_PLACEHOLDER:
                 placeholders += 1
                 if placeholders > lim.max_tokens:  # each covers one token at least
-                    self.too_large(f"item {item}: more than {lim.max_tokens} placeholders "
-                                   "(--max-tokens)")  # fmt: skip
+                    raise placeholders_over(item or 0, placeholders, lim.max_tokens)
             elif sub == _C_ENTRY:
                 entries += 1
                 if entries > lim.max_msgpack_len:
-                    self.too_large(f"item {item}: more than {lim.max_msgpack_len} "
-                                   "model_specific_tensors (--max-msgpack-len)")  # fmt: skip
+                    raise msgpack_len_over(f"item {item}", entries, "model_specific_tensors",
+                                           lim.max_msgpack_len, at_least=True)  # fmt: skip
             else:
                 if sub == _C_ITEM:
                     self.items += 1
                     if self.items > lim.max_items:
-                        self.too_large(f"more than {lim.max_items} items, the limit "
-                                       "(--max-items)")  # fmt: skip
+                        raise items_over(self.items, lim.max_items, at_least=True)
                     item = self.items - 1
                 self.message(data_start, pos, sub, item)
         if pos != end:
@@ -553,10 +545,6 @@ class _Count:
     def where(kind: int, item: int | None) -> str:
         name = _C_NAMES[kind]
         return name if item is None else f"item {item}"
-
-    @staticmethod
-    def too_large(message: str) -> None:
-        raise _Breach(AbortCode.TOO_LARGE, message)
 
 
 def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedRequest | None:
@@ -577,7 +565,7 @@ def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedReque
     count = _Count(data, limits)
     try:
         count.message(0, len(count.view), _C_ADMIT)
-    except _Breach as exc:
+    except TooLarge as exc:  # worded by mmadmit.limits
         return RefusedRequest(count.rid, exc.code, exc.message)
     except _Bail:
         return None

@@ -26,7 +26,8 @@ import numpy as np
 from . import kernels
 from .errors import InvalidRequest, Unsupported
 from .hashing import PAD_BASE, PAD_SLOTS, UINT64_MAX
-from .model import MODALITY_OF, Item, Modality, Tensor
+from .limits import Limits, check_shape, tensor_bytes_over
+from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor, TensorName
 from .mrope import RunPlan
 from .profile import Family, ModelProfile
 
@@ -533,6 +534,36 @@ def plan_runs(profile: ModelProfile, items: list) -> RunPlan:
     offs = [_offsets(it) for it in items]
     n_spans = sum(0 if o is None else len(o) for o in offs)
     return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], offs, n_spans)
+
+
+# ------------------------------------------------------------------ tensor limits
+
+
+def _within(what: TensorName, t: Tensor, limits: Limits) -> None:
+    check_shape(what, t.shape, limits)
+    nbytes = t.data.nbytes
+    if nbytes > limits.max_tensor_bytes:
+        raise tensor_bytes_over(what, t.shape, t.dtype.name, nbytes, limits.max_tensor_bytes)
+
+
+def tensors_within(mm: MultimodalInputs, limits: Limits) -> None:
+    """Every tensor of a request within ``limits``. A tensor built with these very
+    limits was checked when it was built (:class:`mmadmit.model.Tensor`); any other
+    (built by a caller without limits, or under other ones) is checked here."""
+    i: cython.Py_ssize_t
+    if mm.mrope_positions is not None and mm.mrope_positions.limits is not limits:
+        _within(TensorName(None, "mrope_positions"), mm.mrope_positions, limits)
+    if mm.mrope_position_delta is not None and mm.mrope_position_delta.limits is not limits:
+        _within(TensorName(None, "mrope_position_delta"), mm.mrope_position_delta, limits)
+    items = mm.items
+    for i in range(len(items)):
+        item = items[i]
+        t = item.feature
+        if t is not None and t.limits is not limits:
+            _within(TensorName(i, "feature"), t, limits)
+        for key, value in item.side.items():
+            if isinstance(value, Tensor) and value.limits is not limits:
+                _within(TensorName(i, key), value, limits)
 
 
 # ------------------------------------------------------------------ entry point

@@ -15,8 +15,9 @@ encoding:
   message would quote the other numbering;
 * ``PlaceholderRange{offset, length}`` becomes the inclusive ``[offset,
   offset + length - 1]``; a zero length cannot be expressed inclusively;
-* a ``TensorData`` needs a payload, a known dtype and, inline, exactly
-  ``prod(shape) * itemsize`` bytes; a shared-memory name must be a plain name
+* a ``TensorData`` needs a payload and a known dtype; inline, it is built as a
+  :class:`~mmadmit.model.Tensor`, which holds exactly ``prod(shape) *
+  itemsize`` bytes within the limits; a shared-memory name must be a plain name
   (no ``/``, ``\\``, ``..`` or NUL: it is handed on, never opened here);
 * ``content_hash``: its first 8 bytes little-endian (shorter: zero-extended);
 * ``placeholder_token_id`` is the request's placeholder override for the
@@ -73,6 +74,7 @@ from .errors import (
     Unsupported,
     abort_from_exception,
 )
+from .limits import Limits
 from .materializer import Outcome
 from .model import (
     Item,
@@ -147,13 +149,14 @@ def _dtype(td: pb.TensorData, what: str) -> Any:
 
 
 def tensor_from_proto(
-    td: pb.TensorData, what: str, payloads: Payloads = None
+    td: pb.TensorData, what: str, payloads: Payloads = None, limits: Limits | None = None
 ) -> Tensor | ShmHandle:
     """A ``TensorData`` as an inline :class:`Tensor` or a handle.
 
     An inline tensor is a view on protobuf's bytes, or, for a payload the
     request deserializer stripped (``payloads``, see ``pbwire.py``), a view on
-    the received message itself.
+    the received message itself; the :class:`Tensor` checks its byte length
+    and, with ``limits``, its rank, dimensions and bytes.
     """
     kind = td.WhichOneof("payload")
     if kind is None:
@@ -167,17 +170,11 @@ def tensor_from_proto(
         )
     dtype = _dtype(td, what)
     shape = _shape(td)
-    expected = math.prod(shape) * dtype.itemsize
     if kind == "inline":
         # Reading a bytes field makes protobuf's one copy; keep a view on it, copy nothing
         # more. A stripped payload's marker resolves to a view on the received bytes.
-        data = resolve_inline(td.inline, payloads)
-        if data.nbytes != expected:
-            raise InvalidRequest(
-                f"{what}: {data.nbytes} data bytes but shape {list(shape)} of {dtype.name} needs "
-                f"{expected}"
-            )
-        return Tensor(dtype, shape, data)
+        return Tensor(dtype, shape, resolve_inline(td.inline, payloads), what, limits)
+    expected = math.prod(shape) * dtype.itemsize
     shm = td.shm
     check_shm_name(shm.name, what)
     if shm.nbytes and shm.nbytes != expected:
@@ -195,8 +192,10 @@ def tensor_from_proto(
     )
 
 
-def _inline_tensor(td: pb.TensorData, what: str, payloads: Payloads) -> Tensor:
-    t = tensor_from_proto(td, what, payloads)
+def _inline_tensor(
+    td: pb.TensorData, what: str, payloads: Payloads, limits: Limits | None
+) -> Tensor:
+    t = tensor_from_proto(td, what, payloads, limits)
     if isinstance(t, ShmHandle):
         raise InvalidRequest(
             f"{what}: must be inline bytes (shared memory is accepted only for encoder_input)"
@@ -221,7 +220,9 @@ def _offsets(msg: pb.MultimodalItem, idx: int) -> np.ndarray:
     return arr
 
 
-def _item_from_proto(msg: pb.MultimodalItem, idx: int, payloads: Payloads) -> Item:
+def _item_from_proto(
+    msg: pb.MultimodalItem, idx: int, payloads: Payloads, limits: Limits | None
+) -> Item:
     what = f"item {idx}"
     modality = MODALITY_FROM_PROTO.get(msg.modality)
     if modality is None:
@@ -237,13 +238,13 @@ def _item_from_proto(msg: pb.MultimodalItem, idx: int, payloads: Payloads) -> It
     feature: Tensor | None = None
     feature_shm: ShmHandle | None = None
     if msg.HasField("encoder_input"):
-        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input", payloads)
+        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input", payloads, limits)
         if isinstance(got, ShmHandle):
             feature_shm = got
         else:
             feature = got
     side = {
-        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]", payloads)
+        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]", payloads, limits)
         for key, td in msg.model_specific_tensors.items()
     }
     return Item(
@@ -287,12 +288,12 @@ def _has_pad_value(msg: Any) -> bool:
 
 
 def items_from_proto(
-    proto_items: Any, profile: ModelProfile, payloads: Payloads
+    proto_items: Any, profile: ModelProfile, payloads: Payloads, limits: Limits | None = None
 ) -> MultimodalInputs:
     """The ``MultimodalItem`` list of a request, translated (shared with the SMG gRPC
     face: ``tokenspeed.grpc.scheduler.MultimodalItem`` has the same fields and
-    numbers, less ``pad_value``)."""
-    items = [_item_from_proto(it, i, payloads) for i, it in enumerate(proto_items)]
+    numbers, less ``pad_value``); ``limits``: the tensors' (see :class:`Tensor`)."""
+    items = [_item_from_proto(it, i, payloads, limits) for i, it in enumerate(proto_items)]
     overrides = _placeholder_overrides(proto_items, items, profile)
     return MultimodalInputs(
         items=items,
@@ -302,9 +303,13 @@ def items_from_proto(
 
 
 def request_from_proto(
-    msg: pb.AdmitRequest, profile: ModelProfile, payloads: Payloads = None
+    msg: pb.AdmitRequest,
+    profile: ModelProfile,
+    payloads: Payloads = None,
+    limits: Limits | None = None,
 ) -> Request:
-    """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated.
+    """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated,
+    :class:`~mmadmit.errors.TooLarge` a tensor over ``limits``.
 
     ``payloads``: for a message the request deserializer stripped
     (:class:`~mmadmit.pbwire.StrippedRequest`), the inline payloads its
@@ -322,11 +327,13 @@ def request_from_proto(
     has_mm = msg.HasField("mm_inputs")
     has_mrope = msg.HasField("mrope")
     if has_mm or has_mrope:
-        mm = items_from_proto(msg.mm_inputs.items, profile, payloads)
+        mm = items_from_proto(msg.mm_inputs.items, profile, payloads, limits)
         if has_mrope:
             mrope = msg.mrope
             if mrope.HasField("positions"):
-                mm.mrope_positions = _inline_tensor(mrope.positions, "mrope.positions", payloads)
+                mm.mrope_positions = _inline_tensor(
+                    mrope.positions, "mrope.positions", payloads, limits
+                )
             if mrope.HasField("delta"):
                 mm.mrope_position_delta_scalar = mrope.delta
     return Request(rid=rid, input_ids=input_ids, input_ids_unpadded=unpadded, mm=mm)
@@ -523,7 +530,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         req: Request | None = None
         admissions = self.admissions
         try:
-            req = request_from_proto(msg, self._profile, payloads)
+            req = request_from_proto(msg, self._profile, payloads, self.limits)
             key = (b"", rid)
             timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
             # InvalidRequest (a duplicate id) / Overloaded / ShuttingDown

@@ -265,10 +265,14 @@ def _envelope(msg: ts.GenerateRequest) -> wire.WireExtra:
 
 
 def request_from_generate(
-    msg: ts.GenerateRequest, profile: ModelProfile, payloads: Payloads = None
+    msg: ts.GenerateRequest,
+    profile: ModelProfile,
+    payloads: Payloads = None,
+    limits: Limits | None = None,
 ) -> Request:
     """A ``GenerateRequest`` as the internal request (with its ADD envelope in
-    ``extra``); :class:`~mmadmit.errors.AdmissionError` names what cannot be carried."""
+    ``extra``); :class:`~mmadmit.errors.AdmissionError` names what cannot be carried
+    (a tensor over ``limits`` among them)."""
     if not msg.request_id:
         raise InvalidRequest("request_id is empty; outputs are matched by request_id")
     if msg.HasField("encode_bootstrap_info"):
@@ -281,7 +285,7 @@ def request_from_generate(
         raise InvalidRequest("tokenized.input_ids is empty")
     mm: MultimodalInputs | None = None
     if msg.HasField("mm_inputs"):
-        mm = items_from_proto(msg.mm_inputs.items, profile, payloads)
+        mm = items_from_proto(msg.mm_inputs.items, profile, payloads, limits)
     return Request(rid=msg.request_id, input_ids=ids, mm=mm, extra=_envelope(msg))
 
 
@@ -635,7 +639,7 @@ class SmgGrpcFace(SchedulerLink):
         key = (b"", rid)
         req: Request | None = None
         try:
-            req = request_from_generate(msg, self.profile, payloads)
+            req = request_from_generate(msg, self.profile, payloads, self.limits)
             if rid in self._calls:  # forwarded, still generating
                 raise self.admissions.duplicate(rid)
             outcome = await self._admit(key, req)

@@ -8,8 +8,7 @@ How it stays fast and loses nothing:
 * The payload is split into one :class:`msgspec.Raw` per element (zero-copy
   views of the received frame) in one walk (:func:`mmadmit.intcodec.split_array`),
   which decodes the token-id arrays (``input_ids``, ``input_ids_unpadded``)
-  into int64 numpy arrays on the way, never through per-token Python ints (a
-  payload under 4 KiB is split by ``msgspec``, its ids decoded after).
+  into int64 numpy arrays on the way, never through per-token Python ints.
   Elements mmadmit does not interpret keep their raw bytes and are re-emitted
   verbatim, so fields of a newer peer survive a round trip, and shorter arrays
   simply leave trailing fields at their default.
@@ -19,13 +18,18 @@ How it stays fast and loses nothing:
   = the received ``input_ids`` after substitution). mmadmit never writes a
   decoded array in place (the materializer substitutes into a copy); code that
   changes token ids must assign a new array, which is then encoded.
-* Multimodal items are decoded all at once by a typed ``msgspec`` decoder
-  (:class:`_FastItem`); an item that changed only in ``hash`` / ``pad_value``
-  (what materialization does) is re-emitted as its received bytes with those
-  two elements replaced. Anything the typed decoder does not take (an odd but
-  legal item, or a malformed one) goes through the general per-item path,
-  which alone decides what is accepted and words the errors.
-* Tensors are views: inline data (ext code 3, < 256 bytes) or a ``memoryview``
+* One decode path per message kind, whatever its size: an ADD's payload is
+  always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
+  and every multimodal item by one typed ``msgspec`` decoder
+  (:class:`_WireItem`) that takes every legal item; an ABORT by one typed
+  ``list[str]`` decode. When the item decoder refuses ``mm_items``,
+  :func:`_item_error` only words why (which item, which field or tensor):
+  nothing it decodes is kept. An item that changed only in ``hash`` /
+  ``pad_value`` (what materialization does) is re-emitted as its received
+  bytes with those two elements replaced.
+* Tensors are :class:`~mmadmit.model.Tensor` views, each built in one place
+  (:meth:`_TensorReader.build`), which checks dtype, shape, byte length and
+  the limits once: inline data (ext code 3, < 256 bytes) or a ``memoryview``
   on the received aux frame. Re-encoding hands back, for every received aux
   frame still referenced, the very object it arrived in (a ``zmq.Frame``:
   libzmq then shares the received message instead of wrapping a Python
@@ -41,34 +45,39 @@ How it stays fast and loses nothing:
   lengths and nesting depth by a walk over headers only
   (:func:`mmadmit.intcodec.check_structure`) before ``msgspec`` sees it, the
   item count from its header, each tensor's rank, dimensions and bytes from
-  its shape before the byte check, an ABORT's id count from its header.
+  its shape before the byte check, an ABORT's id count from its header. Every
+  breach is worded by :mod:`mmadmit.limits`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from .dtypes import DType, parse_dtype
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
 from .intcodec import (
     IntArrayTooLong,
     array_len,
     array_spans,
-    check_int_arrays,
     check_structure,
     decode_int_array,
     encode_int_array,
     int_rows,
-    offsets_of,
     split_array,
 )
-from .limits import DEFAULT_LIMITS, Limits, check_shape
+from .limits import (
+    DEFAULT_LIMITS,
+    Limits,
+    abort_ids_over,
+    depth_over,
+    items_over,
+    msgpack_len_over,
+    tokens_over,
+)
 from .model import (
     Item,
     Materialized,
@@ -116,7 +125,6 @@ _ITEM_FIELDS = 10
 _MM_DEFAULTS: dict[int, Any] = {}
 _ITEM_DEFAULTS: dict[int, Any] = {6: {}}
 _INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
-_NATIVE_SPLIT_MIN = 4 << 10  # smaller arrays are split by msgspec (see _split_view)
 
 
 class WireError(InvalidRequest):
@@ -140,33 +148,39 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR_DATA:
         # msgspec only guarantees the view for the hook's duration: copy (< 256 bytes).
         return _InlineData(bytes(data))
+    raise _ext_refused(code)
+
+
+def _ext_refused(code: int) -> InvalidRequest:
     if code in (1, 2):
-        raise InvalidRequest(f"msgpack ext type {code} (pickle) is never accepted")
-    raise InvalidRequest(f"unknown msgpack ext type {code}")
+        return InvalidRequest(f"msgpack ext type {code} (pickle) is never accepted")
+    return InvalidRequest(f"unknown msgpack ext type {code}")
 
 
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+_Ext = msgspec.msgpack.Ext
 _ENC = msgspec.msgpack.Encoder()
 _NIL = msgspec.Raw(_ENC.encode(None))
 
 
 def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw]:
+    """The elements of an array inside the payload (``multimodal_inputs``, an item),
+    whose structure the payload's walk has checked: one ``msgspec`` call."""
     try:
         return _SPLIT.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
 
 
 def _split_view(
     buf: memoryview, what: str, int_fields: tuple[int, ...] = (), limits: Limits | None = None
 ) -> tuple[list[msgspec.Raw], list[np.ndarray | None]]:
-    """The elements of the array in ``buf`` (views) and the int arrays asked for.
+    """The elements of the payload array in ``buf`` (views) and the int arrays asked for.
 
-    One walk (:func:`mmadmit.intcodec.split_array`); an int array it did not
-    decode is None (the caller decodes it, for the precise error). A small
-    array goes through ``msgspec``, quicker there than wrapping views (its
-    int arrays are then all left to the caller).
+    One walk (:func:`mmadmit.intcodec.split_array`), whatever the payload's
+    size; an int array it did not decode is None (the caller decodes it, for
+    the precise error).
 
     With ``limits``: the array's own length (its header, before the split),
     each ``int_fields`` array's length (``max_tokens``, from its header) and
@@ -174,17 +188,6 @@ def _split_view(
     """
     if limits is not None:
         _check_length(buf, what, limits)
-    if len(buf) < _NATIVE_SPLIT_MIN:
-        elems = _split(buf, what)
-        ints: list[np.ndarray | None] = [None] * len(int_fields)
-        if limits is not None:
-            offsets = offsets_of(len(buf), elems)
-            try:  # the token arrays' lengths from their headers (decoded after)
-                check_int_arrays(buf, offsets, int_fields, limits.max_tokens)
-            except IntArrayTooLong as exc:
-                raise _tokens_too_long(exc) from exc
-            _check_elements(buf, offsets, int_fields, limits)
-        return elems, ints
     try:
         offsets, ints = split_array(buf, int_fields, None if limits is None else limits.max_tokens)
     except IntArrayTooLong as exc:
@@ -215,15 +218,15 @@ def _check_length(buf: memoryview, what: str, limits: Limits) -> None:
     except ValueError:
         return
     if n > limits.max_msgpack_len:
-        raise TooLarge(
-            f"{what} is an array of {n} elements, over the limit of {limits.max_msgpack_len} "
-            "(--max-msgpack-len)"
+        raise msgpack_len_over(
+            what, n, "elements", limits.max_msgpack_len, container="an array of "
         )
 
 
 def _tokens_too_long(exc: IntArrayTooLong) -> TooLarge:
-    name = _FIELD_NAMES.get(exc.element, f"element {exc.element}")
-    return TooLarge(f"{name}: {exc.count} tokens exceed the limit of {exc.limit} (--max-tokens)")
+    return tokens_over(
+        _FIELD_NAMES.get(exc.element, f"element {exc.element}"), exc.count, exc.limit
+    )
 
 
 def _check_elements(
@@ -241,16 +244,12 @@ def _check_elements(
     kind, element, value = breach
     where = _element_name(element)
     if kind == 3:
-        raise InvalidRequest(
-            f"{where}: msgpack nested {value} levels deep, over the limit of "
-            f"{limits.max_msgpack_depth} (--max-msgpack-depth)"
+        raise depth_over(where, value, limits.max_msgpack_depth)
+    if kind == 1:
+        raise msgpack_len_over(
+            where, value, "elements", limits.max_msgpack_len, container="an array of "
         )
-    container = "an array of" if kind == 1 else "a map of"
-    unit = "elements" if kind == 1 else "entries"
-    raise TooLarge(
-        f"{where}: {container} {value} {unit}, over the limit of {limits.max_msgpack_len} "
-        "(--max-msgpack-len)"
-    )
+    raise msgpack_len_over(where, value, "entries", limits.max_msgpack_len, container="a map of ")
 
 
 def _value(raw: msgspec.Raw, what: str) -> Any:
@@ -308,117 +307,65 @@ def _as_buffer(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-_DTYPES: dict[str, DType] = {}  # wire dtype string -> DType (only valid names are stored)
+class _WireTensor(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """A tensor ``[dtype, shape, data]`` as the item decoder takes it (``feature``).
 
-
-class _NotFast(Exception):
-    """The typed fast path does not take this input; the general path decides."""
-
-
-class _FastTensor(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
-    """A tensor ``[dtype, shape, data]`` as the typed item decoder takes it.
-
-    Exactly three elements, as :meth:`_TensorReader.tensor` demands: an
-    array-like struct otherwise skips trailing elements, and the fast path
-    accepted ``[dtype, shape, data, extra]`` that the general path refuses.
+    Exactly three elements (an array-like struct otherwise skips trailing
+    ones); what the types leave open (the dtype's name, the aux index, the
+    ext code, the byte length, the limits) is decided where the
+    :class:`~mmadmit.model.Tensor` is built.
     """
 
     dtype: str
-    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+    shape: tuple[int, ...]
     data: int | msgspec.msgpack.Ext  # an aux frame index or inline bytes (ext 3)
 
 
 class _TensorReader:
+    """Builds the request's tensors on its aux frames and records what each frame held."""
+
     def __init__(self, aux: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> None:
         self.aux = aux
         self.used: dict[int, str] = {}
         self.limits = limits
-        self.max_rank = limits.max_tensor_rank
-        self.max_dim = limits.max_tensor_dim
-        self.max_bytes = limits.max_tensor_bytes
 
-    def check_size(self, what: TensorName, shape: Any, dtype: DType) -> int:
-        """Rank, dimensions and bytes of a tensor from its shape; its byte length."""
-        lim = self.limits
-        check_shape(what, shape, lim)
-        expected = math.prod(shape) * dtype.itemsize
-        if expected > lim.max_tensor_bytes:
-            raise TooLarge(
-                f"{what}: shape {list(shape)} of {dtype.name} is {expected} bytes, over the "
-                f"limit of {lim.max_tensor_bytes} (--max-tensor-bytes)"
-            )
-        return expected
-
-    def tensor(self, value: Any, item: int | None, key: str, role: str) -> Tensor:
-        """Build a Tensor view; errors name ``item <item> <key>`` (or just ``key``)."""
-        what = TensorName(item, key)
-        if not isinstance(value, (list, tuple)) or len(value) != 3:
-            raise InvalidRequest(f"{what} must be a tensor [dtype, shape, data]")
-        dtype_name, shape, data = value
-        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
-            dtype = parse_dtype(dtype_name)
-            _DTYPES[dtype_name] = dtype
-        if not isinstance(shape, (list, tuple)) or not all(
-            type(d) is int and d >= 0 for d in shape
-        ):
-            raise InvalidRequest(
-                f"{what}: shape must be a list of non-negative ints, got {shape!r}"
-            )
-        expected = self.check_size(what, shape, dtype)
-        if isinstance(data, _InlineData):
-            buf = memoryview(data.data)
-        elif isinstance(data, int) and not isinstance(data, bool):
-            if not 1 <= data <= len(self.aux):
-                raise InvalidRequest(
-                    f"{what}: data refers to aux frame {data}, but the message has "
-                    f"{len(self.aux)} aux frame(s)"
-                )
-            buf = self.aux[data - 1]
-            prev = self.used.get(data)
-            self.used[data] = role if prev in (None, role) else "shared"
-        else:
-            raise InvalidRequest(f"{what}: data must be ext type 3 or an aux frame index")
-        if buf.nbytes != expected:
-            raise InvalidRequest(
-                f"{what}: {buf.nbytes} data bytes but shape {list(shape)} of {dtype.name} "
-                f"needs {expected}"
-            )
-        return Tensor(dtype, tuple(shape), buf)
-
-    def fast(self, t: _FastTensor, role: str) -> Tensor:
-        """:meth:`tensor` for a typed tensor; :class:`_NotFast` where that one would raise."""
-        dtype = _DTYPES.get(t.dtype)
-        if dtype is None:
-            dtype = parse_dtype(t.dtype)
-            _DTYPES[t.dtype] = dtype
-        data = t.data
-        if isinstance(data, int):  # never a bool: the typed decoder refuses those
+    def build(self, dtype: Any, shape: Any, data: Any, name: Any, role: str) -> Tensor:
+        """The one place a received tensor is made: its data resolved (inline bytes or an
+        aux frame), everything else checked by :class:`~mmadmit.model.Tensor`. ``name``:
+        a :class:`TensorName` or its ``(item, key)`` pair."""
+        if type(data) is int:  # never a bool (the typed decoder refuses it; type() here)
             aux = self.aux
             if not 0 < data <= len(aux):
-                raise _NotFast
-            buf = aux[data - 1]
+                raise InvalidRequest(
+                    f"{TensorName(*name)}: data refers to aux frame {data}, but the message "
+                    f"has {len(aux)} aux frame(s)"
+                )
+            buf: Any = aux[data - 1]
             prev = self.used.get(data)
             self.used[data] = role if prev is None or prev == role else "shared"
-        elif data.code == EXT_TENSOR_DATA:
-            buf = memoryview(data.data)
+        elif type(data) is _Ext:
+            if data.code != EXT_TENSOR_DATA:  # pickle or an unknown ext code
+                raise InvalidRequest(f"{TensorName(*name)}: {_ext_refused(data.code).message}")
+            buf = data.data
+        elif type(data) is _InlineData:
+            buf = data.data
         else:
-            raise _NotFast  # pickle or an unknown ext code: refused by the general path
-        shape = t.shape
-        if len(shape) > self.max_rank or (shape and max(shape) > self.max_dim):
-            raise _NotFast  # over a limit: the general path words it
-        nbytes = math.prod(shape) * dtype.itemsize
-        if buf.nbytes != nbytes or nbytes > self.max_bytes:
-            raise _NotFast
-        return Tensor(dtype, shape, buf)
+            raise InvalidRequest(
+                f"{TensorName(*name)}: data must be ext type 3 or an aux frame index"
+            )
+        return Tensor(dtype, shape, buf, name, self.limits)
+
+    def tensor(self, value: Any, item: int | None, key: str, role: str) -> Tensor:
+        """A tensor from a decoded value ``[dtype, shape, data]``; errors name
+        ``item <item> <key>`` (or just ``key``)."""
+        if not isinstance(value, (list, tuple)) or len(value) != 3:
+            raise InvalidRequest(f"{TensorName(item, key)} must be a tensor [dtype, shape, data]")
+        return self.build(value[0], value[1], value[2], (item, key), role)
 
 
 def _is_tensor_value(value: Any) -> bool:
     return (
-        isinstance(value, (list, tuple))
-        and len(value) == 3
-        and isinstance(value[0], str)
-        and isinstance(value[1], (list, tuple))
+        type(value) is list and len(value) == 3 and type(value[0]) is str and type(value[1]) is list
     )
 
 
@@ -437,55 +384,48 @@ def _decode_shm(value: Any, what: str) -> ShmHandle | None:
     )
 
 
-class _WireItem(msgspec.Struct, array_like=True):
-    """Typed view of a MultimodalDataItem: msgspec validates the types in C.
+class _WireItem(msgspec.Struct, array_like=True, gc=False):
+    """A MultimodalDataItem as the one item decoder takes it: every item of a request
+    in one typed ``msgspec`` call.
 
-    A longer array (fields of a newer peer) decodes too; its trailing raw
-    elements are kept through the split in :func:`_decode_item`.
-    """
-
-    modality: int
-    hash: int | None = None
-    pad_value: int | None = None
-    offsets: list[tuple[int, int]] | None = None
-    feature: Any = None
-    feature_shm: Any = None
-    model_specific_data: dict[str, Any] | None = None
-    # Passed through untouched, but decoded so the ext hook sees every element.
-    encoded: Any = None
-    encoded_deepstack: Any = None
-    encode_handshake: Any = None
-
-
-_ITEM = msgspec.msgpack.Decoder(_WireItem, ext_hook=_ext_hook)
-_ITEM_FIELD_NAMES = [f.name for f in msgspec.structs.fields(_WireItem)]
-
-
-class _FastItem(msgspec.Struct, array_like=True, gc=False):
-    """:class:`_WireItem` with typed tensors, to decode every item in one call.
-
-    It takes a subset of what the general path takes (every
-    ``model_specific_data`` value a tensor); the rest goes the general way.
-    ``offsets`` are skipped here and decoded for every item at once by
-    :func:`mmadmit.intcodec.int_rows`, which checks them as strictly.
+    It takes every legal item: ``model_specific_data`` values are any value
+    (a tensor is recognised by its form, ``[str, list, data]``; others, such
+    as a ``use_audio_in_video`` flag, are kept as they are). ``offsets`` are
+    decoded for every item at once by :func:`mmadmit.intcodec.int_rows`.
     Trailing fields of a newer peer are skipped here unseen: they are checked
-    (no pickle) from the item's raw elements.
+    (no pickle) from the item's raw elements. What the types refuse is worded
+    by :func:`_item_error`, which decodes nothing that is kept.
     """
 
     modality: int
     hash: int | None = None
     pad_value: int | None = None
     offsets: msgspec.Raw = _NIL
-    feature: _FastTensor | None = None
+    feature: _WireTensor | None = None
     feature_shm: Any = None
-    model_specific_data: dict[str, _FastTensor] | None = None
+    model_specific_data: dict[str, msgspec.Raw] | None = None  # see _side_value
+    # Passed through untouched, but decoded so the ext hook sees every element.
     encoded: Any = None
     encoded_deepstack: Any = None
     encode_handshake: Any = None
 
 
-_FAST_ITEMS = msgspec.msgpack.Decoder(list[_FastItem], ext_hook=_ext_hook)
-_NO_SIDE: dict[str, Any] = {}  # an item decoded without side tensors (compared, never changed)
+_ITEMS = msgspec.msgpack.Decoder(list[_WireItem], ext_hook=_ext_hook)
+_TENSOR = msgspec.msgpack.Decoder(_WireTensor)
+
+
+def _side_value(raw: msgspec.Raw, idx: int, key: str, reader: _TensorReader) -> Any:
+    """A ``model_specific_data`` value the tensor struct does not take (every other is
+    a tensor): any value, kept as decoded (a ``use_audio_in_video`` flag). One of a
+    tensor's form (``[str, list, data]``) is built all the same, for
+    :class:`~mmadmit.model.Tensor` to word what is wrong with it."""
+    value = _value(raw, f"item {idx} {key}")
+    if _is_tensor_value(value):
+        return reader.build(value[0], value[1], value[2], (idx, key), "side")
+    return value
+
+
+_NO_SIDE: dict[str, Any] = {}  # an item decoded without side values (compared, never changed)
 
 
 class _ItemSrc(msgspec.Struct, gc=False):
@@ -495,11 +435,10 @@ class _ItemSrc(msgspec.Struct, gc=False):
     element 1 (hash) starts at ``off1`` and element 3 (offsets) at ``off3``;
     ``aux`` is the received aux frame list its tensor indices refer to.
     ``modality``, ``feature`` and ``side`` (a copy of the dict) are what was
-    decoded from it, ``fields`` the data, shape and dtype of the feature then
-    of each ``side`` value, in order, as decoded. An
-    item with all 10 fields whose modality, tensors and side dict are still
-    those, re-encoded with the request it was decoded in (the same ``aux``),
-    is re-emitted as its received bytes with elements 1 and 2 replaced
+    decoded from it. An item with all 10 fields whose modality, feature and
+    side dict are still those (tensors cannot change: identity says it),
+    re-encoded with the request it was decoded in (the same ``aux``), is
+    re-emitted as its received bytes with elements 1 and 2 replaced
     (:func:`_encode_items`): its tensors keep their aux indices (received
     frames keep theirs) and their inline data, every other element its bytes.
     """
@@ -514,7 +453,6 @@ class _ItemSrc(msgspec.Struct, gc=False):
     modality: int
     feature: Tensor | None
     side: dict[str, Any]
-    fields: tuple[Any, ...]
     raw_elems: list[msgspec.Raw] | None = None
 
     def elems(self) -> list[msgspec.Raw]:
@@ -525,51 +463,39 @@ class _ItemSrc(msgspec.Struct, gc=False):
 
     def unchanged(self, item: Item) -> bool:
         """Whether ``item`` can be spliced: all 10 fields, the same modality and tensors."""
-        if (
-            self.count < _ITEM_FIELDS
-            or item.modality != self.modality
-            or item.feature is not self.feature
-            or item.side != self.side  # Tensor equality is identity
-        ):
-            return False
-        fields = self.fields
-        k = 0
-        feature = self.feature
-        if feature is not None:
-            if (
-                feature.data is not fields[0]
-                or feature.shape is not fields[1]
-                or feature.dtype is not fields[2]
-            ):
-                return False
-            k = 3
-        for t in self.side.values():
-            if (
-                t.data is not fields[k]
-                or t.shape is not fields[k + 1]
-                or t.dtype is not fields[k + 2]
-            ):
-                return False
-            k += 3
-        return True
+        return (
+            self.count >= _ITEM_FIELDS
+            and item.modality == self.modality
+            and item.feature is self.feature
+            and item.side == self.side  # Tensor equality is identity
+        )
 
 
 def _check_items(view: memoryview, reader: _TensorReader) -> None:
     """The item count from the mm_items header, before any item is decoded."""
     try:
         n = array_len(view)
-    except ValueError:  # not an array: the decoders word it
+    except ValueError:  # not an array: the decoder words it
         return
     limit = reader.limits.max_items
     if n > limit:
-        raise TooLarge(f"{n} items exceed the limit of {limit} (--max-items)")
+        raise items_over(n, limit)
 
 
-def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
+def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
+    """Every item of ``mm_items`` (the one item decode path; see :class:`_WireItem`)."""
     _check_items(view, reader)
-    spans = array_spans(view)
-    wire_items = _FAST_ITEMS.decode(view)
-    fast = reader.fast
+    try:
+        spans = array_spans(view)
+    except ValueError as exc:
+        raise InvalidRequest(f"mm_items must be a msgpack array ({exc})") from exc
+    try:
+        wire_items = _ITEMS.decode(view)
+    except (msgspec.DecodeError, RecursionError, InvalidRequest) as exc:
+        # a type the decoder refuses (ValidationError is a DecodeError), pickle in any field
+        raise _item_error(view, spans, reader, exc) from exc
+    build = reader.build
+    decode_tensor = _TENSOR.decode
     items: list[Item] = []
     with_offsets: list[Item] = []  # items that have element 3, offsets
     for i, w, start, end, count, off1, off3 in zip(
@@ -585,16 +511,19 @@ def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
         if count > _ITEM_FIELDS:  # newer peer's fields: validated (no pickle), kept raw
             for extra_raw in _split(view[start:end], f"item {i}")[_ITEM_FIELDS:]:
                 _value(extra_raw, f"item {i}")
-        fields: list[Any] = []
         feature = None
-        if w.feature is not None:
-            feature = fast(w.feature, "feature")
-            fields += (feature.data, feature.shape, feature.dtype)
-        side: dict[str, Any] = {}
+        wt = w.feature
+        if wt is not None:
+            feature = build(wt.dtype, wt.shape, wt.data, (i, "feature"), "feature")
+        side: dict[str, Any] = {}  # the item's own (it may be changed): never _NO_SIDE
         if w.model_specific_data:
-            for key, wt in w.model_specific_data.items():
-                t = side[key] = fast(wt, "side")
-                fields += (t.data, t.shape, t.dtype)
+            for key, raw in w.model_specific_data.items():
+                try:
+                    t = decode_tensor(raw)
+                except msgspec.DecodeError:  # not a tensor, or a malformed one
+                    side[key] = _side_value(raw, i, key, reader)
+                else:
+                    side[key] = build(t.dtype, t.shape, t.data, (i, key), "side")
         shm = None if w.feature_shm is None else _decode_shm(w.feature_shm, f"item {i}")
         src = _ItemSrc(
             view,
@@ -607,7 +536,6 @@ def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
             w.modality,
             feature,
             side.copy() if side else _NO_SIDE,
-            tuple(fields),
         )
         item = Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src)
         if count > 3:
@@ -615,7 +543,11 @@ def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
         items.append(item)
     if with_offsets:
         # every item's [start, end] rows in one array; each item gets its slice (a view)
-        flat, bounds = int_rows(view, [it.extra.off3 for it in with_offsets], 2)
+        starts = [it.extra.off3 for it in with_offsets]
+        try:
+            flat, bounds = int_rows(view, starts, 2)
+        except ValueError as exc:
+            raise _offsets_error(view, with_offsets, items, exc) from exc
         table = flat.reshape(-1, 2)
         for item, a, b in zip(with_offsets, bounds[0::2], bounds[1::2], strict=True):
             if a >= 0:  # nil: None
@@ -623,37 +555,87 @@ def _decode_items_fast(view: memoryview, reader: _TensorReader) -> list[Item]:
     return items
 
 
-def _decode_item(raw: msgspec.Raw, idx: int, reader: _TensorReader) -> Item:
-    elems = _split(raw, f"item {idx}")  # raw elements: re-emitted verbatim unless changed
+# ------------------------------------------------------------ error wording (items)
+
+
+class _LooseItem(msgspec.Struct, array_like=True):
+    """The item's fields with only their basic types, for :func:`_item_error`'s wording."""
+
+    modality: int
+    hash: int | None = None
+    pad_value: int | None = None
+    offsets: list[tuple[int, int]] | None = None
+    feature: Any = None
+    feature_shm: Any = None
+    model_specific_data: dict[str, Any] | None = None
+    encoded: Any = None
+    encoded_deepstack: Any = None
+    encode_handshake: Any = None
+
+
+_LOOSE_ITEM = msgspec.msgpack.Decoder(_LooseItem, ext_hook=_ext_hook)
+_ITEM_FIELD_NAMES = [f.name for f in msgspec.structs.fields(_LooseItem)]
+
+
+def _item_error(
+    view: memoryview, spans: list[int], reader: _TensorReader, exc: Exception
+) -> AdmissionError:
+    """Word why the item decoder refused ``mm_items``: the first item that is wrong,
+    and what in it (its field, or its tensor by key). Only error wording: what it
+    decodes is dropped, and it runs only once the request has failed."""
+    order = range(len(spans) // 5)
+    index = _error_index(exc)
+    if index is not None and index < len(order):
+        order = range(index, len(order))  # the decoder stopped there; the ones before passed
+    for i in order:
+        start, end = spans[5 * i], spans[5 * i + 1]
+        found = _item_problem(view[start:end], i, reader)
+        if found is not None:
+            return found
+    return InvalidRequest(f"mm_items: {exc}")  # pragma: no cover - every refusal is worded above
+
+
+def _error_index(exc: Exception) -> int | None:
+    """The item index of msgspec's "... - at `$[3]...`" (None without a path)."""
+    _, sep, path = str(exc).partition(" - at `$[")
+    if not sep:
+        return None
+    index = path.split("]", 1)[0]
+    return int(index) if index.isdigit() else None
+
+
+def _item_problem(raw: memoryview, idx: int, reader: _TensorReader) -> AdmissionError | None:
+    """What is wrong with item ``idx`` (None: nothing the item decoder refuses)."""
+    what = f"item {idx}"
     try:
-        w = _ITEM.decode(raw)
+        w = _LOOSE_ITEM.decode(raw)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"item {idx}: {_field_error(exc)}") from exc
+        return InvalidRequest(f"{what}: {_field_error(exc)}")
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise InvalidRequest(f"item {idx}: undecodable msgpack ({exc})") from exc
-    for extra_raw in elems[_ITEM_FIELDS:]:
-        _value(extra_raw, f"item {idx}")  # newer peer's fields: validated (no pickle), kept raw
-    feature = None if w.feature is None else reader.tensor(w.feature, idx, "feature", "feature")
-    side: dict[str, Any] = {}
-    if w.model_specific_data:
-        for key, value in w.model_specific_data.items():
-            side[key] = reader.tensor(value, idx, key, "side") if _is_tensor_value(value) else value
-    offsets = None
-    if w.offsets is not None:
+        return InvalidRequest(f"{what}: undecodable msgpack ({exc})")
+    except InvalidRequest as exc:  # the ext hook: pickle or an unknown ext code
+        return InvalidRequest(f"{what}: {exc.message}")
+    if w.feature is not None:
         try:
-            offsets = np.array(w.offsets, dtype=np.int64).reshape(-1, 2)
-        except OverflowError as exc:
-            raise InvalidRequest(f"item {idx}: offset out of range") from exc
-    return Item(
-        w.modality,
-        w.hash,
-        w.pad_value,
-        offsets,
-        feature,
-        None if w.feature_shm is None else _decode_shm(w.feature_shm, f"item {idx}"),
-        side,
-        elems,
-    )
+            reader.tensor(w.feature, idx, "feature", "feature")
+        except AdmissionError as exc:  # InvalidRequest, or TooLarge before the wrong part
+            return exc
+    return None
+
+
+def _offsets_error(
+    view: memoryview, with_offsets: list[Item], items: list[Item], exc: ValueError
+) -> InvalidRequest:
+    """Word why :func:`mmadmit.intcodec.int_rows` refused the items' offsets."""
+    for item in with_offsets:
+        try:
+            int_rows(view, [item.extra.off3], 2)
+        except ValueError as one:
+            return InvalidRequest(
+                f"item {items.index(item)}: offsets must be nil or an array of "
+                f"[start, end] pairs of int64 ({one})"
+            )
+    return InvalidRequest(f"mm_items: offsets ({exc})")  # pragma: no cover - found above
 
 
 def _field_error(exc: msgspec.ValidationError) -> str:
@@ -668,33 +650,10 @@ def _field_error(exc: msgspec.ValidationError) -> str:
 
 
 def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
-    try:
-        return _decode_mm_fast(raw, reader)
-    except Exception:  # noqa: BLE001 - the general path alone judges and words errors
-        reader.used.clear()
-        return _decode_mm_general(raw, reader)
-
-
-def _decode_mm_fast(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
-    elems, _ = _split_view(memoryview(raw), "multimodal_inputs")
+    elems = _split(raw, "multimodal_inputs")
     items: list[Item] = []
     if elems and not _is_nil(elems[0]):
-        items = _decode_items_fast(memoryview(elems[0]), reader)
-    return _mm_with(items, elems, reader)
-
-
-def _decode_mm_general(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
-    elems = _split(raw, "multimodal_inputs")
-    if elems and not _is_nil(elems[0]):
-        _check_items(memoryview(elems[0]), reader)
-    items_raw = _split(elems[0], "mm_items") if elems and not _is_nil(elems[0]) else []
-    items = [_decode_item(r, i, reader) for i, r in enumerate(items_raw)]
-    return _mm_with(items, elems, reader)
-
-
-def _mm_with(
-    items: list[Item], elems: list[msgspec.Raw], reader: _TensorReader
-) -> MultimodalInputs:
+        items = _decode_items(memoryview(elems[0]), reader)
     vals = [_value(r, "multimodal_inputs") for r in elems[1:_MM_FIELDS]]
     for extra_raw in elems[_MM_FIELDS:]:
         _value(extra_raw, "multimodal_inputs")
@@ -839,11 +798,8 @@ def decode_message(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> WireMe
         except ValueError:
             n = 0  # not an array: the decode below words it
         if n > limits.max_abort_ids:
-            raise WireError(
-                f"ABORT payload: {n} request ids exceed the limit of {limits.max_abort_ids} "
-                "(--max-abort-ids)",
-                code=AbortCode.TOO_LARGE,
-            )
+            breach = abort_ids_over(n, limits.max_abort_ids)
+            raise WireError(breach.message, code=breach.code)
         try:
             rids = _ABORT_IDS.decode(buf)  # typed: nothing but strings is ever built
         except msgspec.ValidationError as exc:
