@@ -73,10 +73,10 @@ from mmadmit import scheduler_link, wire
 from mmadmit.config import build_config
 from mmadmit.engine_mode import EngineRelay
 from mmadmit.errors import ConfigError
-from mmadmit.frames import parse_frames
 from mmadmit.materializer import Materializer
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
+from mmadmit_client.frames import parse_frames
 from test_zmq_ingest import assert_error_vector, assert_matches_vector
 
 pytestmark = pytest.mark.timeout(60)

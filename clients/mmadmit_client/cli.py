@@ -200,7 +200,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     with _grpc_client(args) as client:
         try:
-            status = client.health(args.service, timeout=args.timeout)
+            status = client.health(args.service, timeout_s=args.timeout)
         except RequestTimeout as exc:
             raise _probe_timeout(exc) from exc
     if status == "SERVING":
@@ -218,7 +218,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 
     with _grpc_client(args) as client:
         try:
-            info = client.model_info(timeout=args.timeout)
+            info = client.model_info(timeout_s=args.timeout)
         except RequestTimeout as exc:
             raise _probe_timeout(exc) from exc
     doc = dataclasses.asdict(info)
@@ -264,7 +264,7 @@ async def _admit(args: argparse.Namespace) -> int:
     async with transport:
         result = await transport.admit(loaded, args.rid)
     if args.out:
-        from mmadmit.frames import pack_frames
+        from .frames import pack_frames
 
         blob = pack_frames(result.reply_frames)
         _write(args.out, blob)

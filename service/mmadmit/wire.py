@@ -53,6 +53,25 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+from mmadmit_client.wire import (
+    EXT_TENSOR_DATA,
+    F_INPUT_IDS,
+    F_MM,
+    F_RID,
+    F_SAMPLING,
+    F_UNPADDED,
+    F_VALIDATION_ERROR,
+    FIELD_DEFAULTS,
+    INLINE_LIMIT_BYTES,
+    ITEM_FIELDS,
+    MM_FIELDS,
+    MSG_ABORT,
+    MSG_ADD,
+    N_FIELDS,
+    STATUS_ABORTED,
+    STATUS_MATERIALIZED,
+    TAG,
+)
 
 from .dtypes import DType, parse_dtype
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
@@ -80,37 +99,11 @@ from .model import (
     check_shm_name,
 )
 
-MSG_ADD = 0x00
-MSG_ABORT = 0x01
-STATUS_MATERIALIZED = 0x00
-STATUS_ABORTED = 0x01
+# The wire's constants are the client's (one copy, mmadmit_client.wire).
+_FIELD_DEFAULTS = FIELD_DEFAULTS
 
-TAG = "TokenizedGenerateReqInput"
-EXT_TENSOR_DATA = 3
-INLINE_LIMIT_BYTES = 256  # the reference encoder inlines tensors below this size
-
-# TokenizedGenerateReqInput element indices (WIRE.md)
-F_RID = 1
-F_INPUT_IDS = 4
-F_SAMPLING = 5
-F_UNPADDED = 21
-F_MM = 22
-F_VALIDATION_ERROR = 23
-N_FIELDS = 24
-
-# Defaults of the typed fields, for elements a shorter array leaves out and for
-# the minimal abort message (a scheduler's typed decoder rejects nil for them).
-_FIELD_DEFAULTS: dict[int, Any] = {
-    6: False,  # return_logprob
-    7: -1,  # logprob_start_len
-    8: 0,  # top_logprobs_num
-    10: False,  # stream
-    14: False,  # return_hidden_states
-    15: 0.0,  # created_time
-}
-
-_MM_FIELDS = 7
-_ITEM_FIELDS = 10
+_MM_FIELDS = MM_FIELDS
+_ITEM_FIELDS = ITEM_FIELDS
 # Defaults of MultimodalInputs / MultimodalDataItem fields a shorter array
 # leaves out: nil, except model_specific_data, a map.
 _MM_DEFAULTS: dict[int, Any] = {}
