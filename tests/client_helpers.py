@@ -17,7 +17,17 @@ from typing import Any
 import numpy as np
 from mmadmit import wire
 from mmadmit.model import Request as ServerRequest
-from mmadmit_client import Item, Outcome, ShmFeature, Tensor, grid, seconds
+from mmadmit_client import (
+    Client,
+    GrpcTransport,
+    Item,
+    Outcome,
+    ShmFeature,
+    Tensor,
+    ZmqTransport,
+    grid,
+    seconds,
+)
 from mmadmit_client import Request as ClientRequest
 from mmadmit_client._grpc_codec import _item_to_proto, request_to_proto, tensor_to_proto
 from mmadmit_client._proto import admission_pb2 as pb
@@ -118,3 +128,33 @@ def served(outcome: Outcome) -> ServerRequest:
     frames = outcome.frames
     assert frames, f"no reply frames on {outcome!r}"
     return wire.decode_request(frames[1], list(frames[2:]))
+
+
+def zmq_client(address: str, **kwargs: Any) -> Client:
+    """A :class:`Client` over a :class:`ZmqTransport` (not yet open: ``async with``)."""
+    return Client(ZmqTransport(address, **kwargs))
+
+
+def grpc_client(target: str, **kwargs: Any) -> Client:
+    """A :class:`Client` over a :class:`GrpcTransport` (not yet open: ``async with``)."""
+    return Client(GrpcTransport(target, **kwargs))
+
+
+async def zmq_admit(
+    client: Client, message: ServerRequest | Sequence[Any], timeout_s: float | None = None
+) -> Outcome:
+    """Send a request of the service's model (its codec's frames) or raw frames, as they
+    are, over the client's ZMQ transport."""
+    frames = add_frames(message) if isinstance(message, ServerRequest) else list(message)
+    transport = client.transport
+    assert isinstance(transport, ZmqTransport), transport
+    return await transport.admit_frames(frames, timeout_s)
+
+
+async def grpc_admit(
+    client: Client, message: pb.AdmitRequest, timeout: float | None = None
+) -> Outcome:
+    """Send a raw ``AdmitRequest`` over the client's gRPC transport."""
+    transport = client.transport
+    assert isinstance(transport, GrpcTransport), transport
+    return await transport.admit_proto(message, timeout)
