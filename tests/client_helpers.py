@@ -29,6 +29,7 @@ from mmadmit_client import (
     seconds,
 )
 from mmadmit_client import Request as ClientRequest
+from mmadmit_client import wire as client_wire
 from mmadmit_client._grpc_codec import _item_to_proto, request_to_proto, tensor_to_proto
 from mmadmit_client._proto import admission_pb2 as pb
 
@@ -158,3 +159,10 @@ async def grpc_admit(
     transport = client.transport
     assert isinstance(transport, GrpcTransport), transport
     return await transport.admit_proto(message, timeout)
+
+
+def proto_of(request: ServerRequest, rid: str | None = None) -> pb.AdmitRequest:
+    """A request of the service's model as the client sends it over gRPC: encoded by the
+    service's codec, decoded by the client's, translated by the client."""
+    req = client_wire.decode_add(add_frames(request))
+    return request_to_proto(req if rid is None else req.with_request_id(rid))
