@@ -799,7 +799,9 @@ async def test_max_grpc_streams_refuses_calls_past_it(gate: Gate) -> None:
             gate.open()
             for fut in [*held, queued]:
                 assert isinstance(await fut, Materialized)
-            assert isinstance(await second.admit(_image_model_request(r.profile, "later")), Materialized)
+            assert isinstance(
+                await second.admit(_image_model_request(r.profile, "later")), Materialized
+            )
 
 
 async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
