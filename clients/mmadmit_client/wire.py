@@ -16,8 +16,10 @@ Nothing is lost in a round trip: a request decoded from frames keeps the raw
 msgpack elements of every field the model does not carry (sampling
 parameters, fields of a newer peer) in ``Request.wire_fields`` and
 ``Item.wire_elements``, and the aux frames they may point at keep their
-indices; tensors added since are appended. Only extension type 3 (tensor
-data) is ever accepted: pickle (1, 2) and unknown types are refused.
+indices; tensors added since are appended. In what it decodes, only
+extension type 3 (tensor data) is accepted: pickle (1, 2) and unknown types
+are refused; what it passes through stays raw bytes, never decoded (the
+service checks every element of what it receives).
 
 Buffers: tensors at or above :data:`INLINE_LIMIT_BYTES` go out as aux frames
 without a copy (the caller must not change them until sent); decoded tensors
@@ -422,8 +424,11 @@ def encode_request(
         mm = _padded(fields.mm_elements if fields is not None else (), MM_FIELDS, {})
         mm[0] = [_encode_item(it, writer, drop_features) for it in req.items]
         for key, name in ((1, "image"), (2, "video")):
+            # the request-wide override: its items' (gRPC's form), else as received
             tokens = [it.placeholder_token_id for it in req.items if it.modality == name]
-            mm[key] = next((t for t in tokens if t is not None), None)
+            token = next((t for t in tokens if t is not None), None)
+            if token is not None or fields is None:
+                mm[key] = token
         positions = req.mrope_positions
         if positions is None:
             mm[3] = None
