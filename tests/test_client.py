@@ -41,31 +41,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import mmadmit_client as mc
 import numpy as np
 import pytest
 from conftest import CONFIGS, REPO_ROOT, load_vector, until, vector_names
 from mmadmit import wire as server_wire
 from mmadmit.config import build_config
 from mmadmit.server import ServerHandle, start_server
-from mmadmit_client import (
-    Aborted,
-    BlockingClient,
-    Client,
-    ClientState,
-    ClientStateError,
-    GrpcTransport,
-    Item,
-    Materialized,
-    MemoryTransport,
-    ModelInfo,
-    Outcome,
-    Request,
-    RequestTimeout,
-    ServerUnavailable,
-    UnsupportedOperation,
-    ZmqTransport,
-    grid,
-)
 from mmadmit_client import wire as client_wire
 
 QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
@@ -113,29 +95,29 @@ async def serving() -> AsyncIterator[ServerHandle]:
         yield handle
 
 
-def image_request(rid: str, *, content_hash: int | None = None) -> Request:
+def image_request(rid: str, *, content_hash: int | None = None) -> mc.Request:
     """Qwen3.5, 40 tokens, one 8x8-patch image (16 placeholders)."""
     ids = np.full(40, 100, np.int64)
     ids[10:26] = QWEN35_IMAGE
-    item = Item(
+    item = mc.Item(
         "image",
         [(10, 25)],
         feature=np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
         hash=content_hash,
-        side={"image_grid_thw": grid([1, 8, 8])},
+        side={"image_grid_thw": mc.grid([1, 8, 8])},
     )
-    return Request(rid, ids, [item])
+    return mc.Request(rid, ids, [item])
 
 
 def transports(handle: ServerHandle) -> dict[str, Any]:
     return {
-        "grpc": GrpcTransport(handle.addresses["grpc"]),
-        "zmq": ZmqTransport(handle.addresses["zmq"], timeout_s=10),
+        "grpc": mc.GrpcTransport(handle.addresses["grpc"]),
+        "zmq": mc.ZmqTransport(handle.addresses["zmq"], timeout_s=10),
     }
 
 
-def derived(out: Outcome) -> dict[str, Any]:
-    assert isinstance(out, Materialized), out
+def derived(out: mc.Outcome) -> dict[str, Any]:
+    assert isinstance(out, mc.Materialized), out
     return {
         "input_ids": out.input_ids.tolist(),
         "unpadded": None if out.input_ids_unpadded is None else out.input_ids_unpadded.tolist(),
@@ -152,15 +134,15 @@ async def test_one_request_over_both_transports_gives_one_outcome() -> None:
     async with serving() as handle:
         got = {}
         for name, transport in transports(handle).items():
-            async with Client(transport, timeout_s=10) as client:
+            async with mc.Client(transport, timeout_s=10) as client:
                 await client.wait_ready(5)
                 got[name] = await client.admit(image_request(f"both-{name}"))
                 hashed = await client.admit(image_request(f"h-{name}", content_hash=2**64 - 1))
-                assert isinstance(hashed, Materialized) and hashed.items[0].hash == 2**64 - 1
+                assert isinstance(hashed, mc.Materialized) and hashed.items[0].hash == 2**64 - 1
         assert derived(got["grpc"]) == derived(got["zmq"])
         g, z = got["grpc"], got["zmq"]
         assert (g.request_id, z.request_id) == ("both-grpc", "both-zmq")
-        assert isinstance(g, Materialized) and isinstance(z, Materialized)
+        assert isinstance(g, mc.Materialized) and isinstance(z, mc.Materialized)
         assert g.passthrough is False and z.passthrough is None  # not on the msgpack wire
         assert z.frames and not g.frames  # the ZMQ reply as received
         pad = g.items[0].pad_value
@@ -173,14 +155,14 @@ async def test_one_request_over_both_transports_gives_one_outcome() -> None:
 async def test_admit_many_abort_and_what_a_transport_cannot_do() -> None:
     async with serving() as handle:
         for name, transport in transports(handle).items():
-            async with Client(transport, timeout_s=10) as client:
+            async with mc.Client(transport, timeout_s=10) as client:
                 requests = [image_request(f"{name}-m{i}") for i in range(6)]
-                requests.append(Request(f"{name}-bad", [1, 2], [Item("image", [(5, 9)])]))
+                requests.append(mc.Request(f"{name}-bad", [1, 2], [mc.Item("image", [(5, 9)])]))
                 outcomes = [o async for o in client.admit_many(requests)]
                 by_id = {o.request_id: o for o in outcomes}
                 assert sorted(by_id) == sorted(r.request_id for r in requests)
                 bad = by_id[f"{name}-bad"]
-                assert isinstance(bad, Aborted) and bad.code == "INVALID_REQUEST", bad
+                assert isinstance(bad, mc.Aborted) and bad.code == "INVALID_REQUEST", bad
                 assert all(o.materialized for k, o in by_id.items() if k != f"{name}-bad")
 
                 hold = handle.hold  # type: ignore[attr-defined]
@@ -190,26 +172,26 @@ async def test_admit_many_abort_and_what_a_transport_cannot_do() -> None:
                 await until(lambda: handle.pool.inflight == 1)  # taken, held by the hook
                 assert await client.abort(f"hold-{name}") is True
                 out = await asyncio.wait_for(held, 10)
-                assert isinstance(out, Aborted) and out.code == "CANCELLED", out
+                assert isinstance(out, mc.Aborted) and out.code == "CANCELLED", out
                 hold.release()
 
                 if name == "zmq":
-                    with pytest.raises(UnsupportedOperation):
+                    with pytest.raises(mc.UnsupportedOperation):
                         await client.health()
-                    with pytest.raises(UnsupportedOperation):
+                    with pytest.raises(mc.UnsupportedOperation):
                         await client.model_info()
                     marked = dataclasses.replace(image_request("marked"), validation_error="x")
                     out = await client.admit(marked)
-                    assert isinstance(out, Aborted) and out.code == "INVALID_REQUEST"
+                    assert isinstance(out, mc.Aborted) and out.code == "INVALID_REQUEST"
                 else:
                     assert await client.health() == "SERVING"
                     info = await client.model_info()
-                    assert isinstance(info, ModelInfo) and info.family == "qwen3_5"
+                    assert isinstance(info, mc.ModelInfo) and info.family == "qwen3_5"
                     marked = dataclasses.replace(image_request("marked"), validation_error="x")
                     with pytest.raises(ValueError, match="validation_error"):
                         await client.admit(marked)  # nothing sent: gRPC has no such field
                     with pytest.raises(ValueError, match="uint32"):
-                        await client.admit(Request("neg", [-1, 2]))
+                        await client.admit(mc.Request("neg", [-1, 2]))
 
 
 async def test_nothing_listening_is_server_unavailable() -> None:
@@ -218,9 +200,12 @@ async def test_nothing_listening_is_server_unavailable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for transport in (GrpcTransport(f"127.0.0.1:{port}"), ZmqTransport(f"tcp://127.0.0.1:{port}")):
-        async with Client(transport) as client:
-            with pytest.raises(ServerUnavailable):
+    for transport in (
+        mc.GrpcTransport(f"127.0.0.1:{port}"),
+        mc.ZmqTransport(f"tcp://127.0.0.1:{port}"),
+    ):
+        async with mc.Client(transport) as client:
+            with pytest.raises(mc.ServerUnavailable):
                 await client.wait_ready(0.5)
 
 
@@ -280,81 +265,83 @@ def test_client_codec_refuses_pickle_and_reports_broken_replies() -> None:
 
 
 async def test_memory_transport_hands_the_request_to_the_handler() -> None:
-    seen: list[Request] = []
+    seen: list[mc.Request] = []
 
-    async def handler(request: Request) -> Outcome:
+    async def handler(request: mc.Request) -> mc.Outcome:
         seen.append(request)
         if request.request_id == "slow":
             await asyncio.sleep(10)
         if request.request_id == "down":
-            raise ServerUnavailable("nobody home")
+            raise mc.ServerUnavailable("nobody home")
         if not request.items:
-            return Aborted(request.request_id, "INVALID_REQUEST", "no items")
-        return Materialized(request.request_id, request.input_ids + 1, request.input_ids)
+            return mc.Aborted(request.request_id, "INVALID_REQUEST", "no items")
+        return mc.Materialized(request.request_id, request.input_ids + 1, request.input_ids)
 
-    transport = MemoryTransport(handler)
-    client = Client(transport)
-    assert client.state is ClientState.UNOPENED
-    with pytest.raises(ClientStateError):
+    transport = mc.MemoryTransport(handler)
+    client = mc.Client(transport)
+    assert client.state is mc.ClientState.UNOPENED
+    with pytest.raises(mc.ClientStateError):
         await client.admit(image_request("early"))
     async with client:
-        assert client.state is ClientState.OPENED
+        assert client.state is mc.ClientState.OPENED
         req = image_request("r1")
         out = await client.admit(req)
         assert seen[-1] is req  # the very request, nothing encoded in between
         assert (
-            isinstance(out, Materialized) and out.input_ids.tolist() == (req.input_ids + 1).tolist()
+            isinstance(out, mc.Materialized)
+            and out.input_ids.tolist() == (req.input_ids + 1).tolist()
         )
-        text = await client.admit(Request("t", [1, 2]))
-        assert isinstance(text, Aborted) and (text.code, text.message) == (
+        text = await client.admit(mc.Request("t", [1, 2]))
+        assert isinstance(text, mc.Aborted) and (text.code, text.message) == (
             "INVALID_REQUEST",
             "no items",
         )
-        with pytest.raises(RequestTimeout):
-            await client.admit(Request("slow", [1]), timeout_s=0.05)
-        with pytest.raises(ServerUnavailable, match="nobody home"):
-            await client.admit(Request("down", [1]))
+        with pytest.raises(mc.RequestTimeout):
+            await client.admit(mc.Request("slow", [1]), timeout_s=0.05)
+        with pytest.raises(mc.ServerUnavailable, match="nobody home"):
+            await client.admit(mc.Request("down", [1]))
         many = [
-            o.request_id async for o in client.admit_many([image_request("a"), Request("b", [1])])
+            o.request_id
+            async for o in client.admit_many([image_request("a"), mc.Request("b", [1])])
         ]
         assert sorted(many) == ["a", "b"]
         assert await client.abort("a", "b") is True and transport.aborted == ["a", "b"]
         assert await client.health() == "SERVING"
-        with pytest.raises(UnsupportedOperation):
+        with pytest.raises(mc.UnsupportedOperation):
             await client.model_info()
-    assert client.state is ClientState.CLOSED
-    with pytest.raises(ClientStateError):
+    assert client.state is mc.ClientState.CLOSED
+    with pytest.raises(mc.ClientStateError):
         await client.open()
     assert [r.request_id for r in transport.requests][:2] == ["r1", "t"]
 
 
 def test_blocking_client_same_methods_in_memory() -> None:
-    async def handler(request: Request) -> Outcome:
-        return Materialized(request.request_id, request.input_ids, None)
+    async def handler(request: mc.Request) -> mc.Outcome:
+        return mc.Materialized(request.request_id, request.input_ids, None)
 
-    info = ModelInfo("f", "t", ("A",), 10, None, None, None, None, "both", False, True, False)
-    with BlockingClient(MemoryTransport(handler, model_info=info)) as client:
-        assert client.state is ClientState.OPENED
-        assert client.admit(Request("one", [1])).request_id == "one"
+    info = mc.ModelInfo("f", "t", ("A",), 10, None, None, None, None, "both", False, True, False)
+    with mc.BlockingClient(mc.MemoryTransport(handler, model_info_value=info)) as client:
+        assert client.state is mc.ClientState.OPENED
+        assert client.admit(mc.Request("one", [1])).request_id == "one"
         assert sorted(
-            o.request_id for o in client.admit_many([Request("x", [1]), Request("y", [2])])
+            o.request_id for o in client.admit_many([mc.Request("x", [1]), mc.Request("y", [2])])
         ) == ["x", "y"]
         assert client.model_info() == info and client.health() == "SERVING"
         assert client.abort("x") is True
-    assert client.state is ClientState.CLOSED
-    with pytest.raises(ClientStateError):
-        client.admit(Request("late", [1]))
+    assert client.state is mc.ClientState.CLOSED
+    with pytest.raises(mc.ClientStateError):
+        client.admit(mc.Request("late", [1]))
 
 
 async def test_blocking_client_over_zmq() -> None:
     async with serving() as handle:
 
         def blocking() -> list[str]:
-            transport = ZmqTransport(handle.addresses["zmq"], timeout_s=10)
-            with BlockingClient(transport) as client:
+            transport = mc.ZmqTransport(handle.addresses["zmq"], timeout_s=10)
+            with mc.BlockingClient(transport) as client:
                 client.wait_ready(5)
                 one = client.admit(image_request("sync-1"))
-                bad = Request("sync-3", [1, 2], [Item("image", [(5, 9)])])  # past the ids
+                bad = mc.Request("sync-3", [1, 2], [mc.Item("image", [(5, 9)])])  # past the ids
                 many = list(client.admit_many([image_request("sync-2"), bad]))
             return [one.code, *sorted(o.code for o in many)]
 

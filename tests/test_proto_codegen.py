@@ -2,9 +2,10 @@
 
 The stubs in ``mmadmit_client._proto`` (one copy, for client and service) are
 build outputs (``setup.py`` and ``clients/setup.py`` run ``scripts/gen_protos.py``
-on ``pip install .`` and ``pip install -e .``); nothing generated is committed. These tests fail when they are missing, or stale with
-respect to ``protos/`` (edit a ``.proto``, forget to reinstall), and pin the
-field numbers GRPC.md fixes (shared with SMG's ``GenerateRequest``).
+on ``pip install .`` and ``pip install -e .``); nothing generated is committed.
+These tests fail when they are missing, or stale with respect to ``protos/``
+(edit a ``.proto``, forget to reinstall), and pin the field numbers GRPC.md
+fixes (shared with SMG's ``GenerateRequest``).
 
 Run with: python -m pytest tests/test_proto_codegen.py -q
 """

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._cli_request import AdmitResult, LoadedRequest, UsageError, result_from_outcome
@@ -211,12 +210,7 @@ class CliTransport:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def open(self) -> None:

@@ -30,7 +30,6 @@ from collections.abc import (
     Iterable,
     Iterator,
 )
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from ._exceptions import ClientStateError
@@ -89,12 +88,7 @@ class Client:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     def _timeout(self, timeout_s: float | None) -> float | None:
@@ -158,12 +152,7 @@ class BlockingClient:
         self.open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def open(self) -> None:

@@ -15,18 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _models as models
 from ._exceptions import ProtocolError
-from ._models import (
-    Aborted,
-    Item,
-    Materialized,
-    MaterializedItem,
-    ModelInfo,
-    Outcome,
-    Request,
-    ShmFeature,
-    Tensor,
-)
 from ._proto import admission_pb2 as pb
 
 MODALITIES: dict[str, Any] = {"image": pb.IMAGE, "audio": pb.AUDIO, "video": pb.VIDEO}
@@ -34,9 +24,9 @@ _MODALITY_NAMES = {v: k for k, v in MODALITIES.items()}
 _UINT32_MAX = 2**32 - 1
 
 
-def tensor_to_proto(value: Tensor | ShmFeature) -> pb.TensorData:
+def tensor_to_proto(value: models.Tensor | models.ShmFeature) -> pb.TensorData:
     """A ``TensorData``: inline bytes, or a shared-memory handle."""
-    if isinstance(value, ShmFeature):
+    if isinstance(value, models.ShmFeature):
         return pb.TensorData(
             shape=list(value.shape),
             dtype=value.dtype,
@@ -52,7 +42,7 @@ def _check_ids(what: str, rid: str, ids: np.ndarray | None) -> None:
         raise ValueError(f"{what} of {rid!r} hold values outside uint32 (gRPC's type)")
 
 
-def _item_to_proto(i: int, item: Item) -> pb.MultimodalItem:
+def _item_to_proto(i: int, item: models.Item) -> pb.MultimodalItem:
     if not isinstance(item.modality, str):
         raise ValueError(f"item {i}: modality {item.modality} has no gRPC equivalent")
     if item.pad_value is not None and not 0 <= item.pad_value <= _UINT32_MAX:
@@ -73,7 +63,7 @@ def _item_to_proto(i: int, item: Item) -> pb.MultimodalItem:
     return msg
 
 
-def request_to_proto(req: Request) -> pb.AdmitRequest:
+def request_to_proto(req: models.Request) -> pb.AdmitRequest:
     """The request as an ``AdmitRequest``; ``ValueError`` for what gRPC cannot carry."""
     if req.validation_error is not None:
         raise ValueError(
@@ -94,37 +84,39 @@ def request_to_proto(req: Request) -> pb.AdmitRequest:
     if req.mrope_positions is not None or req.mrope_position_delta is not None:
         msg.mrope.SetInParent()
         if req.mrope_positions is not None:
-            msg.mrope.positions.CopyFrom(tensor_to_proto(Tensor.from_numpy(req.mrope_positions)))
+            msg.mrope.positions.CopyFrom(
+                tensor_to_proto(models.Tensor.from_numpy(req.mrope_positions))
+            )
         if req.mrope_position_delta is not None:
             msg.mrope.delta = int(req.mrope_position_delta)
     return msg
 
 
-def _tensor_from_proto(td: pb.TensorData) -> Tensor | ShmFeature:
+def _tensor_from_proto(td: pb.TensorData) -> models.Tensor | models.ShmFeature:
     if td.WhichOneof("payload") == "shm":
         s = td.shm
-        return ShmFeature(s.name, tuple(td.shape), td.dtype, s.offset, s.nbytes, s.owner_id)
-    return Tensor(td.dtype, tuple(td.shape), td.inline)
+        return models.ShmFeature(s.name, tuple(td.shape), td.dtype, s.offset, s.nbytes, s.owner_id)
+    return models.Tensor(td.dtype, tuple(td.shape), td.inline)
 
 
 def _ids(values: Any) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
-def outcome_from_proto(resp: pb.AdmitResponse) -> Outcome:
+def outcome_from_proto(resp: pb.AdmitResponse) -> models.Outcome:
     """An ``AdmitResponse`` as an outcome; :class:`ProtocolError` when it carries none
     or does not decode."""
     kind = resp.WhichOneof("outcome")
     if kind == "abort":
         code = resp.abort.code
         name = pb.AbortCode.Name(code) if code in pb.AbortCode.values() else str(code)
-        return Aborted(resp.request_id, name, resp.abort.message)
+        return models.Aborted(resp.request_id, name, resp.abort.message)
     if kind != "materialized":
         raise ProtocolError(f"response for {resp.request_id!r} carries no outcome")
     m = resp.materialized
     try:
         items = tuple(
-            MaterializedItem(
+            models.MaterializedItem(
                 modality=_MODALITY_NAMES.get(it.modality, "unspecified"),
                 hash=it.hash if it.HasField("hash") else None,
                 pad_value=it.pad_value,
@@ -137,7 +129,7 @@ def outcome_from_proto(resp: pb.AdmitResponse) -> Outcome:
                 side={
                     k: t
                     for k, td in it.model_specific_tensors.items()
-                    if isinstance(t := _tensor_from_proto(td), Tensor)
+                    if isinstance(t := _tensor_from_proto(td), models.Tensor)
                 },
             )
             for it in m.items
@@ -150,7 +142,7 @@ def outcome_from_proto(resp: pb.AdmitResponse) -> Outcome:
         if td.dtype != "int64" or td.WhichOneof("payload") != "inline":
             raise ProtocolError(f"mrope_positions must be inline int64, got {td.dtype!r}")
         positions = np.frombuffer(td.inline, dtype="<i8").reshape(tuple(td.shape))
-    return Materialized(
+    return models.Materialized(
         request_id=resp.request_id,
         input_ids=_ids(m.input_ids),
         input_ids_unpadded=_ids(m.input_ids_unpadded) if len(m.input_ids_unpadded) else None,
@@ -161,11 +153,11 @@ def outcome_from_proto(resp: pb.AdmitResponse) -> Outcome:
     )
 
 
-def model_info_from_proto(info: pb.GetModelInfoResponse) -> ModelInfo:
+def model_info_from_proto(info: pb.GetModelInfoResponse) -> models.ModelInfo:
     def opt(name: str) -> int | None:
         return getattr(info, name) if info.HasField(name) else None
 
-    return ModelInfo(
+    return models.ModelInfo(
         family=info.family,
         model_type=info.model_type,
         architectures=tuple(info.architectures),

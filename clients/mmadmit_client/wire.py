@@ -92,12 +92,17 @@ class _Inline:
     data: bytes
 
 
+def ext_refusal(code: int) -> str:
+    """Why a msgpack ext type other than tensor data is refused (both codecs' wording)."""
+    if code in (1, 2):
+        return f"msgpack ext type {code} (pickle) is never accepted"
+    return f"unknown msgpack ext type {code}"
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR_DATA:
         return _Inline(bytes(data))  # the view is only valid during the hook
-    if code in (1, 2):
-        raise WireFormatError(f"msgpack ext type {code} (pickle) is never accepted")
-    raise WireFormatError(f"unknown msgpack ext type {code}")
+    raise WireFormatError(ext_refusal(code))
 
 
 _ELEMENTS = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -334,23 +339,29 @@ def decode_reply(frames: Sequence[Any]) -> tuple[str, Outcome | WireFormatError]
 # --------------------------------------------------------------------------- encode
 
 
-class _Writer:
-    """Tensors as ``[dtype, shape, data]``: inline below the limit, else an aux frame
-    (a received frame keeps its index; a new buffer is appended)."""
+class TensorWriter:
+    """Tensors as ``[dtype, shape, data]``: inline below :data:`INLINE_LIMIT_BYTES`,
+    else an aux frame. ``aux``: the received aux frames, which keep their indices
+    (a buffer is found by identity); a new buffer is appended. ``frames`` is the
+    aux frame list to send. The service's codec writes its tensors with it too."""
 
     def __init__(self, aux: list[Any]) -> None:
         self.frames: list[Any] = list(aux)
         self._index = {id(f): i + 1 for i, f in enumerate(self.frames)}
 
-    def tensor(self, t: Tensor) -> list[Any]:
-        if t.nbytes < INLINE_LIMIT_BYTES:
-            data: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(t.data))
+    def encode(self, dtype: str, shape: Sequence[int], data: Any) -> list[Any]:
+        if memoryview(data).nbytes < INLINE_LIMIT_BYTES:
+            value: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(data))
         else:
-            data = self._index.get(id(t.data))
-            if data is None:
-                self.frames.append(t.data)
-                data = self._index[id(t.data)] = len(self.frames)
-        return [t.dtype, list(t.shape), data]
+            value = self._index.get(id(data))
+            if value is None:  # a new tensor (e.g. computed positions): appended
+                self.frames.append(data)
+                value = self._index[id(data)] = len(self.frames)
+        return [dtype, list(shape), value]
+
+
+def _tensor_value(writer: TensorWriter, t: Tensor) -> list[Any]:
+    return writer.encode(t.dtype, t.shape, t.data)
 
 
 def _ids_raw(fields: WireFields | None, values: np.ndarray) -> Any:
@@ -367,7 +378,7 @@ def _padded(elements: Sequence[Any], n: int, defaults: dict[int, Any]) -> list[A
     ]
 
 
-def _encode_item(item: Item, writer: _Writer, drop_feature: bool) -> list[Any]:
+def _encode_item(item: Item, writer: TensorWriter, drop_feature: bool) -> list[Any]:
     out = _padded(item.wire_elements or (), ITEM_FIELDS, {6: {}})
     modality = item.modality
     out[0] = MODALITY_NUMBERS[modality] if isinstance(modality, str) else modality
@@ -375,12 +386,12 @@ def _encode_item(item: Item, writer: _Writer, drop_feature: bool) -> list[Any]:
     out[2] = item.pad_value
     out[3] = item.offsets.tolist()
     feature = None if drop_feature else item.feature
-    out[4] = writer.tensor(feature) if isinstance(feature, Tensor) else None
+    out[4] = _tensor_value(writer, feature) if isinstance(feature, Tensor) else None
     if isinstance(item.feature, ShmFeature) and item.wire_elements is None:
         s = item.feature
         out[5] = {"shm_name": s.name, "shape": list(s.shape), "dtype": s.dtype}
     if item.side or item.wire_elements is None:
-        out[6] = {k: writer.tensor(v) for k, v in item.side.items()}
+        out[6] = {k: _tensor_value(writer, v) for k, v in item.side.items()}
     return out
 
 
@@ -409,7 +420,7 @@ def encode_request(
     if drop_features and fields is not None:
         blank = _feature_frames(req)
         aux = [b"" if i + 1 in blank else f for i, f in enumerate(aux)]
-    writer = _Writer(aux)
+    writer = TensorWriter(aux)
     out = _padded(fields.elements if fields is not None else (), N_FIELDS, FIELD_DEFAULTS)
     out[0] = TAG
     out[F_RID] = req.request_id
@@ -435,12 +446,16 @@ def encode_request(
         else:
             raw = _ids_raw(fields, positions)
             mm[3] = (
-                raw if isinstance(raw, msgspec.Raw) else writer.tensor(Tensor.from_numpy(positions))
+                raw
+                if isinstance(raw, msgspec.Raw)
+                else _tensor_value(writer, Tensor.from_numpy(positions))
             )
         delta = req.mrope_position_delta
         if fields is None or delta != fields.delta:  # else: as received
             mm[4] = (
-                None if delta is None else writer.tensor(Tensor.from_numpy(np.full((1, 1), delta)))
+                None
+                if delta is None
+                else _tensor_value(writer, Tensor.from_numpy(np.full((1, 1), delta)))
             )
             mm[5] = delta
     out[F_MM] = mm
@@ -525,6 +540,7 @@ __all__ = [
     "MSG_ABORT",
     "MSG_ADD",
     "N_FIELDS",
+    "TensorWriter",
     "STATUS_ABORTED",
     "STATUS_MATERIALIZED",
     "TAG",
@@ -537,6 +553,7 @@ __all__ = [
     "encode_add",
     "encode_reply",
     "encode_request",
+    "ext_refusal",
     "outcome_from_request",
     "parse_validation_error",
     "recover_rid",

@@ -62,7 +62,6 @@ from mmadmit_client.wire import (
     F_UNPADDED,
     F_VALIDATION_ERROR,
     FIELD_DEFAULTS,
-    INLINE_LIMIT_BYTES,
     ITEM_FIELDS,
     MM_FIELDS,
     MSG_ABORT,
@@ -71,6 +70,8 @@ from mmadmit_client.wire import (
     STATUS_ABORTED,
     STATUS_MATERIALIZED,
     TAG,
+    TensorWriter,
+    ext_refusal,
 )
 
 from .dtypes import DType, parse_dtype
@@ -133,9 +134,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR_DATA:
         # msgspec only guarantees the view for the hook's duration: copy (< 256 bytes).
         return _InlineData(bytes(data))
-    if code in (1, 2):
-        raise InvalidRequest(f"msgpack ext type {code} (pickle) is never accepted")
-    raise InvalidRequest(f"unknown msgpack ext type {code}")
+    raise InvalidRequest(ext_refusal(code))
 
 
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -855,24 +854,12 @@ def decode_message(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> WireMe
 # --------------------------------------------------------------------------- encode
 
 
-class _FrameWriter:
-    """Tensor encoder that keeps received aux indices and appends new buffers."""
-
-    def __init__(self, aux: list[memoryview]) -> None:
-        self.frames: list[Any] = list(aux)
-        # received frames keep their index: found by identity of the buffer object
-        self._index = {id(f): i + 1 for i, f in enumerate(self.frames)}
+class _FrameWriter(TensorWriter):
+    """The client's tensor writer (received aux frames keep their indices, new
+    buffers are appended) over the service's tensors."""
 
     def tensor(self, t: Tensor) -> list[Any]:
-        if t.nbytes < INLINE_LIMIT_BYTES:
-            data: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(t.data))
-        else:
-            data = self._index.get(id(t.data))
-            if data is None:  # a new tensor (e.g. computed positions): appended
-                self.frames.append(t.data)
-                data = len(self.frames)
-                self._index[id(t.data)] = data
-        return [t.dtype.name, list(t.shape), data]
+        return self.encode(t.dtype.name, t.shape, t.data)
 
 
 def _raw_at(raw: list[msgspec.Raw], i: int, defaults: dict[int, Any]) -> Any:

@@ -17,7 +17,7 @@ raises reaches the caller unchanged (a ``timeout_s`` that runs out is
 :class:`~mmadmit_client.RequestTimeout`), so it can also play a failing server
 (``raise ServerUnavailable(...)``). ``abort`` hands the ids to ``on_abort``
 (if given; else it only records them in :attr:`MemoryTransport.aborted`),
-``health`` answers ``health_status``, ``model_info`` returns ``model_info``
+``health`` answers ``health_status``, ``model_info`` returns ``model_info_value``
 (:class:`~mmadmit_client.UnsupportedOperation` when not given).
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import ClassVar
 
 from .._exceptions import RequestTimeout, UnsupportedOperation
@@ -35,25 +36,18 @@ Handler = Callable[[Request], Awaitable[Outcome]]
 AbortHandler = Callable[[tuple[str, ...]], Awaitable[bool]]
 
 
+@dataclass(eq=False)
 class MemoryTransport(AsyncTransport):
     kind: ClassVar[str] = "memory"
 
-    def __init__(
-        self,
-        handler: Handler,
-        *,
-        on_abort: AbortHandler | None = None,
-        health_status: str = "SERVING",
-        model_info: ModelInfo | None = None,
-        target: str = "memory://",
-    ) -> None:
-        self.handler = handler
-        self.on_abort = on_abort
-        self.health_status = health_status
-        self._model_info = model_info
-        self.target = target
-        self.requests: list[Request] = []  # every request admitted, in order
-        self.aborted: list[str] = []  # every id given to abort, in order
+    handler: Handler
+    _: KW_ONLY
+    on_abort: AbortHandler | None = None
+    health_status: str = "SERVING"
+    model_info_value: ModelInfo | None = None
+    target: str = "memory://"
+    requests: list[Request] = field(default_factory=list)  # every request admitted, in order
+    aborted: list[str] = field(default_factory=list)  # every id given to abort, in order
 
     async def admit(self, request: Request, timeout_s: float | None = None) -> Outcome:
         self.requests.append(request)
@@ -73,9 +67,9 @@ class MemoryTransport(AsyncTransport):
         return self.health_status
 
     async def model_info(self, timeout_s: float | None = None) -> ModelInfo:
-        if self._model_info is None:
-            raise UnsupportedOperation("this MemoryTransport was given no model_info")
-        return self._model_info
+        if self.model_info_value is None:
+            raise UnsupportedOperation("this MemoryTransport was given no model_info_value")
+        return self.model_info_value
 
 
 __all__ = ["AbortHandler", "Handler", "MemoryTransport"]
