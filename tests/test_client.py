@@ -377,6 +377,15 @@ print("ok", len([m for m in sys.modules if m.startswith("mmadmit_client")]))
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ok ")
+    # `health` (a compose healthcheck) loads neither rich nor the codec
+    health = """
+import sys
+from mmadmit_client.cli import main
+assert main(["health", "grpc://127.0.0.1:1", "--timeout", "0.3"]) == 3
+print(sorted(m for m in ("rich", "msgspec", "zmq", "mmadmit_client.wire") if m in sys.modules))
+"""
+    run = subprocess.run([sys.executable, "-c", health], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)
     # the lazy exports: importing the package alone loads neither grpc nor zmq
     lazy = (
         "import sys, mmadmit_client; print(sorted(m for m in ('grpc', 'zmq') if m in sys.modules))"

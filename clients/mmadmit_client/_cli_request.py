@@ -42,14 +42,10 @@ from typing import Any, Literal
 import numpy as np
 
 from . import wire
+from ._cli_usage import UsageError
 from ._dtypes import DTYPES, canonical_dtype, numpy_dtype
 from ._models import MODALITIES, Item, Materialized, Outcome, Request, ShmFeature, Tensor
 from .frames import MAGIC, parse_frames
-
-
-class UsageError(Exception):
-    """An unusable argument or request file (exit status 2)."""
-
 
 _UINT64_MAX = 2**64 - 1
 

@@ -35,13 +35,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._cli_request import AdmitResult, LoadedRequest, UsageError, result_from_outcome
+from ._cli_usage import UsageError
 from ._client import BlockingClient, Client
 from ._models import Outcome
 from ._transports.base import AsyncTransport
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the request side (the codec) loads only for admit and bench
     import grpc
+
+    from ._cli_request import AdmitResult, LoadedRequest
 
 TransportKind = Literal["grpc", "zmq"]
 
@@ -247,6 +249,8 @@ class CliTransport:
             frames = wire.encode_reply(outcome, loaded.decoded(rid))
         else:
             frames = list(outcome.frames)
+        from ._cli_request import result_from_outcome
+
         return result_from_outcome(self.kind, outcome, frames, latency_ms)
 
     async def admit_code(self, loaded: LoadedRequest, rid: str) -> str:

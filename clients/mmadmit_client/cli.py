@@ -178,7 +178,7 @@ def _grpc_client(args: argparse.Namespace) -> Any:
 
     target = parse_target(args.target)
     if target.transport != "grpc":
-        from ._cli_request import UsageError
+        from ._cli_usage import UsageError
 
         raise UsageError(
             f"target {args.target!r}: this command speaks gRPC only (grpc://HOST:PORT)"
@@ -280,7 +280,7 @@ async def _admit(args: argparse.Namespace) -> int:
 
 
 def _write(path: str, blob: bytes) -> None:
-    from ._cli_request import UsageError
+    from ._cli_usage import UsageError
 
     try:
         with open(path, "wb") as fh:
@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # break "errors are one line"; the failure reaches us as UNAVAILABLE anyway.
     # (Read by grpc when it loads, which no command has done yet.)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from ._cli_request import UsageError
+    from ._cli_usage import UsageError
     from ._exceptions import ClientError, ServerUnavailable
 
     try:
