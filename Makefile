@@ -44,7 +44,7 @@ protos: setup
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info service/mmadmit/_proto service/mmadmit/*.so
+	rm -rf $(VENV) build *.egg-info clients/build clients/*.egg-info clients/mmadmit_client/_proto service/mmadmit/*.so
 
 # Containers (deploy/README.md). compose-smoke builds the image, brings
 # docker-compose.yml up, admits a vector over gRPC and ZMQ from the host and

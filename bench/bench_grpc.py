@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from mmadmit._proto import admission_pb2 as pb
+from mmadmit_client._proto import admission_pb2 as pb
 
 ECHO_SERVICE = "mmadmit.bench.Echo"
 ADMIT = "/mmadmit.v1.Admission/Admit"
@@ -63,7 +63,7 @@ def workload(model: str) -> tuple[bytes, int]:
     from mmadmit.materializer import Materializer
     from mmadmit.profile import load_profile
     from mmadmit.servicer import request_from_proto, response_from_outcome
-    from mmadmit_client.grpc import build_item, build_request
+    from mmadmit_client import Item, Request, Tensor, grid, request_to_proto
 
     profile = load_profile(model)
     assert profile.image_token_id is not None
@@ -74,15 +74,14 @@ def workload(model: str) -> tuple[bytes, int]:
     if profile.vision_start_token_id is not None:
         ids[start - 1] = profile.vision_start_token_id
     feature = rng.integers(0, 2**16, (1024, 1176), dtype=np.uint16)  # bfloat16 bits
-    item = build_item(
+    item = Item.with_placeholders(
         "image",
-        placeholders=[(start, run)],
-        feature=feature,
-        feature_dtype="bfloat16",
-        content_hash=0x0123456789ABCDEF,
-        image_grid_thw=[1, 32, 32],
+        [(start, run)],
+        feature=Tensor.from_numpy(feature, "bfloat16"),
+        hash=0x0123456789ABCDEF,
+        side={"image_grid_thw": grid([1, 32, 32])},
     )
-    body = build_request("", ids, [item]).SerializeToString()
+    body = request_to_proto(Request("", ids, [item])).SerializeToString()
     # The size of the real answer, for the echo's reply (computed in-process, once).
     msg = pb.AdmitRequest.FromString(body + _rid_field("probe"))
     outcome = Materializer(profile).run(request_from_proto(msg, profile))

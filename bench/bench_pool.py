@@ -14,7 +14,7 @@ work; ``hashlib`` releases the GIL on buffers over 2 KiB, so two worker threads
 hash in parallel.
 
 Each measurement sends ``--requests`` requests, half over ZMQ (the client
-library's ``AsyncZmqClient``, raw frames sharing the feature buffers) and half
+library's ``ZmqTransport``, raw frames sharing the feature buffers) and half
 over gRPC (``Admit`` on a raw channel with pre-serialized bytes, so the client
 does not spend its CPU serializing 24 MB messages), with ``--callers``
 concurrent callers per transport, and times the first send to the last outcome.
@@ -56,10 +56,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 from mmadmit import wire  # noqa: E402
-from mmadmit._proto import admission_pb2 as pb  # noqa: E402
-from mmadmit.model import Modality, Request  # noqa: E402
-from mmadmit_client.grpc import build_item, build_request  # noqa: E402
-from mmadmit_client.zmq import AsyncZmqClient  # noqa: E402
+from mmadmit.model import Request  # noqa: E402
+from mmadmit_client import Aborted, Client, ZmqTransport  # noqa: E402
+from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
@@ -67,7 +66,6 @@ READY_RE = re.compile(r"^mmadmit ready grpc=(\S+) zmq=(\S+) metrics=(\S+)$")
 ADMIT = "/mmadmit.v1.Admission/Admit"
 MESSAGE_LIMIT = 1 << 30
 SIZES = {8192: 512 << 10, 32768: 1 << 20}  # tokens -> feature bytes per item
-MODALITY_NAME = {int(Modality.IMAGE): "image", int(Modality.VIDEO): "video"}
 
 
 # --------------------------------------------------------------------------- servers
@@ -135,17 +133,7 @@ def _rid_field(rid: str) -> bytes:
 
 def grpc_body(req: Request) -> bytes:
     """The request as ``AdmitRequest`` bytes without a request_id (appended per call)."""
-    assert req.mm is not None
-    items = [
-        build_item(
-            MODALITY_NAME[it.modality],
-            offsets=it.offsets,
-            feature=it.feature.to_numpy() if it.feature is not None else None,
-            side={k: v.to_numpy() for k, v in it.side.items()},
-        )
-        for it in req.mm.items
-    ]
-    return build_request("", req.input_ids, items).SerializeToString()
+    return workloads.admit_request(req, "").SerializeToString()  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass
@@ -200,8 +188,10 @@ async def run_load(srv: Server, wl: Workload, n: int, callers: int, tag: str) ->
     ]
     async with (
         grpc.aio.insecure_channel(srv.grpc, options=options) as channel,
-        AsyncZmqClient(srv.zmq, timeout_s=120) as zc,
+        Client(ZmqTransport(srv.zmq, timeout_s=120)) as zmq_client,
     ):
+        zc = zmq_client.transport
+        assert isinstance(zc, ZmqTransport)
         admit = channel.unary_unary(
             ADMIT, request_serializer=None, response_deserializer=pb.AdmitResponse.FromString
         )
@@ -209,9 +199,9 @@ async def run_load(srv: Server, wl: Workload, n: int, callers: int, tag: str) ->
 
         async def zmq_caller(k: int) -> None:
             for frames in zmq_frames[k::callers]:
-                out = await zc.admit(frames)
-                if not out.materialized:
-                    raise SystemExit(f"ZMQ request aborted: {out.abort_code}: {out.abort_message}")
+                out = await zc.admit_frames(frames)
+                if isinstance(out, Aborted):
+                    raise SystemExit(f"ZMQ request aborted: {out.code}: {out.message}")
 
         async def grpc_caller(k: int) -> None:
             for body in grpc_bodies[k::callers]:

@@ -8,6 +8,7 @@ encodes one as a ZMQ ADD message through the service's own codec.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,17 @@ def profile_for(name: str) -> ModelProfile:
 
 def frames_of(req: Request) -> list[Any]:
     return [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+
+
+def admit_request(req: Request, rid: str | None = None, *, timeout_ms: int = 0) -> Any:
+    """The request as the client library sends it over gRPC (an ``AdmitRequest``):
+    encoded by the service's codec, decoded and translated by the client's."""
+    from mmadmit_client import request_to_proto
+    from mmadmit_client.wire import decode_add
+
+    sent = decode_add(frames_of(req))
+    rid = sent.request_id if rid is None else rid
+    return request_to_proto(dataclasses.replace(sent, request_id=rid, timeout_ms=timeout_ms))
 
 
 def media_share(req: Request) -> float:

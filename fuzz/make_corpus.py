@@ -26,7 +26,6 @@ import workloads  # noqa: E402
 from conftest import load_vector, vector_names  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request, Tensor  # noqa: E402
-from mmadmit_client.grpc import build_item, build_request  # noqa: E402
 
 from fuzz.targets import grpc_target, smg_target, zmq_target  # noqa: E402
 
@@ -51,31 +50,7 @@ def _shrunk(req: Request) -> Request:
 
 
 def _grpc_request(req: Request) -> object:
-    items = []
-    mm = req.mm
-    for item in mm.items if mm is not None else []:
-        side = {}
-        for key, value in item.side.items():
-            if isinstance(value, Tensor) and value.dtype.numpy is not None:
-                side[key] = (value.to_numpy(), value.dtype.name)
-        overrides = {1: mm.im_token_id, 2: mm.video_token_id} if mm is not None else {}
-        items.append(
-            build_item(
-                _MODALITY_NAME.get(item.modality, "image"),
-                offsets=item.offsets,
-                feature=None if item.feature is None else item.feature.to_numpy(),
-                content_hash=item.hash,
-                pad_value=item.pad_value,
-                side=side,
-                placeholder_token_id=overrides.get(item.modality),
-            )
-        )
-    mrope = None
-    if mm is not None and mm.mrope_position_delta_scalar is not None:
-        mrope = (None, mm.mrope_position_delta_scalar)
-    return build_request(
-        req.rid, req.input_ids, items, input_ids_unpadded=req.input_ids_unpadded, mrope=mrope
-    )
+    return workloads.admit_request(req)
 
 
 def _write(target: str, name: str, data: bytes) -> None:

@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Generate mmadmit's protobuf and gRPC Python code from ``protos/``.
 
-The generated modules are build outputs, never committed: ``setup.py`` calls
-:func:`generate` from its ``build_py`` command (which both ``pip install .`` and
-PEP 660 ``pip install -e .`` run), writing into the gitignored package directory
-``service/mmadmit/_proto/``. Run this script by hand to regenerate after editing
-a ``.proto`` in a checkout that is already installed in editable mode::
+The generated modules are build outputs, never committed, and live in one
+place: the gitignored package directory ``clients/mmadmit_client/_proto/`` of
+the client distribution, which the service imports too
+(``from mmadmit_client._proto import admission_pb2``). Both ``setup.py`` files
+(the root one, which installs service and client, and ``clients/setup.py``,
+the client alone) take their build commands from :func:`setuptools_cmdclass`,
+which calls :func:`generate` (for ``pip install .`` and PEP 660
+``pip install -e .`` alike). Run this script by hand to regenerate after
+editing a ``.proto`` in a checkout that is already installed in editable mode::
 
-    python scripts/gen_protos.py            # -> service/mmadmit/_proto/
+    python scripts/gen_protos.py            # -> clients/mmadmit_client/_proto/
     python scripts/gen_protos.py OUT_DIR    # anywhere else (tests use this)
 
 For each ``protos/<pkg path>/<name>.proto`` this writes ``<name>_pb2.py``,
 ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` flat into the output directory,
 plus an ``__init__.py``, so the import path is
-``from mmadmit._proto import admission_pb2, admission_pb2_grpc``. The protoc
+``from mmadmit_client._proto import admission_pb2, admission_pb2_grpc``. The protoc
 imports between generated modules (``from mmadmit.v1 import admission_pb2``)
 are rewritten to relative ones (``from . import admission_pb2``), the
 message classes' ``__module__`` is set to the real module name, and every
@@ -36,14 +40,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-DEFAULT_OUT_DIR = ROOT / "service" / "mmadmit" / "_proto"
+DEFAULT_OUT_DIR = ROOT / "clients" / "mmadmit_client" / "_proto"
 
 # Suffixes protoc writes per .proto with --python_out, --pyi_out, --grpc_python_out.
 _GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 _INIT_TEXT = '''"""Protobuf and gRPC code generated from protos/ (see scripts/gen_protos.py).
 
-Import the modules directly: ``from mmadmit._proto import admission_pb2, admission_pb2_grpc``.
+Shared by the client and the service (one copy): import the modules directly,
+``from mmadmit_client._proto import admission_pb2, admission_pb2_grpc``.
 """
 '''
 
@@ -169,6 +174,86 @@ def _write_if_changed(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def setuptools_cmdclass(out_dir: Path, proto_root: Path = PROTO_ROOT) -> dict[str, type]:
+    """The setuptools commands that generate into ``out_dir`` before anything is built.
+
+    ``build_protos`` generates; ``egg_info`` runs it first (metadata
+    preparation lists the package sources and fails on a missing package
+    directory), it is the first sub-command of ``build`` (and hence of
+    ``bdist_wheel`` and ``editable_wheel``), and ``build_py`` runs it too
+    (``run_command`` runs a command once per build, so these are no-ops after
+    the first), so ``build_py`` always copies fresh stubs. It is a command of
+    its own rather than only code in ``build_py`` because setuptools' editable
+    build swallows exceptions from a customized ``build_py`` (a warning, and an
+    install without stubs); a failure here fails the install. Without
+    ``protos/`` (a copy made without it) the code already generated in
+    ``out_dir`` is used.
+    """
+    import logging
+
+    from setuptools import Command
+    from setuptools.command.build import build
+    from setuptools.command.build_py import build_py
+    from setuptools.command.egg_info import egg_info
+
+    # Not Command.announce: its level argument changed meaning across setuptools
+    # versions (distutils levels, then logging levels).
+    log = logging.getLogger("mmadmit.setup")
+
+    class build_protos(Command):
+        description = "generate protobuf/gRPC Python code from protos/"
+        user_options: list[tuple[str, str | None, str]] = []
+        editable_mode = False  # set by editable_wheel; generation is the same
+
+        def initialize_options(self) -> None:
+            pass
+
+        def finalize_options(self) -> None:
+            pass
+
+        def run(self) -> None:
+            if not proto_root.is_dir():
+                if (out_dir / "__init__.py").is_file():
+                    log.info("no protos/ here: keeping the generated code in %s", out_dir)
+                    return
+                raise RuntimeError(f"mmadmit: neither {proto_root} nor generated code in {out_dir}")
+            try:
+                import grpc_tools  # noqa: F401
+            except ImportError as exc:
+                raise RuntimeError(
+                    "mmadmit: generating the protobuf code needs grpcio-tools, a build "
+                    "requirement in pyproject.toml (with --no-build-isolation, install it "
+                    "first: pip install 'grpcio-tools>=1.66,<2')"
+                ) from exc
+            log.info("generating protobuf code: %s -> %s", proto_root, out_dir)
+            for path in generate(out_dir, proto_root):
+                log.info("  %s", path)
+
+        def get_outputs(self) -> list[str]:
+            # In the source tree; build_py installs them like any other module.
+            return []
+
+    class build_py_with_protos(build_py):
+        def run(self) -> None:
+            self.run_command("build_protos")
+            super().run()
+
+    class egg_info_with_protos(egg_info):
+        def run(self) -> None:
+            self.run_command("build_protos")
+            super().run()
+
+    class build_with_protos(build):
+        sub_commands = [("build_protos", None), *build.sub_commands]
+
+    return {
+        "build": build_with_protos,
+        "build_protos": build_protos,
+        "build_py": build_py_with_protos,
+        "egg_info": egg_info_with_protos,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

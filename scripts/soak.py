@@ -56,18 +56,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import workloads  # noqa: E402  (bench/ is not a package)
 from mmadmit import wire  # noqa: E402
-from mmadmit._proto import admission_pb2 as pb  # noqa: E402
-from mmadmit.model import Modality, Request  # noqa: E402
+from mmadmit.model import Request  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
-from mmadmit_client import ClientError  # noqa: E402
-from mmadmit_client.grpc import (  # noqa: E402
-    Aborted,
-    AsyncAdmissionClient,
-    Materialized,
-    build_item,
-    build_request,
-)
-from mmadmit_client.zmq import AsyncZmqClient  # noqa: E402
+from mmadmit_client import Client, ClientError, GrpcTransport, Outcome, ZmqTransport  # noqa: E402
+from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
 
 MODEL = REPO / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
 READY_RE = re.compile(r"^mmadmit ready grpc=(\S+) zmq=(\S+) metrics=(\S+)$")
@@ -77,11 +69,6 @@ EXPECTED_CODES = {
     "CANCELLED",
     "DEADLINE_EXCEEDED",
     "OVERLOADED",
-}
-_MODALITY_NAME = {
-    int(Modality.IMAGE): "image",
-    int(Modality.VIDEO): "video",
-    int(Modality.AUDIO): "audio",
 }
 CALL_TIMEOUT_S = 60.0  # per request, client side: a request unanswered by then is an error
 
@@ -200,18 +187,7 @@ class Kind:
 
 
 def to_proto(req: Request, rid: str, timeout_ms: int = 0) -> pb.AdmitRequest:
-    items = []
-    for it in req.mm.items if req.mm is not None else []:
-        items.append(
-            build_item(
-                _MODALITY_NAME[it.modality],
-                offsets=it.offsets,
-                feature=it.feature.to_numpy() if it.feature is not None else None,
-                content_hash=it.hash,
-                side={k: v.to_numpy() for k, v in it.side.items()},
-            )
-        )
-    return build_request(rid, req.input_ids, items, timeout_ms=timeout_ms)
+    return workloads.admit_request(req, rid, timeout_ms=timeout_ms)  # type: ignore[no-any-return]
 
 
 def span_mismatch(req: Request) -> Request:
@@ -310,19 +286,15 @@ class Tally:
         }
 
 
-def outcome_code(out: Any) -> str:
-    if isinstance(out, Materialized):
-        return "MATERIALIZED"
-    if isinstance(out, Aborted):
-        return str(out.code)
-    return "MATERIALIZED" if out.materialized else str(out.abort_code)
+def outcome_code(out: Outcome) -> str:
+    return out.code
 
 
 # --------------------------------------------------------------------------- the load
 
 
 async def zmq_worker(
-    zc: AsyncZmqClient, picker: Picker, tally: Tally, deadline: float, prefix: str, w: int
+    zc: ZmqTransport, picker: Picker, tally: Tally, deadline: float, prefix: str, w: int
 ) -> None:
     n = 0
     while time.perf_counter() < deadline:
@@ -339,10 +311,10 @@ async def zmq_worker(
         tally.by_kind[kind] += 1
         started = time.perf_counter()
         try:
-            task = asyncio.ensure_future(zc.admit(frames, timeout_s=CALL_TIMEOUT_S))
+            task = asyncio.ensure_future(zc.admit_frames(frames, timeout_s=CALL_TIMEOUT_S))
             if kind == "cancel-abort":
                 await asyncio.sleep(0)  # the ADD goes out first
-                await zc.abort(rid)
+                await zc.abort((rid,))
             out = await task
         except ClientError as exc:
             tally.errors[type(exc).__name__] += 1
@@ -351,7 +323,7 @@ async def zmq_worker(
 
 
 async def grpc_worker(
-    gc: AsyncAdmissionClient,
+    gc: GrpcTransport,
     bases: dict[int, pb.AdmitRequest],
     picker: Picker,
     tally: Tally,
@@ -376,10 +348,10 @@ async def grpc_worker(
         tally.by_kind[kind] += 1
         started = time.perf_counter()
         try:
-            task = asyncio.ensure_future(gc.admit(msg, timeout=CALL_TIMEOUT_S))
+            task = asyncio.ensure_future(gc.admit_proto(msg, timeout_s=CALL_TIMEOUT_S))
             if kind == "cancel-abort":
                 await asyncio.sleep(0.001)  # the call is on its way
-                await gc.abort(rid, "soak cancel")
+                await gc.abort((rid,), "soak cancel")
             out = await task
         except ClientError as exc:
             tally.errors[type(exc).__name__] += 1
@@ -418,11 +390,15 @@ async def soak(args: argparse.Namespace, addr: dict[str, str], pid: int) -> dict
     metrics = addr.get("metrics")
     samples: list[dict[str, Any]] = [sample(pid, metrics, 0.0, "start")]
     bases: dict[int, pb.AdmitRequest] = {}
+    # Raw messages (malformed frames, timeout_ms edits) go through the transports of
+    # two clients: admit_frames / admit_proto.
     async with (
-        AsyncAdmissionClient(addr["grpc"]) as gc,
-        AsyncZmqClient(addr["zmq"], timeout_s=CALL_TIMEOUT_S) as zc,
+        Client(GrpcTransport(addr["grpc"])) as grpc_client,
+        Client(ZmqTransport(addr["zmq"], timeout_s=CALL_TIMEOUT_S)) as zmq_client,
     ):
-        await zc.wait_connected(10)
+        await zmq_client.wait_ready(10)
+        gc, zc = grpc_client.transport, zmq_client.transport
+        assert isinstance(gc, GrpcTransport) and isinstance(zc, ZmqTransport)
         t0 = time.perf_counter()
         deadline = t0 + args.duration
         warmup_s = args.duration * args.warmup

@@ -104,8 +104,8 @@ class Vector:
 
 
 def load_vector(name: str) -> Vector:
-    """Frames (via ``mmadmit.frames.parse_frames``), expected arrays and metadata."""
-    from mmadmit.frames import parse_frames
+    """Frames (via ``mmadmit_client.frames.parse_frames``), expected arrays and metadata."""
+    from mmadmit_client.frames import parse_frames
 
     blob = (VECTORS / f"{name}.frames").read_bytes()
     frames = parse_frames(blob)

@@ -48,7 +48,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR.parent / "bench"))
 
 from mmadmit import wire  # noqa: E402
-from mmadmit.frames import pack_frames, parse_frames  # noqa: E402
+from mmadmit_client.frames import pack_frames, parse_frames  # noqa: E402
 
 VECTORS = TESTS_DIR / "data" / "vectors"
 DEAD = b"ENGINE_CORE_DEAD"

@@ -40,24 +40,18 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from client_helpers import build_item, build_request, grpc_admit, grpc_client, zmq_admit, zmq_client
 from conftest import CONFIGS, http_get, requests_total, until
 from mmadmit import native, wire
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.config import build_config
 from mmadmit.grpc_server import ADMISSION_SERVICE
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.server import ServerHandle, shutdown, start_server
-from mmadmit_client import RequestTimeout
-from mmadmit_client.grpc import (
-    Aborted,
-    AsyncAdmissionClient,
-    LoadBalancing,
-    Materialized,
-    build_item,
-    build_request,
-)
-from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome, decode_reply
+from mmadmit_client import Aborted, Client, Materialized, Outcome, RequestTimeout
+from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client._transports.grpc import LoadBalancing
+from mmadmit_client.wire import WireFormatError, decode_reply
 
 MODEL = CONFIGS / "qwen3_5.json"
 QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
@@ -115,18 +109,18 @@ class Hold:
 class Service:
     handle: ServerHandle
     hold: Hold
-    grpc: AsyncAdmissionClient
-    zmq: AsyncZmqClient
+    grpc: Client
+    zmq: Client
     stack: contextlib.AsyncExitStack
 
     @property
     def pool(self) -> MaterializerPool:
         return self.handle.pool
 
-    async def zmq_client(self) -> AsyncZmqClient:
+    async def zmq_client(self) -> Client:
         """One more ZMQ peer (its own DEALER), closed with the service."""
         return await self.stack.enter_async_context(
-            AsyncZmqClient(self.handle.addresses["zmq"], timeout_s=10)
+            zmq_client(self.handle.addresses["zmq"], timeout_s=10)
         )
 
 
@@ -152,13 +146,9 @@ async def running(*, hook: bool = True, **settings: Any) -> AsyncIterator[Servic
         stack.callback(hold.release)  # whatever fails, never leave a worker blocked
         handle = await start_server(config, stack, before_run=hold if hook else None)
         stack.callback(hold.release)  # LIFO: released before the transports and pool stop
-        grpc_client = await stack.enter_async_context(
-            AsyncAdmissionClient(handle.addresses["grpc"])
-        )
-        zmq_client = await stack.enter_async_context(
-            AsyncZmqClient(handle.addresses["zmq"], timeout_s=10)
-        )
-        yield Service(handle, hold, grpc_client, zmq_client, stack)
+        gc = await stack.enter_async_context(grpc_client(handle.addresses["grpc"]))
+        zc = await stack.enter_async_context(zmq_client(handle.addresses["zmq"], timeout_s=10))
+        yield Service(handle, hold, gc, zc, stack)
     assert not hold.timed_out, f"held requests were never released: {hold.timed_out}"
 
 
@@ -187,24 +177,19 @@ def admit_request(rid: str) -> pb.AdmitRequest:
     return build_request(rid, ids, [item])
 
 
-def code_of(out: Any) -> str:
-    """``MATERIALIZED`` or the abort code, for either client's outcome."""
-    if isinstance(out, ZmqOutcome):
-        return "MATERIALIZED" if out.materialized else str(out.abort_code)
-    if isinstance(out, Materialized):
-        return "MATERIALIZED"
-    assert isinstance(out, Aborted), out
+def code_of(out: Outcome) -> str:
+    """``MATERIALIZED`` or the abort code, for either transport's outcome."""
     return out.code
 
 
-def rid_of(out: Any) -> str:
-    return out.rid if isinstance(out, ZmqOutcome) else out.request_id
+def rid_of(out: Outcome) -> str:
+    return out.request_id
 
 
 class RawPeer:
     """A plain DEALER (no ``ZMQ_IMMEDIATE``) for the drain test: its replies survive the
-    server closing the connection right after sending them, which
-    :class:`AsyncZmqClient`'s do not (see ``test_server_lifecycle.py``,
+    server closing the connection right after sending them (the server's contract,
+    pinned without the client library; see ``test_server_lifecycle.py``,
     ``test_zmq_client_keeps_replies_received_before_the_server_closed``)."""
 
     def __init__(self, endpoint: str) -> None:
@@ -216,10 +201,10 @@ class RawPeer:
     async def send(self, req: Request) -> None:
         await self.sock.send_multipart([b"\x00", *wire.encode_request(req)], copy=False)
 
-    async def reply(self, timeout_s: float = 5.0) -> ZmqOutcome:
+    async def reply(self, timeout_s: float = 5.0) -> Outcome:
         frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout_s)
         _, out = decode_reply(frames)
-        assert isinstance(out, ZmqOutcome), out
+        assert not isinstance(out, WireFormatError), out
         return out
 
     def close(self) -> None:
@@ -254,11 +239,11 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
     (5 peers) + 25 gRPC requests at once. Exactly one is admitted (queued), 49 are
     OVERLOADED at once; after the release both admitted ones are materialized."""
     async with running(workers=1, max_inflight=2) as svc:
-        held = asyncio.ensure_future(svc.zmq.admit(small_request("hold-0")))
+        held = asyncio.ensure_future(zmq_admit(svc.zmq, small_request("hold-0")))
         await svc.hold.wait_entered()
         peers = [await svc.zmq_client() for _ in range(5)]
-        calls = [peers[i % 5].admit(small_request(f"z{i}")) for i in range(25)]
-        calls += [svc.grpc.admit(admit_request(f"g{i}"), timeout=10) for i in range(25)]
+        calls = [zmq_admit(peers[i % 5], small_request(f"z{i}")) for i in range(25)]
+        calls += [grpc_admit(svc.grpc, admit_request(f"g{i}"), timeout=10) for i in range(25)]
         burst = [asyncio.ensure_future(c) for c in calls]
         try:
             await until(lambda: sum(t.done() for t in burst) == 49)
@@ -283,7 +268,7 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
         assert codes.count("OVERLOADED") == 49 and codes.count("MATERIALIZED") == 1, codes
         await until(lambda: svc.pool.inflight == 0)
         await asyncio.sleep(0.2)  # a duplicate reply would arrive now
-        assert all(c.unmatched_replies == 0 for c in [svc.zmq, *peers])
+        assert all(c.transport.counters["unmatched_replies"] == 0 for c in [svc.zmq, *peers])
         zstats = svc.handle.zmq.stats
         assert zstats.received == 26 and zstats.replied == 26
         assert svc.handle.grpc.stats.requests == 25
@@ -309,20 +294,20 @@ async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
         servicer_stats, zstats = svc.handle.grpc.stats, svc.handle.zmq.stats
 
         # A request held on the worker; everything below queues behind it.
-        hold_z = asyncio.ensure_future(zc.admit(small_request("hold-z")))
+        hold_z = asyncio.ensure_future(zmq_admit(zc, small_request("hold-z")))
         await svc.hold.wait_entered()
         assert pool.inflight == 1
 
         # ZMQ ABORT of a queued request: removed from the queue, CANCELLED reply.
-        queued_z = asyncio.ensure_future(zc.admit(small_request("queued-z")))
+        queued_z = asyncio.ensure_future(zmq_admit(zc, small_request("queued-z")))
         await until(lambda: pool.inflight == 2)
         await zc.abort("queued-z")
         out = await asyncio.wait_for(queued_z, 5)
-        assert (out.rid, out.abort_code) == ("queued-z", "CANCELLED")
+        assert (out.request_id, out.code) == ("queued-z", "CANCELLED")
         assert pool.inflight == 1 and pool.stats.cancelled_queued == 1
 
         # gRPC client-side cancellation of a queued call: its work is removed.
-        queued_g = asyncio.ensure_future(gc.admit(admit_request("queued-g")))
+        queued_g = asyncio.ensure_future(grpc_admit(gc, admit_request("queued-g")))
         await until(lambda: pool.inflight == 2)
         queued_g.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -333,24 +318,24 @@ async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
 
         # gRPC deadline of a queued call: same.
         with pytest.raises(RequestTimeout):
-            await gc.admit(admit_request("deadline-g"), timeout=0.3)
+            await grpc_admit(gc, admit_request("deadline-g"), timeout=0.3)
         await until(lambda: pool.inflight == 1 and servicer_stats.calls_cancelled == 2)
         assert pool.stats.cancelled_queued == 3
 
         # ZMQ ABORT of the running request: CANCELLED at once, while still on the worker.
         await zc.abort("hold-z")
         out = await asyncio.wait_for(hold_z, 5)
-        assert (out.rid, out.abort_code) == ("hold-z", "CANCELLED")
+        assert (out.request_id, out.code) == ("hold-z", "CANCELLED")
         assert svc.hold.holding and pool.inflight == 1  # still holds its worker
         assert pool.stats.discarded_running == 1
         svc.hold.release()
         await until(lambda: pool.inflight == 0)
         await asyncio.sleep(0.2)  # its late result is discarded, never sent
-        assert zc.unmatched_replies == 0
+        assert zc.transport.unmatched_replies == 0
 
         # The gRPC Abort RPC of a running request: CANCELLED in band.
         svc.hold.arm()
-        hold_g = asyncio.ensure_future(gc.admit(admit_request("hold-g")))
+        hold_g = asyncio.ensure_future(grpc_admit(gc, admit_request("hold-g")))
         await svc.hold.wait_entered()
         assert await gc.abort("hold-g", reason="user left") is True
         out = await asyncio.wait_for(hold_g, 5)
@@ -378,8 +363,8 @@ async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
         assert outcomes(m, "CANCELLED") == 5
         assert m["mmadmit_inflight"] == 0
         # and both transports still serve
-        assert (await zc.admit(small_request("after-z"))).materialized
-        assert isinstance(await gc.admit(admit_request("after-g"), timeout=10), Materialized)
+        assert (await zmq_admit(zc, small_request("after-z"))).materialized
+        assert isinstance(await grpc_admit(gc, admit_request("after-g"), timeout=10), Materialized)
 
 
 # --------------------------------------------------------------------------- drain
@@ -396,29 +381,29 @@ async def test_drain_refuses_new_work_and_finishes_admitted_work() -> None:
         try:
             await peer.send(small_request("hold-d"))
             await svc.hold.wait_entered()
-            queued = asyncio.ensure_future(gc.admit(admit_request("queued-d"), timeout=20))
+            queued = asyncio.ensure_future(grpc_admit(gc, admit_request("queued-d"), timeout=20))
             await until(lambda: pool.inflight == 2)
             assert await gc.health() == "SERVING"
 
             stopping = asyncio.ensure_future(shutdown(svc.handle))
             await until(lambda: pool.draining)
-            late_z = await svc.zmq.admit(small_request("late-z"), timeout_s=5)
+            late_z = await zmq_admit(svc.zmq, small_request("late-z"), timeout_s=5)
             await peer.send(small_request("late-z2"))
             late_z2 = await peer.reply(5)
-            late_g = await gc.admit(admit_request("late-g"), timeout=5)
+            late_g = await grpc_admit(gc, admit_request("late-g"), timeout=5)
             # answered while the held work still holds the worker: not queued behind it
             assert svc.hold.holding and pool.inflight == 2 and not queued.done()
             assert svc.hold.timed_out == []
-            assert (late_z.rid, late_z.abort_code) == ("late-z", "SHUTTING_DOWN")
-            assert (late_z2.rid, late_z2.abort_code) == ("late-z2", "SHUTTING_DOWN")
+            assert (late_z.request_id, late_z.code) == ("late-z", "SHUTTING_DOWN")
+            assert (late_z2.request_id, late_z2.code) == ("late-z2", "SHUTTING_DOWN")
             assert isinstance(late_g, Aborted) and late_g.code == "SHUTTING_DOWN", late_g
             for name in ("", ADMISSION_SERVICE):
-                assert await gc.health(name, timeout=2) == "NOT_SERVING"
+                assert await gc.health(name, timeout_s=2) == "NOT_SERVING"
             # the admitted work is still waiting for the held worker
             assert not queued.done() and not stopping.done()
             svc.hold.release()
             held = await peer.reply(5)
-            assert (held.rid, code_of(held)) == ("hold-d", "MATERIALIZED")
+            assert (held.request_id, code_of(held)) == ("hold-d", "MATERIALIZED")
             assert code_of(await asyncio.wait_for(queued, 5)) == "MATERIALIZED"
             await asyncio.wait_for(stopping, 10)
         finally:
@@ -441,8 +426,10 @@ async def test_drain_refuses_new_work_and_finishes_admitted_work() -> None:
 async def test_metrics_endpoint_paths() -> None:
     async with running(workers=1, max_inflight=2) as svc:
         address = svc.handle.addresses["metrics"]
-        assert (await svc.zmq.admit(small_request("m-z"))).materialized
-        assert isinstance(await svc.grpc.admit(admit_request("m-g"), timeout=10), Materialized)
+        assert (await zmq_admit(svc.zmq, small_request("m-z"))).materialized
+        assert isinstance(
+            await grpc_admit(svc.grpc, admit_request("m-g"), timeout=10), Materialized
+        )
         status, body = await http_get(address, "/metrics?name[]=mmadmit_inflight")
         assert status == 200  # prometheus_client's name filter
         assert "mmadmit_inflight 0.0" in body and "mmadmit_requests" not in body
@@ -476,7 +463,7 @@ async def test_small_requests_run_inline_on_both_transports() -> None:
 
     async with running(hook=False, workers=1) as svc:
         assert svc.pool.inline_max_tokens == 16384  # the serve default
-        inline_z = await svc.zmq.admit(hashed("in-z"))
+        inline_z = await zmq_admit(svc.zmq, hashed("in-z"))
         ids = np.full(40, 100, np.int64)
         ids[10:26] = QWEN35_IMAGE
         item = build_item(
@@ -485,16 +472,16 @@ async def test_small_requests_run_inline_on_both_transports() -> None:
             image_grid_thw=[1, 8, 8],
             content_hash=0x0123_4567_89AB_CDEF,
         )
-        inline_g = await svc.grpc.admit(build_request("in-g", ids, [item]), timeout=10)
+        inline_g = await grpc_admit(svc.grpc, build_request("in-g", ids, [item]), timeout=10)
         m = await scrape(svc)
         assert m["mmadmit_inline_total"] == 3  # warm-up + 2
         assert m["mmadmit_zmq_inline"] == 1
-        hashed_z = await svc.zmq.admit(small_request("to-hash"))
+        hashed_z = await zmq_admit(svc.zmq, small_request("to-hash"))
         assert (await scrape(svc))["mmadmit_inline_total"] == 3  # hashing: a worker's
     assert inline_z.materialized and hashed_z.materialized
     assert isinstance(inline_g, Materialized)
     async with running(hook=True, workers=1) as ref:  # the hook turns inline off
-        worker_z = await ref.zmq.admit(hashed("in-z"))
+        worker_z = await zmq_admit(ref.zmq, hashed("in-z"))
         assert ref.pool.stats.inline == 0
     assert [f.bytes for f in inline_z.frames] == [f.bytes for f in worker_z.frames]
 
@@ -547,14 +534,14 @@ async def test_admitted_requests_are_freed_by_refcount_not_left_to_the_cyclic_gc
 
     async with running() as svc:
         for i in range(3):  # warm every path once
-            await svc.zmq.admit(small_request(f"w{i}"))
-            await svc.grpc.admit(admit_request(f"wg{i}"), timeout=10)
+            await zmq_admit(svc.zmq, small_request(f"w{i}"))
+            await grpc_admit(svc.grpc, admit_request(f"wg{i}"), timeout=10)
         gc.collect()
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
             for i in range(20):
-                assert code_of(await svc.zmq.admit(small_request(f"z{i}"))) == "MATERIALIZED"
-                out = await svc.grpc.admit(admit_request(f"g{i}"), timeout=10)
+                assert code_of(await zmq_admit(svc.zmq, small_request(f"z{i}"))) == "MATERIALIZED"
+                out = await grpc_admit(svc.grpc, admit_request(f"g{i}"), timeout=10)
                 assert code_of(out) == "MATERIALIZED"
             gc.collect()
             leaked = [
@@ -581,10 +568,10 @@ async def test_round_robin_client_spreads_calls_over_replicas() -> None:
         policies: tuple[LoadBalancing, ...] = ("round_robin", "pick_first")
         for policy in policies:
             before = [svc.handle.grpc.stats.requests for svc in (a, b)]
-            async with AsyncAdmissionClient(target, load_balancing=policy) as client:
-                await client.health(timeout=10)  # connected
+            async with grpc_client(target, load_balancing=policy) as client:
+                await client.health(timeout_s=10)  # connected
                 for i in range(10):
-                    out = await client.admit(admit_request(f"{policy}-{i}"), timeout=10)
+                    out = await grpc_admit(client, admit_request(f"{policy}-{i}"), timeout=10)
                     assert isinstance(out, Materialized)
             after = [svc.handle.grpc.stats.requests for svc in (a, b)]
             counts.append([n - m for n, m in zip(after, before, strict=True)])

@@ -51,11 +51,12 @@ import pytest_asyncio
 from conftest import REPO_ROOT, Vector, config_for_family, load_vector, vector_names
 from mmadmit import wire
 from mmadmit.config import build_config
-from mmadmit.frames import pack_frames, parse_frames
 from mmadmit.model import Request
 from mmadmit.server import ServerHandle, shutdown, start_server
+from mmadmit_client import Client, GrpcTransport, Item, Materialized, grid
+from mmadmit_client import Request as ClientRequest
 from mmadmit_client._cli_request import UsageError, request_from_json
-from mmadmit_client.grpc import AsyncAdmissionClient, Materialized, build_item, build_request
+from mmadmit_client.frames import pack_frames, parse_frames
 
 NAMES = vector_names()
 EXAMPLE = REPO_ROOT / "examples" / "request_qwen3_5.json"
@@ -505,14 +506,16 @@ async def test_health_not_serving_while_draining() -> None:
     async with serving(model, hold, drain_timeout=10) as handle:
         g = f"grpc://{handle.addresses['grpc']}"
         assert (await cli("health", g)).rc == 0
-        async with AsyncAdmissionClient(handle.addresses["grpc"]) as client:
+        async with Client(GrpcTransport(handle.addresses["grpc"])) as client:
             ids = np.full(40, 100, np.int64)
             ids[10:26] = 248056
-            item = build_item(
-                "image", offsets=[(10, 25)], feature=np.ones((64, 4), np.float32),
-                image_grid_thw=[1, 8, 8],
+            item = Item(
+                "image", [(10, 25)], feature=np.ones((64, 4), np.float32),
+                side={"image_grid_thw": grid([1, 8, 8])},
             )  # fmt: skip
-            held = asyncio.ensure_future(client.admit(build_request("hold-1", ids, [item]), 20))
+            held = asyncio.ensure_future(
+                client.admit(ClientRequest("hold-1", ids, [item]), timeout_s=20)
+            )
             stopping: asyncio.Future[None] | None = None
             try:
                 assert await asyncio.to_thread(hold.entered.acquire, True, 10), "not held"
@@ -599,7 +602,7 @@ async def test_bench_plot_without_matplotlib(tmp_path: Path) -> None:
         "--plot", str(tmp_path / "x.png"), argv0=argv0,
     )  # fmt: skip
     assert run.rc == 2, run
-    assert "pip install 'mmadmit[plot]'" in run.stderr
+    assert "pip install 'mmadmit-client[plot]'" in run.stderr
     assert not (tmp_path / "x.png").exists()
 
 
@@ -632,27 +635,31 @@ def test_json_schema_runs_spans_hashes_and_tensors(tmp_path: Path) -> None:
         ],
     }
     req = request_from_json(doc, base_dir=tmp_path)
-    assert req.rid == "s1" and req.input_ids.tolist() == [1, 7, 7, 7, 2]
-    assert req.mm is not None and req.mm.im_token_id == 7
-    assert req.mm.mrope_position_delta_scalar == -2
-    image, audio = req.mm.items
+    assert req.request_id == "s1" and req.input_ids.tolist() == [1, 7, 7, 7, 2]
+    assert req.multimodal and req.mrope_position_delta == -2
+    image, audio = req.items
+    assert image.placeholder_token_id == 7 and audio.placeholder_token_id is None
     assert image.hash == 2**64 - 1 and image.offsets.tolist() == [[1, 3]]
     assert image.side["image_grid_thw"].to_numpy().tolist() == [[1, 2, 6]]
-    assert image.feature is not None and image.feature.dtype.name == "bfloat16"
+    assert image.feature is not None and image.feature.dtype == "bfloat16"
     # bfloat16 bits, rounded to nearest even: 1.0, -2.5, 3.0, 0.1 (0x3DCCCCCD -> 0x3DCD)
     assert np.frombuffer(image.feature.data, "<u2").tolist() == [0x3F80, 0xC020, 0x4040, 0x3DCD]
     assert image.side["extra"].to_numpy().tolist() == [1, 2]
     assert audio.pad_value == 5 and audio.offsets.tolist() == [[4, 4]]
-    assert audio.feature is not None and audio.feature.to_numpy().tolist() == [
+    assert audio.feature is not None and audio.feature.to_numpy().tolist() == [  # type: ignore[union-attr]
         [0, 1],
         [2, 3],
         [4, 5],
     ]
-    # a JSON request over both encoders: the codec's frames decode back to the same request
-    frames = [b"\x00", *wire.encode_request(req)]
-    back = wire.decode_message(frames).request
+    # the client's encoding of a JSON request decodes in the service's codec
+    from mmadmit_client import wire as client_wire
+
+    back = wire.decode_message(client_wire.encode_add(req)).request
     assert back is not None and back.input_ids.tolist() == req.input_ids.tolist()
-    assert [it.hash for it in back.mm.items] == [2**64 - 1, None]  # type: ignore[union-attr]
+    assert back.mm is not None and back.mm.im_token_id == 7
+    assert back.mm.mrope_position_delta_scalar == -2
+    assert [it.hash for it in back.mm.items] == [2**64 - 1, None]
+    assert bytes(back.mm.items[0].feature.data) == bytes(image.feature.data)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

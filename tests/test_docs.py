@@ -51,7 +51,7 @@ def test_config_table_is_current_and_matches_serve_help() -> None:
 
 
 async def test_readme_python_example_runs_against_a_live_server(tmp_path: Path) -> None:
-    (example,) = [block for block in fenced("python") if "AsyncAdmissionClient(" in block]
+    (example,) = [block for block in fenced("python") if "GrpcTransport(" in block]
     with serve(*EPHEMERAL, "--workers", "1") as srv:
         addr = await srv.wait_ready()
         code = example.replace("127.0.0.1:50051", addr["grpc"]).replace(
@@ -68,7 +68,7 @@ async def test_readme_python_example_runs_against_a_live_server(tmp_path: Path) 
         grpc_line, zmq_line = run.stdout.strip().splitlines()
         pad, delta, pad_value = grpc_line.split()
         assert int(pad) == int(pad_value) and int(delta) != 0  # substituted by the pad value
-        assert zmq_line == "materialized None"
+        assert zmq_line == "Materialized MATERIALIZED"
         srv.send()
         assert (await srv.wait_exit(20))[0] == 0, srv.stderr
 

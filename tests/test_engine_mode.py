@@ -83,12 +83,12 @@ from mmadmit import scheduler_link, wire
 from mmadmit.config import build_config
 from mmadmit.engine_mode import EngineRelay
 from mmadmit.errors import AbortCode, ConfigError
-from mmadmit.frames import parse_frames
 from mmadmit.materializer import Materializer
 from mmadmit.model import Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.telemetry import Telemetry
+from mmadmit_client.frames import parse_frames
 from test_admission_both_transports import small_request
 from test_zmq_ingest import assert_error_vector, assert_matches_vector
 

@@ -17,7 +17,9 @@ from mmadmit.config import build_config
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
 from mmadmit.profile import PRESETS, load_profile
+from mmadmit.wire import decode_message
 from mmadmit_client._cli_request import request_from_json
+from mmadmit_client.wire import encode_add
 
 EXAMPLES = REPO_ROOT / "examples"
 PREFIX = "request_"
@@ -39,6 +41,9 @@ def test_each_example_materializes_on_its_profile(path: Path) -> None:
     profile_name = path.stem.removeprefix(PREFIX)
     assert profile_name in PRESETS, f"{path.name}: {profile_name!r} is not a built-in profile"
     req = request_from_json(json.loads(path.read_text()), base_dir=path.parent)
-    outcome = Materializer(load_profile(profile_name)).run(req)
+    # as the client sends it over ZMQ, as the service decodes it
+    decoded = decode_message(encode_add(req)).request
+    assert decoded is not None
+    outcome = Materializer(load_profile(profile_name)).run(decoded)
     assert isinstance(outcome, Materialized), outcome
     assert outcome.request.mm is not None and outcome.request.mm.mrope_positions is not None

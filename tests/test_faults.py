@@ -19,7 +19,7 @@ Here:
   behind the gone peer's on the one worker, are all materialized;
 * SIGKILL and restart: ``mmadmit serve`` is killed with -9 while requests are in
   flight, a new one is started on the same ports, and the *same* open
-  ``AsyncZmqClient`` and ``AsyncAdmissionClient`` are served again (the DEALER and
+  ZMQ and gRPC ``mmadmit_client.Client`` are served again (the DEALER and
   the gRPC channel reconnect by themselves); the requests in flight at the kill
   end, on the client, in ``ServerUnavailable`` (gRPC) or ``RequestTimeout`` (ZMQ).
 
@@ -40,12 +40,11 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from client_helpers import grpc_admit, grpc_client, zmq_admit, zmq_client
 from conftest import CONFIGS, Sockets, requests_total
 from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
-from mmadmit_client import RequestTimeout, ServerUnavailable
-from mmadmit_client.grpc import AsyncAdmissionClient, Materialized
-from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome
+from mmadmit_client import Materialized, Outcome, RequestTimeout, ServerUnavailable, ZmqTransport
 from test_server_lifecycle import (
     ServeProcess,
     metrics,
@@ -85,6 +84,12 @@ def image_request(rid: str, feature_bytes: int = 1 << 12) -> Request:
 
 def add_frames(rid: str, feature_bytes: int = 1 << 12) -> list[Any]:
     return [bytes([wire.MSG_ADD]), *wire.encode_request(image_request(rid, feature_bytes))]
+
+
+def zmq_transport(client: Any) -> ZmqTransport:
+    transport = client.transport
+    assert isinstance(transport, ZmqTransport)
+    return transport
 
 
 def free_port() -> int:
@@ -196,17 +201,17 @@ async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others
         for i in range(3):
             await gone.send_multipart(add_frames(f"hold-a{i}"), copy=False)
         await until(lambda: svc.gate.started == ["hold-a0"] and svc.ingest.inflight == 3)
-        async with AsyncZmqClient(svc.endpoint, identity=b"peer-b", timeout_s=15) as b:
-            jobs = [asyncio.ensure_future(b.admit(image_request(f"b{i}"))) for i in range(6)]
+        async with zmq_client(svc.endpoint, identity=b"peer-b", timeout_s=15) as b:
+            jobs = [asyncio.ensure_future(zmq_admit(b, image_request(f"b{i}"))) for i in range(6)]
             await until(lambda: svc.pool.inflight == 9)
             gone.close(linger=0)
             await asyncio.wait_for(monitor.recv_multipart(), 5)  # the ROUTER saw A go
             svc.gate.open()
-            outcomes: list[ZmqOutcome] = await asyncio.gather(*jobs)
-            assert [(o.rid, o.status) for o in outcomes] == [
-                (f"b{i}", "materialized") for i in range(6)
+            outcomes: list[Outcome] = await asyncio.gather(*jobs)
+            assert [(o.request_id, o.code) for o in outcomes] == [
+                (f"b{i}", "MATERIALIZED") for i in range(6)
             ]
-            assert b.unmatched_replies == 0
+            assert b.transport.unmatched_replies == 0
             await until(lambda: svc.ingest.stats.undeliverable == 3)
             # nothing leaks
             assert svc.pool.inflight == 0 and svc.pool.running == 0
@@ -216,11 +221,11 @@ async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others
             assert not stats.aborted_by_code
             seen = f"{stats.undeliverable} undeliverable after {stats.send_retries} send retries"
             # A comes back under the same identity with the same ids: not "already in flight"
-            async with AsyncZmqClient(svc.endpoint, identity=b"peer-a", timeout_s=15) as again:
-                back = await again.admit(image_request("hold-a0"))
-                assert (back.rid, back.status) == ("hold-a0", "materialized"), back.abort_message
+            async with zmq_client(svc.endpoint, identity=b"peer-a", timeout_s=15) as again:
+                back = await zmq_admit(again, image_request("hold-a0"))
+                assert (back.request_id, back.code) == ("hold-a0", "MATERIALIZED"), back
             # and B is still served
-            assert (await b.admit(image_request("b-after"))).materialized
+            assert (await zmq_admit(b, image_request("b-after"))).materialized
     finally:
         router.disable_monitor()
         monitor.close(linger=0)
@@ -251,24 +256,24 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
         assert addr["grpc"] == f"127.0.0.1:{grpc_port}"
         assert addr["zmq"] == f"tcp://127.0.0.1:{zmq_port}"
         async with (
-            AsyncAdmissionClient(addr["grpc"]) as gc,
-            AsyncZmqClient(addr["zmq"], timeout_s=10) as zc,
+            grpc_client(addr["grpc"]) as gc,
+            zmq_client(addr["zmq"], timeout_s=10) as zc,
         ):
             # served by the first process
-            g0 = await gc.admit(to_proto(small_request("g0"), "g0"), timeout=10)
+            g0 = await grpc_admit(gc, to_proto(small_request("g0"), "g0"), timeout=10)
             assert isinstance(g0, Materialized)
-            assert (await zc.admit(small_request("z0"))).materialized
+            assert (await zmq_admit(zc, small_request("z0"))).materialized
             # in flight at the kill: 3 ZMQ requests hashing 184 MB each, a gRPC call behind
             heavy = shared_feature_request(8)
             lost_z = [
                 asyncio.ensure_future(
-                    zc.admit(dataclasses.replace(heavy, rid=f"zk{i}"), timeout_s=8)
+                    zmq_admit(zc, dataclasses.replace(heavy, rid=f"zk{i}"), timeout_s=8)
                 )
                 for i in range(3)
             ]
             await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 3)
             lost_g = asyncio.ensure_future(
-                gc.admit(to_proto(small_request("gk"), "gk"), timeout=30)
+                grpc_admit(gc, to_proto(small_request("gk"), "gk"), timeout=30)
             )
             m = await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 4)
             assert m["mmadmit_inflight"] >= 2, m  # still being worked on
@@ -277,21 +282,21 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
             assert await asyncio.to_thread(first.proc.wait, 10) == -9
             with pytest.raises(ServerUnavailable):
                 await asyncio.wait_for(lost_g, 10)
-            await until(lambda: not zc.connected)
+            await until(lambda: not zmq_transport(zc).connected)
             # a new process on the same ports
             second = ServeProcess(*args)
             addr2 = await second.wait_ready()
             assert (addr2["grpc"], addr2["zmq"]) == (addr["grpc"], addr["zmq"])
             # the same ZMQ client: its DEALER reconnects by itself
-            z = await zc.admit(small_request("z1"))
-            assert (z.rid, z.status) == ("z1", "materialized"), z.abort_message
-            assert zc.connected
+            z = await zmq_admit(zc, small_request("z1"))
+            assert (z.request_id, z.code) == ("z1", "MATERIALIZED"), z
+            assert zmq_transport(zc).connected
             # the same gRPC client: its channel reconnects by itself; a call made while the
             # channel still backs off from the failed connection is UNAVAILABLE at once
             unavailable = 0
             for _ in range(100):
                 try:
-                    g = await gc.admit(to_proto(small_request("g1"), "g1"), timeout=10)
+                    g = await grpc_admit(gc, to_proto(small_request("g1"), "g1"), timeout=10)
                     break
                 except ServerUnavailable:
                     unavailable += 1
@@ -303,7 +308,7 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
             for job in lost_z:
                 with pytest.raises(RequestTimeout):
                     await job
-            assert zc.unmatched_replies == 0
+            assert zc.transport.unmatched_replies == 0
             m2 = await metrics(addr2["metrics"])
             assert requests_total(m2, outcome="materialized") == 2  # z1 + g1
             assert requests_total(m2, outcome="aborted") == 0

@@ -34,29 +34,35 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from client_helpers import build_item, build_request, tensor_data
 from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, until, vector_names
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
-from mmadmit.model import Modality, Request, Tensor
+from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import ModelProfile, load_profile
 from mmadmit.telemetry import Telemetry
 from mmadmit.wire import decode_message
-from mmadmit_client import ClientStateError, RequestTimeout, TransportError
-from mmadmit_client.grpc import (
+from mmadmit_client import (
     Aborted,
-    AdmissionClient,
-    AsyncAdmissionClient,
+    BlockingClient,
+    Client,
     ClientState,
+    ClientStateError,
+    GrpcTransport,
+    Item,
     Materialized,
+    RequestTimeout,
     ShmFeature,
-    build_item,
-    build_request,
-    tensor_data,
+    TransportError,
+    grid,
+    request_to_proto,
 )
+from mmadmit_client import Request as ClientRequest
+from mmadmit_client import wire as client_wire
+from mmadmit_client._proto import admission_pb2 as pb
 
 MODEL_CONFIG = {
     "qwen3_5": CONFIGS / "qwen3_5.json",
@@ -99,7 +105,13 @@ class Running:
     pool: MaterializerPool
     profile: ModelProfile
     address: str
-    client: AsyncAdmissionClient
+    client: Client
+
+    @property
+    def grpc(self) -> GrpcTransport:
+        """The client's transport: raw ``AdmitRequest`` messages, the channel, the stub."""
+        assert isinstance(self.client.transport, GrpcTransport)
+        return self.client.transport
 
 
 @contextlib.asynccontextmanager
@@ -124,7 +136,7 @@ async def running(
         address = await server.start()
         if serving:
             await server.set_serving()
-        async with AsyncAdmissionClient(address) as client:
+        async with Client(GrpcTransport(address)) as client:
             yield Running(server, pool, profile, address, client)
     finally:
         if gate is not None:
@@ -150,48 +162,11 @@ def gate() -> Iterator[Gate]:
 # ------------------------------------------------------------------------- vectors -> AdmitRequest
 
 
-def _array_of(t: Tensor) -> tuple[np.ndarray, str]:
-    """A tensor as (numpy array, wire dtype); bfloat16 travels as its raw 16-bit words."""
-    if t.dtype.numpy is not None:
-        return t.to_numpy(), t.dtype.name
-    raw = np.frombuffer(t.data, dtype=f"<u{t.dtype.itemsize}").reshape(t.shape)
-    return raw, t.dtype.name
-
-
 def request_from_vector(v: Vector, request_id: str | None = None) -> pb.AdmitRequest:
-    req = decode_message(v.frames).request
-    assert req is not None
-    mm = req.mm
-    items = []
-    for it in mm.items if mm is not None else []:
-        modality = Modality(it.modality)
-        override = {Modality.IMAGE: mm.im_token_id, Modality.VIDEO: mm.video_token_id}.get(modality)
-        feature, feature_dtype = _array_of(it.feature) if it.feature is not None else (None, None)
-        items.append(
-            build_item(
-                modality.name.lower(),
-                offsets=it.offsets,
-                feature=feature,
-                feature_dtype=feature_dtype,
-                content_hash=it.hash,  # sent as 8 bytes little-endian
-                pad_value=it.pad_value,
-                side={k: _array_of(t) for k, t in it.side.items()},
-                placeholder_token_id=override,
-            )
-        )
-    mrope = None
-    if mm is not None and (
-        mm.mrope_positions is not None or mm.mrope_position_delta_scalar is not None
-    ):
-        positions = mm.mrope_positions.to_numpy() if mm.mrope_positions is not None else None
-        mrope = (positions, mm.mrope_position_delta_scalar)
-    return build_request(
-        request_id or req.rid,
-        req.input_ids,
-        items,
-        input_ids_unpadded=req.input_ids_unpadded,
-        mrope=mrope,
-    )
+    """The vector's captured ADD message, decoded by the client's codec and translated
+    by the client into an ``AdmitRequest``."""
+    req = client_wire.decode_add(v.frames)
+    return request_to_proto(req if request_id is None else req.with_request_id(request_id))
 
 
 def check_vector(v: Vector, outcome: Any) -> None:
@@ -205,7 +180,7 @@ def check_vector(v: Vector, outcome: Any) -> None:
     a = v.arrays
     np.testing.assert_array_equal(outcome.input_ids, a["input_ids_padded"])
     if v.meta.get("multimodal") is None:  # a text request: originals are not repeated
-        assert outcome.input_ids_unpadded.size == 0
+        assert outcome.input_ids_unpadded is None
         np.testing.assert_array_equal(outcome.input_ids, a["input_ids_unpadded"])
         assert outcome.items == () and outcome.mrope_positions is None
         return
@@ -238,7 +213,7 @@ def check_vector(v: Vector, outcome: Any) -> None:
 async def test_vector_through_admit(name: str) -> None:
     v = load_vector(name)
     async with running(v.meta["family"]) as r:
-        outcome = await r.client.admit(request_from_vector(v))
+        outcome = await r.grpc.admit_proto(request_from_vector(v))
         check_vector(v, outcome)
         assert outcome.request_id == decode_message(v.frames).request.rid
         await until(lambda: r.pool.inflight == 0)
@@ -280,7 +255,7 @@ async def test_stream_interleaves_100_good_and_bad(qwen: Running) -> None:
 
     seen: dict[str, int] = {}
     order = []
-    async for outcome in qwen.client.admit_many(requests):
+    async for outcome in qwen.grpc.admit_proto_stream(requests):
         seen[outcome.request_id] = seen.get(outcome.request_id, 0) + 1
         order.append(outcome.request_id)
         v = expect[outcome.request_id]
@@ -369,7 +344,7 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
     assert len(parsed.SerializeToString()) == len(raw)
 
     async with running("qwen3_5") as r:
-        channel = r.client._channel
+        channel = r.grpc._channel
         assert channel is not None
         call = channel.unary_unary(
             "/mmadmit.v1.Admission/Admit",
@@ -377,7 +352,7 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
             response_deserializer=pb.AdmitResponse.FromString,
         )
         resp = await call(raw)
-    from mmadmit_client.grpc import outcome_from_proto
+    from mmadmit_client import outcome_from_proto
 
     outcome = outcome_from_proto(resp)
     assert outcome.request_id == "smg-1"
@@ -401,7 +376,7 @@ async def test_health_transitions() -> None:
 
 
 async def test_reflection_lists_admission(qwen: Running) -> None:
-    channel = qwen.client._channel
+    channel = qwen.grpc._channel
     assert channel is not None
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     call = stub.ServerReflectionInfo(
@@ -424,7 +399,7 @@ async def test_model_info_qwen3_5_and_llama() -> None:
     assert info.multimodal_active and info.uses_mrope and not info.language_model_only
 
     async with running("llama") as r:
-        raw = await r.client.stub.GetModelInfo(pb.GetModelInfoRequest())
+        raw = await r.grpc.stub.GetModelInfo(pb.GetModelInfoRequest())
     for name in ("image_token_id", "video_token_id", "audio_token_id"):
         assert not raw.HasField(name), name  # absent, not 0
     assert raw.family == "text_only" and raw.model_type == "llama"
@@ -449,25 +424,40 @@ def _image_request(profile: ModelProfile, rid: str, **kwargs: Any) -> pb.AdmitRe
     return build_request(rid, ids, [item], **kwargs)
 
 
+def _image_model_request(profile: ModelProfile, rid: str) -> ClientRequest:
+    """:func:`_image_request` as the client's own model."""
+    assert profile.image_token_id is not None
+    ids = np.arange(100, 120, dtype=np.int64)
+    ids[5:9] = profile.image_token_id
+    item = Item.with_placeholders(
+        "image",
+        [(5, 4)],
+        feature=np.arange(16 * 6, dtype=np.float32).reshape(16, 6),
+        side={"image_grid_thw": grid([1, 4, 4])},
+        placeholder_token_id=profile.image_token_id,
+    )
+    return ClientRequest(rid, ids, [item])
+
+
 async def test_timeout_ms_is_deadline_exceeded_in_band(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, gate=gate) as r:
-        outcome = await r.client.admit(_image_request(r.profile, "t1", timeout_ms=150))
+        outcome = await r.grpc.admit_proto(_image_request(r.profile, "t1", timeout_ms=150))
         assert isinstance(outcome, Aborted) and outcome.code == "DEADLINE_EXCEEDED", outcome
         assert "150 ms" in outcome.message
         gate.open()
         await until(lambda: r.pool.inflight == 0)
-        ok = await r.client.admit(_image_request(r.profile, "t2", timeout_ms=5000))
+        ok = await r.grpc.admit_proto(_image_request(r.profile, "t2", timeout_ms=5000))
         assert isinstance(ok, Materialized)
 
 
 async def test_call_deadline_cancels_the_work(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, gate=gate) as r:
         running_call = asyncio.ensure_future(
-            r.client.admit(_image_request(r.profile, "d1"), timeout=0.4)
+            r.grpc.admit_proto(_image_request(r.profile, "d1"), timeout_s=0.4)
         )
         await until(lambda: r.pool.running == 1)
         queued_call = asyncio.ensure_future(
-            r.client.admit(_image_request(r.profile, "d2"), timeout=0.2)
+            r.grpc.admit_proto(_image_request(r.profile, "d2"), timeout_s=0.2)
         )
         for fut in (queued_call, running_call):
             with pytest.raises(RequestTimeout) as info:
@@ -485,9 +475,9 @@ async def test_call_deadline_cancels_the_work(gate: Gate) -> None:
 
 async def test_client_cancellation_cancels_the_work(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, gate=gate) as r:
-        holder = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "c1")))
+        holder = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "c1")))
         await until(lambda: r.pool.running == 1)
-        victim = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "c2")))
+        victim = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "c2")))
         await until(lambda: r.pool.inflight == 2)
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -505,7 +495,7 @@ async def test_stream_cancellation_cancels_its_work(gate: Gate) -> None:
         reqs = [_image_request(r.profile, f"sc{k}") for k in range(3)]
 
         async def consume() -> None:
-            async for _ in r.client.admit_many(reqs):
+            async for _ in r.grpc.admit_proto_stream(reqs):
                 pass
 
         task = asyncio.ensure_future(consume())
@@ -521,7 +511,7 @@ async def test_stream_cancellation_cancels_its_work(gate: Gate) -> None:
 
 async def test_abort_rpc_cancels_the_request(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, gate=gate) as r:
-        pending = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "victim")))
+        pending = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "victim")))
         await until(lambda: "victim" in r.server.servicer.inflight_ids)
         assert await r.client.abort("victim", reason="user went away") is True
         outcome = await pending
@@ -536,11 +526,11 @@ async def test_abort_rpc_cancels_the_request(gate: Gate) -> None:
 async def test_overloaded_when_the_pool_is_full(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, max_inflight=2, gate=gate) as r:
         first = [
-            asyncio.ensure_future(r.client.admit(_image_request(r.profile, f"o{k}")))
+            asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, f"o{k}")))
             for k in range(2)
         ]
         await until(lambda: r.pool.inflight == 2)
-        outcome = await r.client.admit(_image_request(r.profile, "o-extra"))
+        outcome = await r.grpc.admit_proto(_image_request(r.profile, "o-extra"))
         assert isinstance(outcome, Aborted) and outcome.code == "OVERLOADED", outcome
         assert "--max-inflight" in outcome.message
         gate.open()
@@ -550,15 +540,15 @@ async def test_overloaded_when_the_pool_is_full(gate: Gate) -> None:
 
 async def test_duplicate_request_id_in_flight(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, gate=gate) as r:
-        first = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "dup")))
+        first = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "dup")))
         await until(lambda: "dup" in r.server.servicer.inflight_ids)
-        second = await r.client.admit(_image_request(r.profile, "dup"))
+        second = await r.grpc.admit_proto(_image_request(r.profile, "dup"))
         assert isinstance(second, Aborted) and second.code == "INVALID_REQUEST"
         assert "already in flight" in second.message
         gate.open()
         assert isinstance(await first, Materialized)
         # once answered, the id is free again
-        assert isinstance(await r.client.admit(_image_request(r.profile, "dup")), Materialized)
+        assert isinstance(await r.grpc.admit_proto(_image_request(r.profile, "dup")), Materialized)
 
 
 # --------------------------------------------------------------------------------------- bad input
@@ -630,13 +620,15 @@ async def test_bad_input_is_an_in_band_abort(qwen: Running, label: str) -> None:
     mutate, needles = BAD_INPUTS[label]
     req = _image_request(qwen.profile, f"bad-{label}")
     mutate(req)
-    outcome = await qwen.client.admit(req)
+    outcome = await qwen.grpc.admit_proto(req)
     assert isinstance(outcome, Aborted), outcome
     assert outcome.code == "INVALID_REQUEST", outcome
     for needle in needles:
         assert needle in outcome.message, (needle, outcome.message)
     # the server keeps serving
-    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "after")), Materialized)
+    assert isinstance(
+        await qwen.grpc.admit_proto(_image_request(qwen.profile, "after")), Materialized
+    )
     assert qwen.pool.inflight == 0 and qwen.server.stats.internal_errors == 0
 
 
@@ -655,9 +647,9 @@ async def test_tensor_limits_refuse_at_translation(at: Limits, past: Limits, fla
     checks them, worded by mmadmit.limits): at the limit admitted, one past TOO_LARGE
     naming the proto field."""
     async with running("qwen3_5", limits=at) as r:
-        assert isinstance(await r.client.admit(_image_request(r.profile, "at")), Materialized)
+        assert isinstance(await r.grpc.admit_proto(_image_request(r.profile, "at")), Materialized)
     async with running("qwen3_5", limits=past) as r:
-        outcome = await r.client.admit(_image_request(r.profile, "past"))
+        outcome = await r.grpc.admit_proto(_image_request(r.profile, "past"))
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
         assert outcome.message.startswith(f"item 0 encoder_input: {flag}"), outcome.message
         assert r.server.stats.internal_errors == 0
@@ -669,7 +661,7 @@ async def test_tensor_limits_refuse_at_translation(at: Limits, past: Limits, fla
 async def test_echo_features_and_derived_fields(qwen: Running) -> None:
     req = _image_request(qwen.profile, "echo", echo_features=True)
     req.mm_inputs.items[0].content_hash = (2**64 - 1).to_bytes(8, "little")
-    outcome = await qwen.client.admit(req)
+    outcome = await qwen.grpc.admit_proto(req)
     assert isinstance(outcome, Materialized)
     item = outcome.items[0]
     assert item.modality == "image" and item.hash == 2**64 - 1
@@ -681,7 +673,7 @@ async def test_echo_features_and_derived_fields(qwen: Running) -> None:
     )
     np.testing.assert_array_equal(item.side["image_grid_thw"].to_numpy(), [[1, 4, 4]])
 
-    plain = await qwen.client.admit(_image_request(qwen.profile, "plain"))
+    plain = await qwen.grpc.admit_proto(_image_request(qwen.profile, "plain"))
     assert isinstance(plain, Materialized)
     assert plain.items[0].feature is None and plain.items[0].side == {}
 
@@ -713,9 +705,10 @@ async def test_large_inline_tensors_are_read_in_place(
     positions = np.tile(np.arange(n, dtype=np.int64), (3, 1))
     carried = build_request("pos", ids, input_ids_unpadded=ids, mrope=(positions, None))
 
-    outcomes = [await qwen.client.admit(big("u1")), await qwen.client.admit(carried)]
+    outcomes = [await qwen.grpc.admit_proto(big("u1")), await qwen.grpc.admit_proto(carried)]
     outcomes += [
-        o async for o in qwen.client.admit_many([big("s1"), _image_request(qwen.profile, "s2")])
+        o
+        async for o in qwen.grpc.admit_proto_stream([big("s1"), _image_request(qwen.profile, "s2")])
     ]
     by_id = {o.request_id: o for o in outcomes}
     for rid in ("u1", "s1"):
@@ -738,13 +731,13 @@ async def test_large_inline_tensors_are_read_in_place(
 async def test_short_content_hash_is_zero_extended_little_endian(qwen: Running) -> None:
     req = _image_request(qwen.profile, "short")
     req.mm_inputs.items[0].content_hash = b"\x01\x02"
-    outcome = await qwen.client.admit(req)
+    outcome = await qwen.grpc.admit_proto(req)
     assert isinstance(outcome, Materialized) and outcome.items[0].hash == 0x0201
 
 
 async def test_client_state_is_explicit() -> None:
     async with running("qwen3_5") as r:
-        client = AsyncAdmissionClient(r.address)
+        client = Client(GrpcTransport(r.address))
         assert client.state is ClientState.UNOPENED
         with pytest.raises(ClientStateError):
             await client.model_info()
@@ -753,7 +746,7 @@ async def test_client_state_is_explicit() -> None:
             assert (await client.model_info()).family == "qwen3_5"
         assert client.state is ClientState.CLOSED
         with pytest.raises(ClientStateError):
-            await client.admit(_image_request(r.profile, "late"))
+            await client.admit(ClientRequest("late", [1, 2, 3]))
         with pytest.raises(ClientStateError):
             await client.open()
 
@@ -762,11 +755,11 @@ async def test_sync_client_same_methods() -> None:
     async with running("qwen3_5") as r:
 
         def use_sync() -> tuple[Any, ...]:
-            with AdmissionClient(r.address) as client:
-                one = client.admit(_image_request(r.profile, "sync1"))
+            with BlockingClient(GrpcTransport(r.address)) as client:
+                one = client.admit(_image_model_request(r.profile, "sync1"))
                 many = list(
                     client.admit_many(
-                        [_image_request(r.profile, "sync2"), _image_request(r.profile, "")]
+                        [_image_model_request(r.profile, "sync2"), ClientRequest("", [1, 2])]
                     )
                 )
                 return one, many, client.model_info(), client.health(), client.abort("nope")
@@ -782,7 +775,7 @@ async def test_stream_window_queues_instead_of_overloading(gate: Gate) -> None:
     async with running("qwen3_5", workers=1, max_inflight=2, gate=gate) as r:
         reqs = [_image_request(r.profile, f"w{k}") for k in range(10)]
         gate.open()
-        outcomes = [o async for o in r.client.admit_many(reqs)]
+        outcomes = [o async for o in r.grpc.admit_proto_stream(reqs)]
         assert sorted(o.request_id for o in outcomes) == sorted(q.request_id for q in reqs)
         assert all(isinstance(o, Materialized) for o in outcomes), outcomes
         assert "OVERLOADED" not in r.server.stats.aborted_by_code
@@ -796,12 +789,12 @@ async def test_stream_inflight_limit_bounds_one_stream(gate: Gate) -> None:
         reqs = [_image_request(r.profile, f"s{k}") for k in range(8)]
 
         async def drain() -> list[Any]:
-            return [o async for o in r.client.admit_many(reqs)]
+            return [o async for o in r.grpc.admit_proto_stream(reqs)]
 
         job = asyncio.ensure_future(drain())
         await until(lambda: r.pool.stats.admitted == 3)
         # the stream is blocked on its window: another stream's request still gets in
-        other = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "other")))
+        other = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "other")))
         await until(lambda: r.pool.stats.admitted == 4)
         assert r.pool.stats.admitted == 4 and not job.done()  # the 4th of the stream waits
         gate.open()
@@ -817,21 +810,23 @@ async def test_max_grpc_streams_refuses_calls_past_it(gate: Gate) -> None:
     (by gRPC itself); one connection waits for a free stream instead."""
     async with running("qwen3_5", workers=2, max_inflight=8, gate=gate, max_streams=2) as r:
         held = [
-            asyncio.ensure_future(r.client.admit(_image_request(r.profile, f"c{k}")))
+            asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, f"c{k}")))
             for k in range(2)
         ]
         await until(lambda: r.pool.inflight == 2)
-        queued = asyncio.ensure_future(r.client.admit(_image_request(r.profile, "queued")))
+        queued = asyncio.ensure_future(r.grpc.admit_proto(_image_request(r.profile, "queued")))
         # its own TCP connection (channels with equal arguments share one)
         own = [("grpc.use_local_subchannel_pool", 1)]
-        async with AsyncAdmissionClient(r.address, channel_options=own) as second:
+        async with Client(GrpcTransport(r.address, channel_options=own)) as second:
             with pytest.raises(TransportError, match="RESOURCE_EXHAUSTED"):
-                await second.admit(_image_request(r.profile, "refused"))
+                await second.admit(_image_model_request(r.profile, "refused"))
             assert r.pool.stats.admitted == 2  # neither the refused nor the queued one
             gate.open()
             for fut in [*held, queued]:
                 assert isinstance(await fut, Materialized)
-            assert isinstance(await second.admit(_image_request(r.profile, "later")), Materialized)
+            assert isinstance(
+                await second.admit(_image_model_request(r.profile, "later")), Materialized
+            )
 
 
 async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
@@ -841,12 +836,12 @@ async def test_limits_are_counted_before_protobuf_parses(qwen: Running) -> None:
     for _ in range(300):
         req.mm_inputs.items.add().CopyFrom(req.mm_inputs.items[0])
     assert req.ByteSize() >= 64 << 10
-    for call in (qwen.client.admit(req), _first(qwen.client.admit_many([req]))):
+    for call in (qwen.grpc.admit_proto(req), _first(qwen.grpc.admit_proto_stream([req]))):
         outcome = await call
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
         assert outcome.request_id == "many-items"
         assert outcome.message == "at least 257 items exceed the limit of 256 (--max-items)"
-    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "ok")), Materialized)
+    assert isinstance(await qwen.grpc.admit_proto(_image_request(qwen.profile, "ok")), Materialized)
 
 
 async def _first(stream: Any) -> Any:
@@ -857,7 +852,7 @@ async def _first(stream: Any) -> Any:
 
 async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running) -> None:
     """Earlier requests are still answered; then the call ends INVALID_ARGUMENT."""
-    channel = qwen.client._channel
+    channel = qwen.grpc._channel
     assert channel is not None
     call = channel.stream_stream(
         "/mmadmit.v1.Admission/AdmitStream",
@@ -877,13 +872,15 @@ async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse as an AdmitRequest" in info.value.details()
     assert answered == ["before"]
-    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "next")), Materialized)
+    assert isinstance(
+        await qwen.grpc.admit_proto(_image_request(qwen.profile, "next")), Materialized
+    )
 
 
 async def test_draining_pool_answers_shutting_down(qwen: Running) -> None:
     qwen.server.enter_drain()
     qwen.pool.begin_drain()
-    outcome = await qwen.client.admit(_image_request(qwen.profile, "late"))
+    outcome = await qwen.grpc.admit_proto(_image_request(qwen.profile, "late"))
     assert isinstance(outcome, Aborted) and outcome.code == "SHUTTING_DOWN", outcome
     assert await qwen.client.health(ADMISSION_SERVICE) == "NOT_SERVING"
 
@@ -924,7 +921,7 @@ async def test_busy_port_is_one_clear_oserror() -> None:
 async def test_unary_admit_of_bytes_that_do_not_parse_is_invalid_argument(qwen: Running) -> None:
     """The same bytes end Admit as they end AdmitStream: INVALID_ARGUMENT in mmadmit's
     words (gRPC's own answer would be UNKNOWN naming a Python class)."""
-    channel = qwen.client._channel
+    channel = qwen.grpc._channel
     assert channel is not None
     call = channel.unary_unary(
         "/mmadmit.v1.Admission/Admit",
@@ -936,7 +933,9 @@ async def test_unary_admit_of_bytes_that_do_not_parse_is_invalid_argument(qwen: 
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse as an AdmitRequest" in info.value.details()
     assert "class" not in info.value.details()
-    assert isinstance(await qwen.client.admit(_image_request(qwen.profile, "next")), Materialized)
+    assert isinstance(
+        await qwen.grpc.admit_proto(_image_request(qwen.profile, "next")), Materialized
+    )
 
 
 async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> None:
@@ -947,7 +946,7 @@ async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> N
         req = _image_request(r.profile, "many-items")
         for _ in range(300):
             req.mm_inputs.items.add().CopyFrom(req.mm_inputs.items[0])
-        outcome = await r.client.admit(req)
+        outcome = await r.grpc.admit_proto(req)
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE"
 
         def total(outcome: str, code: str) -> float | None:

@@ -26,12 +26,12 @@ import grpc
 import msgspec
 import numpy as np
 import pytest
+from client_helpers import zmq_admit, zmq_client
 from conftest import http_get, load_vector, vector_names
 from mmadmit import wire
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.model import Request
 from mmadmit.telemetry import token_bucket
-from mmadmit_client.zmq import AsyncZmqClient
+from mmadmit_client._proto import admission_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 from test_grpc_api import request_from_vector
 from test_server_lifecycle import (
@@ -122,14 +122,14 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
         zmq_in = zmq_out = grpc_in = grpc_out = 0
 
         # ---------------------------------------------------------------- ZMQ
-        async with AsyncZmqClient(addr["zmq"], timeout_s=30) as zc:
+        async with zmq_client(addr["zmq"], timeout_s=30) as zc:
             for name in QWEN35:
                 v = load_vector(name)
                 zmq_in += sum(len(f) for f in v.frames)
                 req = wire.decode_message(list(v.frames)).request
                 assert req is not None
-                out = await zc.admit(list(v.frames))
-                assert out.materialized, (name, out.abort_message)
+                out = await zmq_admit(zc, list(v.frames))
+                assert out.materialized, (name, out.message)
                 zmq_out += sum(len(f) for f in out.frames)
                 mm = req.mm.items if req.mm else []
                 sent.append(Sent(req.rid, "zmq", "OK", len(req.input_ids), len(mm),
@@ -139,8 +139,10 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
                                items: int) -> None:  # fmt: skip
                 nonlocal zmq_in, zmq_out
                 zmq_in += sum(len(f) for f in frames)
-                out = await zc.admit(frames)
-                assert out.rid == rid and (out.abort_code or "OK") == code, out.abort_message
+                out = await zmq_admit(zc, frames)
+                assert out.request_id == rid and ("OK" if out.materialized else out.code) == code, (
+                    out
+                )
                 zmq_out += sum(len(f) for f in out.frames)
                 sent.append(Sent(rid, "zmq", code, tokens, items))
 
@@ -155,12 +157,12 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
             big = dataclasses.replace(big_request(2), rid="z-cancel")
             big_frames = [add, *wire.encode_request(big)]
             zmq_in += sum(len(f) for f in big_frames)
-            pending = asyncio.ensure_future(zc.admit(big_frames))
+            pending = asyncio.ensure_future(zmq_admit(zc, big_frames))
             await asyncio.sleep(0.005)
             zmq_in += 1 + len(msgspec.msgpack.encode(["z-cancel"]))  # the ABORT message
             await zc.abort("z-cancel")
             out = await pending
-            assert out.abort_code == "CANCELLED", out.abort_message
+            assert out.code == "CANCELLED", out
             zmq_out += sum(len(f) for f in out.frames)
             sent.append(Sent("z-cancel", "zmq", "CANCELLED", 32768, len(big.mm.items)))
 
@@ -249,8 +251,10 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
         assert sample(fams, "mmadmit_materialize_duration_seconds", "_count",
                       path="inline") == inline  # fmt: skip
         # the counters the pool and transports already kept are still there
-        assert sample(fams, "mmadmit_zmq_received") == len([s for s in sent if s.transport ==
-                                                            "zmq"]) + 1  # + the ABORT
+        assert (
+            sample(fams, "mmadmit_zmq_received")
+            == len([s for s in sent if s.transport == "zmq"]) + 1
+        )  # + the ABORT
         assert sample(fams, "mmadmit_grpc_requests") == len(
             [s for s in sent if s.transport == "grpc"]
         )
@@ -304,12 +308,12 @@ async def test_log_outcomes_modes_and_text_format() -> None:
         srv = ServeProcess(*EPHEMERAL, "--workers", "1", *args)
         try:
             addr = await srv.wait_ready()
-            async with AsyncZmqClient(addr["zmq"], timeout_s=30) as zc:
-                assert (await zc.admit(small_request("good"))).materialized
+            async with zmq_client(addr["zmq"], timeout_s=30) as zc:
+                assert (await zmq_admit(zc, small_request("good"))).materialized
                 bad = small_request("bad")
                 assert bad.mm is not None and bad.mm.items[0].offsets is not None
                 bad.mm.items[0].offsets[0, 1] -= 1  # one placeholder short of its grid
-                assert (await zc.admit(bad)).abort_code == "INVALID_REQUEST"
+                assert (await zmq_admit(zc, bad)).code == "INVALID_REQUEST"
             srv.send()
             assert (await srv.wait_exit(20))[0] == 0, srv.stderr
         finally:
@@ -390,10 +394,10 @@ async def test_a_stderr_nobody_reads_never_stalls_the_service() -> None:
                 zmq_addr, metrics_addr = m.group(2), m.group(3)
         n = 3000
         started = time.monotonic()
-        async with AsyncZmqClient(zmq_addr, timeout_s=30) as zc:
+        async with zmq_client(zmq_addr, timeout_s=30) as zc:
             for base in range(0, n, 50):  # within --max-inflight (64)
                 outs = await asyncio.gather(
-                    *(zc.admit(small_request(f"q{base + i}")) for i in range(50))
+                    *(zmq_admit(zc, small_request(f"q{base + i}")) for i in range(50))
                 )
                 assert all(o.materialized for o in outs)
         assert time.monotonic() - started < 60

@@ -32,16 +32,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from client_helpers import build_item, build_request, tensor_data
 from conftest import TESTS_DIR, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from mmadmit import pbwire
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
 from mmadmit.profile import load_profile
 from mmadmit.servicer import _ids_to_proto, request_from_proto, response_from_outcome
-from mmadmit_client.grpc import build_item, build_request, tensor_data
+from mmadmit_client._proto import admission_pb2 as pb
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
 
 IMPLS = ["native", "python"]

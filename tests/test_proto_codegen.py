@@ -1,10 +1,11 @@
 """Generated protobuf/gRPC code: present, importable, fresh, and on contract.
 
-The stubs in ``mmadmit._proto`` are build outputs (``setup.py`` runs
-``scripts/gen_protos.py`` on ``pip install .`` and ``pip install -e .``); nothing
-generated is committed. These tests fail when they are missing, or stale with
-respect to ``protos/`` (edit a ``.proto``, forget to reinstall), and pin the
-field numbers GRPC.md fixes (shared with SMG's ``GenerateRequest``).
+The stubs in ``mmadmit_client._proto`` (one copy, for client and service) are
+build outputs (``setup.py`` and ``clients/setup.py`` run ``scripts/gen_protos.py``
+on ``pip install .`` and ``pip install -e .``); nothing generated is committed.
+These tests fail when they are missing, or stale with respect to ``protos/``
+(edit a ``.proto``, forget to reinstall), and pin the field numbers GRPC.md
+fixes (shared with SMG's ``GenerateRequest``).
 
 Run with: python -m pytest tests/test_proto_codegen.py -q
 """
@@ -41,12 +42,12 @@ def _source(module: ModuleType) -> Path:
 
 @pytest.fixture(scope="module")
 def pb2() -> ModuleType:
-    return _import("mmadmit._proto.admission_pb2")
+    return _import("mmadmit_client._proto.admission_pb2")
 
 
 @pytest.fixture(scope="module")
 def pb2_grpc() -> ModuleType:
-    return _import("mmadmit._proto.admission_pb2_grpc")
+    return _import("mmadmit_client._proto.admission_pb2_grpc")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_generate_request_fields_still_parse(pb2: ModuleType) -> None:
 
 def test_messages_pickle(pb2: ModuleType) -> None:
     # gen_protos sets __module__ to the real import path, so pickling works.
-    assert pb2.AdmitRequest.__module__ == "mmadmit._proto.admission_pb2"
+    assert pb2.AdmitRequest.__module__ == "mmadmit_client._proto.admission_pb2"
     msg = pb2.AbortRequest(request_id="r", reason="client gone")
     assert pickle.loads(pickle.dumps(msg)) == msg
 
@@ -248,7 +249,7 @@ def _tools_version(text: str) -> str | None:
 
 
 def test_generated_code_is_fresh(pb2: ModuleType, gen_protos: ModuleType, tmp_path: Path) -> None:
-    """Regenerate from protos/ and compare with the installed mmadmit._proto.
+    """Regenerate from protos/ and compare with the installed mmadmit_client._proto.
 
     Always compared: the set of files and the serialized descriptor (changes
     iff a .proto changed). Whole files are compared byte for byte when both

@@ -56,25 +56,23 @@ import zmq
 import zmq.auth
 from mmadmit.config import build_config
 from mmadmit.errors import ConfigError
-from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.security import load_curve_server
 from mmadmit.server import ServerHandle, start_server
 from mmadmit.zmq_ingest import ZmqIngest
-from mmadmit_client import RequestTimeout, ServerUnavailable
-from mmadmit_client.grpc import (
-    AdmissionClient,
-    AsyncAdmissionClient,
+from mmadmit_client import (
+    BlockingClient,
+    Client,
+    GrpcTransport,
     Materialized,
-    build_request,
-    tls_credentials,
-)
-from mmadmit_client.zmq import (
-    AsyncZmqClient,
-    ZmqClient,
+    RequestTimeout,
+    ServerUnavailable,
+    ZmqTransport,
     curve_keypair_from_file,
     curve_server_key_from_file,
+    tls_credentials,
 )
+from mmadmit_client import Request as ClientRequest
 from zmq.auth.thread import AuthenticationThread
 
 OPENSSL = shutil.which("openssl")
@@ -202,16 +200,16 @@ def _ids(n: int = 12) -> np.ndarray:
 
 
 async def grpc_admit(address: str, credentials: grpc.ChannelCredentials | None, rid: str) -> Any:
-    async with AsyncAdmissionClient(address, credentials=credentials) as client:
-        return await client.admit(build_request(rid, _ids()), timeout=5)
+    async with Client(GrpcTransport(address, credentials=credentials)) as client:
+        return await client.admit(ClientRequest(rid, _ids()), timeout_s=5)
 
 
 async def grpc_refused(address: str, credentials: grpc.ChannelCredentials | None) -> str:
     """The ServerUnavailable message of a health check that must fail, within 2 s."""
     t0 = time.monotonic()
-    async with AsyncAdmissionClient(address, credentials=credentials) as client:
+    async with Client(GrpcTransport(address, credentials=credentials)) as client:
         with pytest.raises(ServerUnavailable) as info:
-            await client.health(timeout=5)
+            await client.health(timeout_s=5)
     assert time.monotonic() - t0 < REFUSED_WITHIN_S
     return str(info.value)
 
@@ -228,13 +226,13 @@ async def test_tls_accepted_with_the_ca(servers: Servers, pki: Pki) -> None:
     assert out.input_ids.tolist() == _ids().tolist()
     # by DNS name too: the certificate names localhost
     port = address.rpartition(":")[2]
-    async with AsyncAdmissionClient(f"localhost:{port}", credentials=creds) as client:
-        assert await client.health(timeout=5) == "SERVING"
+    async with Client(GrpcTransport(f"localhost:{port}", credentials=creds)) as client:
+        assert await client.health(timeout_s=5) == "SERVING"
 
     # the blocking client, on its own thread (this loop serves)
     def blocking() -> str:
-        with AdmissionClient(address, credentials=creds) as client:
-            return client.health(timeout=5)
+        with BlockingClient(GrpcTransport(address, credentials=creds)) as client:
+            return client.health(timeout_s=5)
 
     assert await asyncio.to_thread(blocking) == "SERVING"
 
@@ -283,20 +281,20 @@ def _curve(pki: Pki, client: str | None) -> dict[str, Any]:
 
 
 async def zmq_admit(endpoint: str, rid: str, **keys: Any) -> Any:
-    async with AsyncZmqClient(endpoint, timeout_s=5, **keys) as client:
-        await client.wait_connected(5)
-        return await client.admit(Request(rid=rid, input_ids=_ids()))
+    async with Client(ZmqTransport(endpoint, timeout_s=5, **keys)) as client:
+        await client.wait_ready(5)
+        return await client.admit(ClientRequest(rid, _ids()))
 
 
 async def zmq_refused(endpoint: str, handle: ServerHandle, **keys: Any) -> str:
     """A client that must get nowhere: no connection, no reply, nothing reaches intake."""
     received = handle.zmq.stats.received
     t0 = time.monotonic()
-    async with AsyncZmqClient(endpoint, timeout_s=1.0, **keys) as client:
+    async with Client(ZmqTransport(endpoint, timeout_s=1.0, **keys)) as client:
         with pytest.raises(ServerUnavailable) as info:
-            await client.wait_connected(1.0)
+            await client.wait_ready(1.0)
         with pytest.raises((ServerUnavailable, RequestTimeout)):
-            await client.admit(Request(rid="refused", input_ids=_ids()), timeout_s=0.5)
+            await client.admit(ClientRequest("refused", _ids()), timeout_s=0.5)
     assert time.monotonic() - t0 < REFUSED_WITHIN_S + 1.0
     assert handle.zmq.stats.received == received, "a refused peer's message reached intake"
     return str(info.value)
@@ -306,13 +304,14 @@ async def zmq_refused(endpoint: str, handle: ServerHandle, **keys: Any) -> str:
 async def test_curve_allow_list_admits_a_listed_key(servers: Servers, pki: Pki) -> None:
     endpoint = servers.tls.addresses["zmq"]
     out = await zmq_admit(endpoint, "curve-1", **_curve(pki, "curve/allowed/client.key_secret"))
-    assert out.materialized and out.rid == "curve-1"
-    assert np.asarray(out.request.input_ids).tolist() == _ids().tolist()
+    assert out.materialized and out.request_id == "curve-1"
+    assert out.input_ids.tolist() == _ids().tolist()
 
-    def blocking() -> bool:  # the blocking twin takes the same keys
-        with ZmqClient(endpoint, **_curve(pki, "curve/allowed/client.key_secret")) as client:
-            client.wait_connected(5)
-            return client.admit(Request(rid="curve-2", input_ids=_ids())).materialized
+    def blocking() -> bool:  # the blocking client takes the same keys
+        keys = _curve(pki, "curve/allowed/client.key_secret")
+        with BlockingClient(ZmqTransport(endpoint, **keys)) as client:
+            client.wait_ready(5)
+            return client.admit(ClientRequest("curve-2", _ids())).materialized
 
     assert await asyncio.to_thread(blocking)
 

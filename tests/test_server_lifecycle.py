@@ -51,22 +51,16 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from client_helpers import grpc_admit, grpc_client, proto_of, zmq_admit, zmq_client
 from conftest import CONFIGS, REPO_ROOT, http_get, requests_total
 from mmadmit import wire
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.grpc_server import ADMISSION_SERVICE
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
-from mmadmit_client import RequestTimeout, TransportError
-from mmadmit_client.grpc import (
-    Aborted,
-    AsyncAdmissionClient,
-    Materialized,
-    build_item,
-    build_request,
-)
-from mmadmit_client.zmq import AsyncZmqClient, ZmqOutcome, decode_reply
+from mmadmit_client import Client, Materialized, Outcome, RequestTimeout, TransportError
+from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.wire import WireFormatError, decode_reply
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import workloads  # noqa: E402  (bench/ is not a package)
@@ -83,11 +77,6 @@ EPHEMERAL = (
     "--zmq-listen", "tcp://127.0.0.1:0",
     "--metrics-listen", "127.0.0.1:0",
 )  # fmt: skip
-_MODALITY_NAME = {
-    int(Modality.IMAGE): "image",
-    int(Modality.VIDEO): "video",
-    int(Modality.AUDIO): "audio",
-}
 
 
 # --------------------------------------------------------------------------- the process
@@ -221,20 +210,8 @@ async def until_metric(
 
 
 def to_proto(req: Request, rid: str) -> pb.AdmitRequest:
-    """The internal request as an ``AdmitRequest`` (built with the client library)."""
-    items = []
-    for it in req.mm.items if req.mm is not None else []:
-        feature = it.feature.to_numpy() if it.feature is not None else None
-        items.append(
-            build_item(
-                _MODALITY_NAME[it.modality],
-                offsets=it.offsets,
-                feature=feature,
-                content_hash=it.hash,
-                side={k: v.to_numpy() for k, v in it.side.items()},
-            )
-        )
-    return build_request(rid, req.input_ids, items)
+    """The internal request as the client library sends it over gRPC."""
+    return proto_of(req, rid)
 
 
 def big_request(feature_mb_per_item: float) -> Request:
@@ -291,25 +268,20 @@ def grpc_copy(base: pb.AdmitRequest, rid: str) -> pb.AdmitRequest:
     return msg
 
 
-def outcome_name(out: Any) -> str:
-    """``MATERIALIZED`` or the abort code, for either client's outcome."""
-    if isinstance(out, ZmqOutcome):
-        return "MATERIALIZED" if out.materialized else str(out.abort_code)
-    if isinstance(out, Materialized):
-        return "MATERIALIZED"
-    assert isinstance(out, Aborted), out
+def outcome_name(out: Outcome) -> str:
+    """``MATERIALIZED`` or the abort code, for either transport's outcome."""
     return out.code
 
 
 class ZmqPeer:
     """A plain DEALER that sends ADDs and records every reply by request id.
 
-    Not :class:`AsyncZmqClient`: that client sets ``ZMQ_IMMEDIATE``, which makes
-    libzmq drop replies already received but not yet read by the application
-    when the server closes the connection (see
-    :func:`test_zmq_client_keeps_replies_received_before_the_server_closed`);
-    the drain tests pin the *server's* contract, so they read with a socket
-    that keeps its pipe across the disconnect.
+    Not the client library's ``ZmqTransport``: the drain tests pin the
+    *server's* contract, so they read with a bare socket that keeps its pipe
+    across the disconnect (``ZMQ_IMMEDIATE`` would make libzmq drop replies
+    already received but not yet read when the server closes the connection;
+    the transport does not set it either, see
+    :func:`test_zmq_client_keeps_replies_received_before_the_server_closed`).
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -325,7 +297,7 @@ class ZmqPeer:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             rid, out = decode_reply(frames)
-            assert isinstance(out, ZmqOutcome), out
+            assert not isinstance(out, WireFormatError), out
             self.replies.setdefault(rid, []).append(outcome_name(out))
             self._changed.set()
 
@@ -373,18 +345,18 @@ async def owned_tasks() -> AsyncIterator[list[asyncio.Task[Any]]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def grpc_outcome(gc: AsyncAdmissionClient, msg: pb.AdmitRequest) -> tuple[str, str]:
-    out = await gc.admit(msg, timeout=60)
+async def grpc_outcome(gc: Client, msg: pb.AdmitRequest) -> tuple[str, str]:
+    out = await grpc_admit(gc, msg, timeout=60)
     assert out.request_id == msg.request_id, (out, msg.request_id)
     return msg.request_id, outcome_name(out)
 
 
-async def poll_health(client: AsyncAdmissionClient, seen: list[str], stop: asyncio.Event) -> None:
+async def poll_health(client: Client, seen: list[str], stop: asyncio.Event) -> None:
     """Record every change of health status (both names) until ``stop`` or the server is gone."""
     while not stop.is_set():
         try:
-            a = await client.health(timeout=1.0)
-            b = await client.health(ADMISSION_SERVICE, timeout=1.0)
+            a = await client.health(timeout_s=1.0)
+            b = await client.health(ADMISSION_SERVICE, timeout_s=1.0)
         except TransportError:
             return  # the server stopped
         for status in (a, b):
@@ -405,7 +377,7 @@ class Load:
 async def load_in_order(
     addr: dict[str, str],
     peer: ZmqPeer,
-    gc: AsyncAdmissionClient,
+    gc: Client,
     tasks: list[asyncio.Task[Any]],
     *,
     zmq_head: Request,
@@ -455,15 +427,15 @@ async def test_ready_line_then_serving_on_every_transport() -> None:
         assert re.fullmatch(r"127\.0\.0\.1:[1-9]\d*", addr["grpc"]), addr
         assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9]\d*", addr["zmq"]), addr
         assert re.fullmatch(r"127\.0\.0\.1:[1-9]\d*", addr["metrics"]), addr
-        async with AsyncAdmissionClient(addr["grpc"]) as gc:
+        async with grpc_client(addr["grpc"]) as gc:
             # SERVING as soon as the line is out: the warm-up already ran
-            assert await gc.health(timeout=5) == "SERVING"
-            assert await gc.health(ADMISSION_SERVICE, timeout=5) == "SERVING"
+            assert await gc.health(timeout_s=5) == "SERVING"
+            assert await gc.health(ADMISSION_SERVICE, timeout_s=5) == "SERVING"
             assert isinstance(
-                await gc.admit(to_proto(small_request("g"), "g"), timeout=10), Materialized
+                await grpc_admit(gc, to_proto(small_request("g"), "g"), timeout=10), Materialized
             )
-        async with AsyncZmqClient(addr["zmq"], timeout_s=10) as zc:
-            assert (await zc.admit(small_request("z"))).materialized
+        async with zmq_client(addr["zmq"], timeout_s=10) as zc:
+            assert (await zmq_admit(zc, small_request("z"))).materialized
         m = await metrics(addr["metrics"])
         assert m["mmadmit_inflight"] == 0
         assert requests_total(m, outcome="materialized") == 2  # the warm-up is no request
@@ -485,11 +457,11 @@ async def test_disabled_transport_reads_off(off: str) -> None:
         for name in ("grpc", "zmq", "metrics"):
             assert (addr[name] == "off") == (name in off.split("+")), addr
         if addr["grpc"] != "off":
-            async with AsyncAdmissionClient(addr["grpc"]) as gc:
-                assert await gc.health(timeout=5) == "SERVING"
+            async with grpc_client(addr["grpc"]) as gc:
+                assert await gc.health(timeout_s=5) == "SERVING"
         if addr["zmq"] != "off":
-            async with AsyncZmqClient(addr["zmq"], timeout_s=10) as zc:
-                assert (await zc.admit(small_request("z"))).materialized
+            async with zmq_client(addr["zmq"], timeout_s=10) as zc:
+                assert (await zmq_admit(zc, small_request("z"))).materialized
         srv.send()
         assert (await srv.wait_exit(10))[0] == 0, srv.stderr
 
@@ -510,8 +482,8 @@ async def test_sigterm_under_load_drains_both_transports() -> None:
     ) as srv:
         addr = await srv.wait_ready()
         async with (
-            AsyncAdmissionClient(addr["grpc"]) as gc,
-            AsyncAdmissionClient(addr["grpc"]) as health_client,
+            grpc_client(addr["grpc"]) as gc,
+            grpc_client(addr["grpc"]) as health_client,
             zmq_peer(addr["zmq"]) as peer,
             owned_tasks() as tasks,
         ):
@@ -584,7 +556,7 @@ async def test_drain_timeout_ends_the_rest_shutting_down() -> None:
     ) as srv:
         addr = await srv.wait_ready()
         async with (
-            AsyncAdmissionClient(addr["grpc"]) as gc,
+            grpc_client(addr["grpc"]) as gc,
             zmq_peer(addr["zmq"]) as peer,
             owned_tasks() as tasks,
         ):
@@ -621,7 +593,7 @@ async def test_second_signal_exits_at_once_with_status_1() -> None:
     ) as srv:
         addr = await srv.wait_ready()
         async with (
-            AsyncAdmissionClient(addr["grpc"]) as gc,
+            grpc_client(addr["grpc"]) as gc,
             zmq_peer(addr["zmq"]) as peer,
             owned_tasks() as tasks,
         ):
@@ -630,7 +602,7 @@ async def test_second_signal_exits_at_once_with_status_1() -> None:
             )
             srv.send()
             async with asyncio.timeout(10):
-                while await gc.health(timeout=2) != "NOT_SERVING":  # the drain is running
+                while await gc.health(timeout_s=2) != "NOT_SERVING":  # the drain is running
                     await asyncio.sleep(0.005)
             assert srv.proc.poll() is None
             srv.send(signal.SIGTERM)
@@ -665,8 +637,8 @@ async def test_zmq_client_keeps_replies_received_before_the_server_closed() -> N
         server = threading.Thread(target=serve_one, daemon=True)
         server.start()
         try:
-            async with AsyncZmqClient(f"tcp://127.0.0.1:{port}", timeout_s=1) as zc:
-                pending = asyncio.ensure_future(zc.admit(small_request(f"last-{attempt}")))
+            async with zmq_client(f"tcp://127.0.0.1:{port}", timeout_s=1) as zc:
+                pending = asyncio.ensure_future(zmq_admit(zc, small_request(f"last-{attempt}")))
                 await asyncio.sleep(0.1)  # sent
                 # this loop is busy (blocked) while the reply arrives and the server closes
                 server.join(5)
@@ -676,7 +648,7 @@ async def test_zmq_client_keeps_replies_received_before_the_server_closed() -> N
                 except RequestTimeout:
                     lost += 1
                 else:
-                    assert (out.rid, out.abort_code) == (f"last-{attempt}", "SHUTTING_DOWN")
+                    assert (out.request_id, out.code) == (f"last-{attempt}", "SHUTTING_DOWN")
         finally:
             server.join(5)
     assert lost == 0, f"{lost} of 5 replies were dropped with the connection"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import VECTORS, Vector, config_for_family, load_vector, vector_names
 from mmadmit import wire
-from mmadmit.frames import pack_frames, parse_frames
+from mmadmit_client.frames import pack_frames, parse_frames
 
 NAMES = vector_names()
 # Top-level elements of TokenizedGenerateReqInput that mmadmit interprets.

@@ -24,8 +24,9 @@ its ADD in forward mode). The intake watchdog is off in every test, so a lost
 sees the watchdog recover it.
 
 Everything is real: ``MaterializerPool`` + ``Materializer`` behind
-``ZmqIngest`` on ``tcp://127.0.0.1:0``, the client library
-(``mmadmit_client.zmq``) or raw DEALER / PULL sockets in front; workers are
+``ZmqIngest`` on ``tcp://127.0.0.1:0``, the client library (a
+``mmadmit_client.Client`` over a ``ZmqTransport``) or raw DEALER / PULL
+sockets in front; workers are
 held deterministically with the pool's ``before_run`` hook (a pool with the
 hook never runs inline). Fixtures close every socket, context, ingest and pool.
 
@@ -44,6 +45,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from client_helpers import served, zmq_admit, zmq_client
 from conftest import (
     FAMILY_CONFIG,
     Service,
@@ -62,8 +64,17 @@ from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.zmq_ingest import ZmqIngest
 from mmadmit.zmq_output import Forward, Reply
-from mmadmit_client import ClientStateError, RequestTimeout, ServerUnavailable
-from mmadmit_client.zmq import AsyncZmqClient, ClientState, ZmqClient, ZmqOutcome
+from mmadmit_client import (
+    Aborted,
+    BlockingClient,
+    ClientState,
+    ClientStateError,
+    Outcome,
+    RequestTimeout,
+    ServerUnavailable,
+    ZmqTransport,
+)
+from mmadmit_client import wire as client_wire
 
 # every case with native code on and off (conftest.native_mode)
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("native_mode")]
@@ -105,11 +116,11 @@ async def silent(sock: zmq.asyncio.Socket, for_s: float = 0.3) -> bool:
     return not await sock.poll(int(for_s * 1000))
 
 
-def as_outcome(frames: list[zmq.Frame]) -> ZmqOutcome:
-    from mmadmit_client.zmq import decode_reply
+def as_outcome(frames: list[zmq.Frame]) -> Outcome:
+    from mmadmit_client.wire import WireFormatError, decode_reply
 
     _, result = decode_reply(frames)
-    assert isinstance(result, ZmqOutcome), result
+    assert not isinstance(result, WireFormatError), result
     return result
 
 
@@ -203,15 +214,15 @@ def expected_inline(svc: Service, requests: list[Request]) -> int:
 async def test_vector_reply_mode(service: Factory, name: str, inline: int) -> None:
     v = load_vector(name)
     svc = await service(v.meta["family"], inline_max_tokens=inline)
-    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
-        outcome = await client.admit(v.frames)  # the captured bytes, unchanged
-    assert outcome.rid == request_of(v).rid
+    async with zmq_client(svc.endpoint, timeout_s=10) as client:
+        outcome = await zmq_admit(client, v.frames)  # the captured bytes, unchanged
+    assert outcome.request_id == request_of(v).rid
     if v.error:
-        assert outcome.aborted
-        assert_error_vector(outcome.abort_code, outcome.request, v)
+        assert not outcome.materialized
+        assert_error_vector(outcome.code, served(outcome), v)
     else:
-        assert outcome.materialized, outcome.abort_message
-        assert_matches_vector(outcome.request, v)
+        assert outcome.materialized, outcome.message
+        assert_matches_vector(served(outcome), v)
         # aux frames keep their indices; feature bytes come back untouched
         for i, sent in enumerate(v.frames[2:], start=2):
             assert outcome.frames[i].bytes == bytes(sent)
@@ -233,11 +244,11 @@ async def test_inline_and_worker_replies_are_the_same_bytes(service: Factory) ->
         inline = await service(family, inline_max_tokens=1 << 20)
         workers = await service(family)
         async with (
-            AsyncZmqClient(inline.endpoint, timeout_s=10) as a,
-            AsyncZmqClient(workers.endpoint, timeout_s=10) as b,
+            zmq_client(inline.endpoint, timeout_s=10) as a,
+            zmq_client(workers.endpoint, timeout_s=10) as b,
         ):
             for v in vectors:
-                got_a, got_b = await a.admit(v.frames), await b.admit(v.frames)
+                got_a, got_b = await zmq_admit(a, v.frames), await zmq_admit(b, v.frames)
                 assert [f.bytes for f in got_a.frames] == [f.bytes for f in got_b.frames], v.name
                 compared += inline.pool.runs_inline(request_of(v))
         assert inline.ingest.stats.inline == expected_inline(
@@ -286,25 +297,25 @@ async def test_many_concurrent_peers_one_reply_each(service: Factory, inline: in
     svc = await service("qwen3_5", workers=2, max_inflight=512, inline_max_tokens=inline)
     peers, per_peer = 8, 25
 
-    async def run_peer(p: int) -> list[tuple[str, ZmqOutcome, Vector]]:
-        async with AsyncZmqClient(svc.endpoint, timeout_s=20) as client:
+    async def run_peer(p: int) -> list[tuple[str, Outcome, Vector]]:
+        async with zmq_client(svc.endpoint, timeout_s=20) as client:
             jobs = []
             for i in range(per_peer):
                 v = qwen[(p + i) % len(qwen)]
                 # the same rids on every peer: ids are scoped per peer
                 rid = f"r{i}" if i % 2 else f"p{p}-r{i}"
-                jobs.append((rid, v, client.admit(frames_of(v, rid))))
+                jobs.append((rid, v, zmq_admit(client, frames_of(v, rid))))
             outcomes = await asyncio.gather(*(job for _, _, job in jobs))
-            assert client.unmatched_replies == 0
+            assert client.transport.unmatched_replies == 0
             return [(rid, o, v) for (rid, v, _), o in zip(jobs, outcomes, strict=True)]
 
     results = await asyncio.gather(*(run_peer(p) for p in range(peers)))
     total = 0
     for per in results:
         for rid, outcome, v in per:
-            assert outcome.rid == rid
-            assert outcome.materialized, outcome.abort_message
-            assert_matches_vector(outcome.request, v)
+            assert outcome.request_id == rid
+            assert outcome.materialized, outcome.message
+            assert_matches_vector(served(outcome), v)
             total += 1
     assert total == peers * per_peer
     stats = svc.ingest.stats
@@ -375,16 +386,16 @@ async def test_bad_input_is_aborted_and_service_keeps_serving(
     svc = await service("qwen3_5", max_message_bytes=200_000, inline_max_tokens=inline)
     frames = build()
     rid = wire.recover_rid(frames[1]) if recoverable else ""
-    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
-        outcome = await client.admit(frames)
-        assert outcome.aborted
-        assert outcome.abort_code == code, outcome.abort_message
-        assert outcome.rid == rid
+    async with zmq_client(svc.endpoint, timeout_s=10) as client:
+        outcome = await zmq_admit(client, frames)
+        assert not outcome.materialized
+        assert outcome.code == code, outcome.message
+        assert outcome.request_id == rid
         assert rid or not recoverable
-        assert outcome.request.validation_error == f"{code}: {outcome.abort_message}"
-        good = await client.admit(load_vector(SMALL).frames)
+        assert served(outcome).validation_error == f"{code}: {outcome.message}"
+        good = await zmq_admit(client, load_vector(SMALL).frames)
         assert good.materialized
-        assert_matches_vector(good.request, load_vector(SMALL))
+        assert_matches_vector(served(good), load_vector(SMALL))
     assert svc.ingest.stats.aborted_by_code == {code: 1}
 
 
@@ -416,11 +427,11 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
     await until(lambda: svc.pool.inflight == 2)
     await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-queued", "unknown"])])
     first = as_outcome(await recv(sock))
-    assert (first.rid, first.abort_code) == ("hold-queued", "CANCELLED")
+    assert (first.request_id, first.code) == ("hold-queued", "CANCELLED")
     await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["hold-running"])])
     second = as_outcome(await recv(sock))
-    assert (second.rid, second.abort_code) == ("hold-running", "CANCELLED")
-    assert all(it.feature is None for it in second.request.mm.items)
+    assert (second.request_id, second.code) == ("hold-running", "CANCELLED")
+    assert all(it.feature is None for it in served(second).mm.items)
     svc.gate.open()
     await until(lambda: svc.pool.inflight == 0)
     assert await silent(sock)  # the running one's late result is discarded, not sent
@@ -452,14 +463,14 @@ async def test_abort_is_scoped_to_its_peer(service: Factory, zctx: Sockets) -> N
 
     await b.send_multipart(abort)  # b's own request only: the queued one
     out = as_outcome(await recv(b))
-    assert (out.rid, out.abort_code) == ("hold-same", "CANCELLED")
+    assert (out.request_id, out.code) == ("hold-same", "CANCELLED")
     assert svc.pool.stats.cancelled_queued == 1 and svc.pool.stats.discarded_running == 0
     assert svc.pool.inflight == 1 and svc.ingest.stats.cancelled_by_peer == 1
     assert await silent(a) and await silent(c)
 
     svc.gate.open()
     done = as_outcome(await recv(a))
-    assert done.rid == "hold-same" and done.materialized, done.abort_message
+    assert done.request_id == "hold-same" and done.materialized, done.message
     assert await silent(b)  # one reply per request: b already had its CANCELLED
     assert svc.ingest.stats.replied == 2
 
@@ -537,12 +548,12 @@ async def test_duplicate_rid_in_flight_is_refused_first_completes(
     await until(lambda: svc.ingest.inflight == 1)
     await sock.send_multipart(frames_of(v, "hold-dup"), copy=False)
     dup = as_outcome(await recv(sock))
-    assert (dup.rid, dup.abort_code) == ("hold-dup", "INVALID_REQUEST")
-    assert "already in flight" in (dup.abort_message or "")
+    assert (dup.request_id, dup.code) == ("hold-dup", "INVALID_REQUEST")
+    assert "already in flight" in dup.message
     svc.gate.open()
     first = as_outcome(await recv(sock))
-    assert first.rid == "hold-dup" and first.materialized
-    assert_matches_vector(first.request, v)
+    assert first.request_id == "hold-dup" and first.materialized
+    assert_matches_vector(served(first), v)
     assert await silent(sock, 0.1)
     assert svc.pool.stats.admitted == 1
     # once answered, the id may be used again
@@ -555,15 +566,15 @@ async def test_same_rid_from_two_peers_both_succeed(service: Factory) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5", workers=2)
     async with (
-        AsyncZmqClient(svc.endpoint, identity=b"peer-a") as a,
-        AsyncZmqClient(svc.endpoint, identity=b"peer-b") as b,
+        zmq_client(svc.endpoint, identity=b"peer-a") as a,
+        zmq_client(svc.endpoint, identity=b"peer-b") as b,
     ):
-        jobs = [asyncio.ensure_future(c.admit(frames_of(v, "hold-same"))) for c in (a, b)]
+        jobs = [asyncio.ensure_future(zmq_admit(c, frames_of(v, "hold-same"))) for c in (a, b)]
         await until(lambda: len(svc.gate.started) == 2)  # both in flight at once
         svc.gate.open()
         outcomes = await asyncio.gather(*jobs)
-    assert [o.status for o in outcomes] == ["materialized", "materialized"]
-    assert all(o.rid == "hold-same" for o in outcomes)
+    assert [o.code for o in outcomes] == ["MATERIALIZED", "MATERIALIZED"]
+    assert all(o.request_id == "hold-same" for o in outcomes)
 
 
 @needs_vectors
@@ -624,7 +635,7 @@ async def test_worker_failure_still_gets_exactly_one_reply(service: Factory, zct
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(frames_of(load_vector(SMALL), "boom-1"), copy=False)
     reply = as_outcome(await recv(sock))
-    assert (reply.rid, reply.abort_code) == ("boom-1", "INTERNAL")
+    assert (reply.request_id, reply.code) == ("boom-1", "INTERNAL")
     assert await silent(sock, 0.1)
     await sock.send_multipart(frames_of(load_vector(SMALL), "fine"), copy=False)
     assert as_outcome(await recv(sock)).materialized
@@ -637,14 +648,16 @@ async def test_worker_failure_still_gets_exactly_one_reply(service: Factory, zct
 async def test_overloaded_when_pool_full(service: Factory) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5", workers=1, max_inflight=2)
-    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
-        held = [asyncio.ensure_future(client.admit(frames_of(v, f"hold-{i}"))) for i in range(2)]
+    async with zmq_client(svc.endpoint, timeout_s=10) as client:
+        held = [
+            asyncio.ensure_future(zmq_admit(client, frames_of(v, f"hold-{i}"))) for i in range(2)
+        ]
         await until(lambda: svc.pool.inflight == 2)
-        refused = await client.admit(frames_of(v, "third"))
-        assert (refused.rid, refused.abort_code) == ("third", "OVERLOADED")
+        refused = await zmq_admit(client, frames_of(v, "third"))
+        assert (refused.request_id, refused.code) == ("third", "OVERLOADED")
         assert not any(job.done() for job in held)
         svc.gate.open()
-        assert [o.status for o in await asyncio.gather(*held)] == ["materialized"] * 2
+        assert [o.code for o in await asyncio.gather(*held)] == ["MATERIALIZED"] * 2
 
 
 # --------------------------------------------------------------------------- limits
@@ -667,15 +680,15 @@ async def test_too_many_frames_is_too_large_and_the_rest_is_released(
     assert len(one_over) == len(good) + 1
     await sock.send_multipart(one_over, copy=False)
     reply = as_outcome(await recv(sock))
-    assert (reply.rid, reply.abort_code) == ("one-over", "TOO_LARGE")
+    assert (reply.request_id, reply.code) == ("one-over", "TOO_LARGE")
     assert svc.ingest.stats.aborted_by_code == {"TOO_LARGE": 1}
     over = [*frames_of(v, "many"), *([b"x" * 10] * 500)]
     before = svc.ingest.stats.received_bytes
     await sock.send_multipart(over, copy=False)
     reply = as_outcome(await recv(sock))
-    assert (reply.rid, reply.abort_code) == ("many", "TOO_LARGE")
-    assert f"message of {len(over)} frames exceeds the limit of {len(good)}" in reply.abort_message
-    assert "--max-frames" in reply.abort_message
+    assert (reply.request_id, reply.code) == ("many", "TOO_LARGE")
+    assert f"message of {len(over)} frames exceeds the limit of {len(good)}" in reply.message
+    assert "--max-frames" in reply.message
     # every byte is counted though only the first frames were kept
     assert svc.ingest.stats.received_bytes - before == sum(len(bytes(f)) for f in over[1:]) + 1
     await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["x"]), *([b""] * len(good))])
@@ -693,9 +706,9 @@ async def test_codec_limits_are_the_ingests(service: Factory, zctx: Sockets) -> 
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(frames_of(v, "long"), copy=False)
     reply = as_outcome(await recv(sock))
-    assert (reply.rid, reply.abort_code) == ("long", "TOO_LARGE")
+    assert (reply.request_id, reply.code) == ("long", "TOO_LARGE")
     expected = f"input_ids: {n} tokens exceed the limit of {n - 1} (--max-tokens)"
-    assert reply.abort_message == expected
+    assert reply.message == expected
     # an ABORT over --max-abort-ids is dropped: it cancels nothing
     svc.gate.open()
     assert svc.ingest.stats.aborts_received == 0
@@ -719,13 +732,13 @@ async def test_one_peer_cannot_take_the_whole_pool(service: Factory, zctx: Socke
     await until(lambda: svc.ingest.inflight == 2)
     await greedy.send_multipart(frames_of(v, "third"), copy=False)
     reply = as_outcome(await recv(greedy))
-    assert (reply.rid, reply.abort_code) == ("third", "OVERLOADED")
-    assert "2 requests in flight" in reply.abort_message
-    assert "--max-peer-inflight" in reply.abort_message
+    assert (reply.request_id, reply.code) == ("third", "OVERLOADED")
+    assert "2 requests in flight" in reply.message
+    assert "--max-peer-inflight" in reply.message
     await other.send_multipart(frames_of(v, "hold-other"), copy=False)
     await until(lambda: svc.ingest.inflight == 3)  # admitted, not refused
     svc.gate.open()
-    got = sorted([as_outcome(await recv(greedy)).rid for _ in range(2)])
+    got = sorted([as_outcome(await recv(greedy)).request_id for _ in range(2)])
     assert got == ["hold-0", "hold-1"]
     assert as_outcome(await recv(other)).materialized
     await until(lambda: not svc.ingest.admissions._peer_counts)  # nothing kept per peer once idle
@@ -737,12 +750,12 @@ async def test_one_peer_cannot_take_the_whole_pool(service: Factory, zctx: Socke
 async def test_draining_answers_shutting_down_and_finishes_in_flight(service: Factory) -> None:
     v = load_vector(SMALL)
     svc = await service("qwen3_5")
-    async with AsyncZmqClient(svc.endpoint, timeout_s=10) as client:
-        held = asyncio.ensure_future(client.admit(frames_of(v, "hold-before")))
+    async with zmq_client(svc.endpoint, timeout_s=10) as client:
+        held = asyncio.ensure_future(zmq_admit(client, frames_of(v, "hold-before")))
         await until(lambda: svc.pool.inflight == 1)
         svc.pool.begin_drain()
-        late = await client.admit(frames_of(v, "late"))
-        assert (late.rid, late.abort_code) == ("late", "SHUTTING_DOWN")
+        late = await zmq_admit(client, frames_of(v, "late"))
+        assert (late.request_id, late.code) == ("late", "SHUTTING_DOWN")
         svc.gate.open()
         assert (await held).materialized
         assert await svc.pool.drain(1.0) == 0
@@ -925,14 +938,14 @@ async def test_endpoint_is_the_bound_port(service: Factory) -> None:
 @needs_vectors
 async def test_client_states_errors_and_sync_twin(service: Factory) -> None:
     svc = await service("qwen3_5")
-    client = AsyncZmqClient(svc.endpoint, timeout_s=5)
+    client = zmq_client(svc.endpoint, timeout_s=5)
     assert client.state is ClientState.UNOPENED
     with pytest.raises(ClientStateError):
-        await client.admit(load_vector(SMALL).frames)
+        await zmq_admit(client, load_vector(SMALL).frames)
     async with client:
         assert client.state is ClientState.OPENED
-        outcome = await client.admit(request_of(load_vector(SMALL), "typed"))
-        assert outcome.materialized and outcome.rid == "typed"
+        outcome = await zmq_admit(client, request_of(load_vector(SMALL), "typed"))
+        assert outcome.materialized and outcome.request_id == "typed"
     assert client.state is ClientState.CLOSED
     with pytest.raises(ClientStateError):
         await client.abort("x")
@@ -940,24 +953,27 @@ async def test_client_states_errors_and_sync_twin(service: Factory) -> None:
         await client.open()
 
     # held past its timeout: RequestTimeout, chained from asyncio's TimeoutError
-    async with AsyncZmqClient(svc.endpoint, timeout_s=0.2) as short:
+    async with zmq_client(svc.endpoint, timeout_s=0.2) as short:
         with pytest.raises(RequestTimeout) as info:
-            await short.admit(frames_of(load_vector(SMALL), "hold-slow"))
+            await zmq_admit(short, frames_of(load_vector(SMALL), "hold-slow"))
         assert isinstance(info.value.__cause__, TimeoutError)
     svc.gate.open()
 
     # nothing listening: the send never finds a connection
-    async with AsyncZmqClient("tcp://127.0.0.1:1", timeout_s=0.2) as nowhere:
+    async with zmq_client("tcp://127.0.0.1:1", timeout_s=0.2) as nowhere:
         with pytest.raises(ServerUnavailable):
-            await nowhere.admit(load_vector(SMALL).frames)
+            await zmq_admit(nowhere, load_vector(SMALL).frames)
 
-    def blocking() -> tuple[str, str | None]:
-        with ZmqClient(svc.endpoint, timeout_s=5) as sync_client:
-            ok = sync_client.admit(frames_of(load_vector(SMALL), "sync"))
-            bad = sync_client.admit([b"\x00", b"\xc1"])
+    def blocking() -> tuple[bool, str, str]:
+        request = client_wire.decode_add(load_vector(SMALL).frames).with_request_id("sync")
+        with BlockingClient(ZmqTransport(svc.endpoint, timeout_s=5)) as sync_client:
+            ok = sync_client.admit(request)
+            marked = dataclasses.replace(request, request_id="marked", validation_error="bad")
+            bad = sync_client.admit(marked)
             sync_client.abort("nothing")
         with pytest.raises(ClientStateError):
-            sync_client.admit(load_vector(SMALL).frames)
-        return ok.status, bad.abort_code
+            sync_client.admit(request)
+        assert isinstance(bad, Aborted)
+        return ok.materialized, bad.code, bad.message
 
-    assert await asyncio.to_thread(blocking) == ("materialized", "INVALID_REQUEST")
+    assert await asyncio.to_thread(blocking) == (True, "INVALID_REQUEST", "bad")

@@ -6,7 +6,7 @@ for its outcome, and sends the next, cycling through the request files, until
 ``requests`` have been sent. Every request gets its own request id
 (``bench-<pid>-<random>-<n>``): a frames file is re-encoded with the service's
 codec under it (:meth:`~mmadmit_client._cli_request.LoadedRequest.zmq_frames`),
-an ``AdmitRequest`` copied with it.
+any other request sent as the same :class:`~mmadmit_client.Request` under it.
 
 Accounting: ``sent`` counts requests handed to the transport, ``received`` the
 outcomes that came back (materialized or aborted; an abort such as
@@ -293,7 +293,8 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise UsageError(
-            "--plot needs matplotlib, an optional dependency: pip install 'mmadmit[plot]'"
+            "--plot needs matplotlib, an optional dependency: "
+            "pip install 'mmadmit-client[plot]' (or 'mmadmit[plot]' with the service)"
         ) from exc
 
 

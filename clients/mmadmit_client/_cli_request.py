@@ -1,17 +1,16 @@
 """Requests and outcomes of ``mmadmit-client``, independent of the transport.
 
 A request file is read once into a :class:`LoadedRequest` that holds the
-internal model (:class:`mmadmit.model.Request`) both transports start from:
+client's model (:class:`~mmadmit_client.Request`) both transports start from:
 
-* a ``.frames`` container (a captured ZMQ ADD message, ``mmadmit.frames``) is
-  decoded with the service's own codec (:func:`mmadmit.wire.decode_message`);
-  over ZMQ the captured frames are sent as they are (re-encoded by the codec
-  only to give them another request id); over gRPC the decoded request is
-  translated into an ``AdmitRequest`` (:func:`request_to_proto`, built with the
-  client library's ``build_item`` / ``build_request``);
+* a ``.frames`` container (a captured ZMQ ADD message,
+  :mod:`mmadmit_client.frames`) is decoded with the client's codec
+  (:func:`mmadmit_client.wire.decode_add`); over ZMQ the captured frames are
+  sent as they are (re-encoded only to give them another request id, every
+  field of the wire kept); over gRPC the request is translated into an
+  ``AdmitRequest`` (``_grpc_codec.request_to_proto``);
 * a JSON document (schema in ``clients/README.md``, :func:`request_from_json`)
-  is built into the internal model; over ZMQ it is encoded with
-  :func:`mmadmit.wire.encode_request`, over gRPC translated as above.
+  is built into the same model, and encoded by whichever transport sends it.
 
 What the gRPC API cannot carry is refused with :class:`UsageError` instead of
 being dropped in a way that would change the outcome (a ``validation_error``
@@ -21,17 +20,17 @@ passthrough elements of the msgpack wire) exist only on the ZMQ wire and are
 not sent over gRPC.
 
 Outcomes of both transports become one :class:`AdmitResult` (the ``--json``
-object and the readable view), and :func:`reply_frames_from_grpc` rebuilds the
-reply frames ``[status, payload, *aux]`` of a gRPC outcome with the codec: the
-request as sent with the response's derived fields applied, i.e. what the ZMQ
-reply mode would have sent for it.
+object and the readable view), and over gRPC the reply frames
+``[status, payload, *aux]`` are rebuilt with the codec
+(:func:`mmadmit_client.wire.encode_reply`): the request as sent with the
+response's derived fields applied, i.e. what the ZMQ reply mode would have
+sent for it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import json
 import math
 import uuid
@@ -41,21 +40,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from mmadmit import wire
-from mmadmit.dtypes import DType, parse_dtype
-from mmadmit.errors import Abort, AbortCode, InvalidRequest
-from mmadmit.frames import MAGIC, parse_frames
-from mmadmit.model import Item, Modality, MultimodalInputs, Request, ShmHandle, Tensor
 
+from . import wire
+from ._cli_usage import UsageError
+from ._dtypes import DTYPES, canonical_dtype, numpy_dtype
+from ._models import MODALITIES, Item, Materialized, Outcome, Request, ShmFeature, Tensor
+from .frames import MAGIC, parse_frames
 
-class UsageError(Exception):
-    """An unusable argument or request file (exit status 2)."""
-
-
-MODALITY_NAMES: dict[int, str] = {int(m): m.name.lower() for m in Modality}
-_MODALITY_OF_NAME = {name: code for code, name in MODALITY_NAMES.items()}
 _UINT64_MAX = 2**64 - 1
-_UINT32_MAX = 2**32 - 1
 
 
 # --------------------------------------------------------------------------- loading
@@ -65,7 +57,7 @@ _UINT32_MAX = 2**32 - 1
 class LoadedRequest:
     """One request file, read and decoded once.
 
-    ``request`` is the internal model (None when a frames file does not decode:
+    ``request`` is the client's model (None when a frames file does not decode:
     ``decode_error`` says why; such a file can still be sent verbatim over
     ZMQ, where the service answers it with an abort). ``frames`` is the
     captured message of a frames file.
@@ -81,32 +73,36 @@ class LoadedRequest:
     @property
     def rid(self) -> str:
         if self.request is not None:
-            return self.request.rid
+            return self.request.request_id
         return wire.recover_rid(self.frames[1]) if self.frames and len(self.frames) > 1 else ""
 
-    def decoded(self) -> Request:
-        """The internal model; :class:`UsageError` when the frames do not decode."""
+    def decoded(self, rid: str | None = None) -> Request:
+        """The request (under ``rid`` if given); :class:`UsageError` when the frames
+        do not decode."""
         if self.request is None:
             raise UsageError(
                 f"{self.path}: the captured message does not decode ({self.decode_error}); "
                 "it can only be sent as it is, over ZMQ, without a new request id"
             )
+        if rid is not None and rid != self.request.request_id:
+            return self.request.with_request_id(rid)
         return self.request
 
-    def proto(self) -> Any:
-        """The ``AdmitRequest`` (built once; treat it as read-only)."""
+    def proto(self, rid: str | None = None) -> Any:
+        """The ``AdmitRequest`` (built once, copied for another ``rid``; read-only)."""
         if self._proto is None:
-            self._proto = request_to_proto(self.decoded())
-        return self._proto
+            from ._grpc_codec import request_to_proto
 
-    def proto_with_rid(self, rid: str) -> Any:
-        from mmadmit._proto import admission_pb2 as pb
-
-        base = self.proto()
-        if rid == base.request_id:
-            return base
-        msg = pb.AdmitRequest()
-        msg.CopyFrom(base)
+            try:
+                self._proto = request_to_proto(self.decoded())
+            except ValueError as exc:
+                raise UsageError(
+                    f"{self.path}: the request cannot be expressed over gRPC: {exc}"
+                ) from exc
+        if rid is None or rid == self._proto.request_id:
+            return self._proto
+        msg = type(self._proto)()
+        msg.CopyFrom(self._proto)
         msg.request_id = rid
         return msg
 
@@ -115,10 +111,7 @@ class LoadedRequest:
         (a JSON request, or any request given another ``rid``)."""
         if self.frames is not None and (rid is None or rid == self.rid):
             return list(self.frames)
-        req = self.decoded()
-        if rid is not None and rid != req.rid:
-            req = dataclasses.replace(req, rid=rid)
-        return [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+        return wire.encode_add(self.decoded(rid))
 
 
 def load_request_file(path: str | Path) -> LoadedRequest:
@@ -149,10 +142,10 @@ def _load_frames(p: Path, blob: bytes) -> LoadedRequest:
             f"{len(frames)} frame(s)); expected [00, payload, *aux]"
         )
     try:
-        msg = wire.decode_message(list(frames))
-    except wire.WireError as exc:
-        return LoadedRequest(p, "frames", None, frames, decode_error=exc.message)
-    return LoadedRequest(p, "frames", msg.request, frames)
+        request = wire.decode_add(frames)
+    except wire.WireFormatError as exc:
+        return LoadedRequest(p, "frames", None, frames, decode_error=str(exc))
+    return LoadedRequest(p, "frames", request, frames)
 
 
 # --------------------------------------------------------------------------- JSON schema
@@ -249,11 +242,11 @@ def _shape(value: Any, path: str, w: _Where) -> tuple[int, ...]:
     return tuple(_int(d, f"{path}[{i}]", w, 0) for i, d in enumerate(value))
 
 
-def _dtype(value: Any, path: str, w: _Where) -> DType:
-    try:
-        return parse_dtype(value)
-    except InvalidRequest as exc:
-        raise w.fail(path, exc.message) from None
+def _dtype(value: Any, path: str, w: _Where) -> str:
+    name = canonical_dtype(value)
+    if name is None:
+        raise w.fail(path, f"unsupported tensor dtype {value!r}")
+    return name
 
 
 def _bfloat16_bits(arr: np.ndarray) -> np.ndarray:
@@ -264,28 +257,29 @@ def _bfloat16_bits(arr: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(f), np.uint16(0x7FC0), rounded).astype("<u2")
 
 
-def _convert(arr: np.ndarray, dtype: DType, path: str, w: _Where) -> bytes:
+def _convert(arr: np.ndarray, dtype: str, path: str, w: _Where) -> bytes:
     """Values (from JSON or a .npy file) as raw little-endian bytes of ``dtype``."""
-    if dtype.numpy is not None:
-        if dtype.is_integer or dtype.name == "bool":
+    spec, npd = DTYPES[dtype], numpy_dtype(dtype)
+    if npd is not None:
+        if spec.kind in "iub":
             if arr.size and arr.dtype.kind not in "iub":
-                raise w.fail(path, f"{dtype.name} values must be integers")
-            if arr.size and dtype.is_integer:
-                info = np.iinfo(dtype.numpy)
+                raise w.fail(path, f"{dtype} values must be integers")
+            if arr.size and spec.kind in "iu":
+                info = np.iinfo(npd)
                 lo, hi = int(arr.min()), int(arr.max())
                 if lo < info.min or hi > info.max:
-                    raise w.fail(path, f"values [{lo}, {hi}] do not fit {dtype.name}")
+                    raise w.fail(path, f"values [{lo}, {hi}] do not fit {dtype}")
         elif arr.size and arr.dtype.kind not in "iubf":
-            raise w.fail(path, f"{dtype.name} values must be numbers")
-        return np.ascontiguousarray(arr.astype(dtype.numpy)).tobytes()
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == dtype.itemsize:
+            raise w.fail(path, f"{dtype} values must be numbers")
+        return np.ascontiguousarray(arr.astype(npd)).tobytes()
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == spec.itemsize:
         return np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"))).tobytes()  # raw bits
-    if dtype.name == "bfloat16" and arr.dtype.kind in "iuf":
+    if dtype == "bfloat16" and arr.dtype.kind in "iuf":
         return _bfloat16_bits(arr).tobytes()
     raise w.fail(
         path,
-        f"{dtype.name} has no numpy type: give its raw bits as base64, or as a .npy of "
-        f"uint{dtype.itemsize * 8}",
+        f"{dtype} has no numpy type: give its raw bits as base64, or as a .npy of "
+        f"uint{spec.itemsize * 8}",
     )
 
 
@@ -324,11 +318,11 @@ def _tensor(spec: Any, path: str, w: _Where, base_dir: Path) -> Tensor:
             data = base64.b64decode(spec["base64"], validate=True)
         except (TypeError, binascii.Error) as exc:
             raise w.fail(f"{path}.base64", f"not base64 ({exc})") from None
-        want = math.prod(shape) * dtype.itemsize
+        want = math.prod(shape) * DTYPES[dtype].itemsize
         if len(data) != want:
             raise w.fail(
                 f"{path}.base64",
-                f"{len(data)} bytes but shape {list(shape)} of {dtype.name} needs {want}",
+                f"{len(data)} bytes but shape {list(shape)} of {dtype} needs {want}",
             )
         return _make_tensor(dtype, shape, data)
     if source == "fill":
@@ -352,8 +346,8 @@ def _tensor(spec: Any, path: str, w: _Where, base_dir: Path) -> Tensor:
     return _make_tensor(dtype, tuple(int(d) for d in arr.shape), _convert(arr, dtype, path, w))
 
 
-def _make_tensor(dtype: DType, shape: tuple[int, ...], data: bytes) -> Tensor:
-    return Tensor(dtype, shape, memoryview(data).cast("B"))
+def _make_tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> Tensor:
+    return Tensor(dtype, shape, data)
 
 
 def _grid(value: Any, path: str, w: _Where) -> Tensor:
@@ -387,12 +381,12 @@ _TOP_KEYS = {
 }
 
 
-def _item(obj: Any, path: str, w: _Where, base_dir: Path) -> Item:
+def _item(obj: Any, path: str, w: _Where, base_dir: Path, tokens: dict[str, int]) -> Item:
     obj = _check_keys(obj, path, w, _ITEM_KEYS, ("modality",))
     name = obj["modality"]
-    modality = _MODALITY_OF_NAME.get(name.lower()) if isinstance(name, str) else None
-    if modality is None:
-        raise w.fail(f"{path}.modality", f"must be one of {', '.join(_MODALITY_OF_NAME)}")
+    modality = name.lower() if isinstance(name, str) else None
+    if modality not in MODALITIES:
+        raise w.fail(f"{path}.modality", f"must be one of {', '.join(MODALITIES)}")
     if ("offsets" in obj) == ("placeholders" in obj):
         raise w.fail(
             path, "give exactly one of offsets ([start, end]) or placeholders ([offset, length])"
@@ -411,13 +405,12 @@ def _item(obj: Any, path: str, w: _Where, base_dir: Path) -> Item:
         )
         if not isinstance(s["name"], str) or not s["name"]:
             raise w.fail(f"{path}.feature_shm.name", "must be a non-empty string")
-        shm_dtype = _dtype(s["dtype"], f"{path}.feature_shm.dtype", w)
-        shm = ShmHandle(
+        shm = ShmFeature(
             name=s["name"],
             shape=_shape(s["shape"], f"{path}.feature_shm.shape", w),
-            dtype=shm_dtype.name,
+            dtype=_dtype(s["dtype"], f"{path}.feature_shm.dtype", w),
             offset=_int(s.get("offset", 0), f"{path}.feature_shm.offset", w, 0),
-            nbytes=_int(s["nbytes"], f"{path}.feature_shm.nbytes", w, 0) if "nbytes" in s else None,
+            nbytes=_int(s["nbytes"], f"{path}.feature_shm.nbytes", w, 0) if "nbytes" in s else 0,
         )
     side: dict[str, Tensor] = {}
     for key in _GRIDS:
@@ -434,15 +427,15 @@ def _item(obj: Any, path: str, w: _Where, base_dir: Path) -> Item:
             raise w.fail(f"{path}.side.{key}", f"{key} is also given as a key of the item")
         side[key] = _tensor(spec, f"{path}.side.{key}", w, base_dir)
     return Item(
-        modality=modality,
+        modality=modality,  # type: ignore[arg-type]
         hash=_hash(obj["hash"], f"{path}.hash", w) if "hash" in obj else None,
         pad_value=_int(obj["pad_value"], f"{path}.pad_value", w, 0, 2**63 - 1)
         if "pad_value" in obj
         else None,
         offsets=offsets,
-        feature=feature,
-        feature_shm=shm,
+        feature=feature if feature is not None else shm,
         side=side,
+        placeholder_token_id=tokens.get(modality),
     )
 
 
@@ -459,116 +452,38 @@ def request_from_json(doc: Any, *, base_dir: Path = Path("."), where: str = "req
         if "input_ids_unpadded" in doc
         else None
     )
-    mm = None
-    if any(k in doc for k in ("items", "mrope", "placeholder_token_ids")):
-        items_doc = doc.get("items", [])
-        if not isinstance(items_doc, list):
-            raise w.fail("items", "must be an array of items")
-        mm = MultimodalInputs(
-            items=[_item(it, f"items[{i}]", w, base_dir) for i, it in enumerate(items_doc)]
-        )
-        overrides = _check_keys(
-            doc.get("placeholder_token_ids", {}), "placeholder_token_ids", w, {"image", "video"}
-        )
-        if "image" in overrides:
-            mm.im_token_id = _int(overrides["image"], "placeholder_token_ids.image", w, 0)
-        if "video" in overrides:
-            mm.video_token_id = _int(overrides["video"], "placeholder_token_ids.video", w, 0)
-        mrope = _check_keys(doc.get("mrope", {}), "mrope", w, {"positions", "delta"})
-        if "positions" in mrope:
-            pos = np.asarray(mrope["positions"]) if isinstance(mrope["positions"], list) else None
-            if pos is None or pos.ndim != 2 or pos.dtype.kind not in "iu":
-                raise w.fail("mrope.positions", "must be a [3, N] array of integers")
-            mm.mrope_positions = Tensor.from_numpy(pos.astype(np.int64))
-        if "delta" in mrope:
-            mm.mrope_position_delta_scalar = _int(mrope["delta"], "mrope.delta", w)
-    return Request(rid=rid, input_ids=input_ids, input_ids_unpadded=unpadded, mm=mm)
-
-
-# --------------------------------------------------------------------------- internal -> gRPC
-
-
-def _raw_array(t: Tensor) -> tuple[np.ndarray, str]:
-    """A tensor's bytes as an unsigned array of its item size, plus its wire dtype name
-    (``build_item`` sends them as they are; bfloat16 has no numpy type)."""
-    arr = np.frombuffer(t.data, dtype=f"<u{t.dtype.itemsize}").reshape(t.shape)
-    return arr, t.dtype.name
-
-
-def request_to_proto(req: Request) -> Any:
-    """The internal request as an ``AdmitRequest``; :class:`UsageError` for what gRPC lacks."""
-    from .grpc import ShmFeature, build_item, build_request
-
-    if req.validation_error is not None:
-        raise UsageError(
-            f"request {req.rid!r} is already marked invalid (validation_error "
-            f"{req.validation_error!r}); the gRPC API has no such field: send it over ZMQ"
-        )
-    for field_name, ids in (
-        ("input_ids", req.input_ids),
-        ("input_ids_unpadded", req.input_ids_unpadded),
-    ):
-        if ids is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) > _UINT32_MAX):
-            raise UsageError(
-                f"{field_name} of {req.rid!r} hold values outside uint32 (gRPC's type)"
-            )
-    mm = req.mm
-    items = []
-    mrope = None
-    if mm is not None:
-        # the wire's per-request overrides become each item's placeholder_token_id
-        override = {int(Modality.IMAGE): mm.im_token_id, int(Modality.VIDEO): mm.video_token_id}
-        for i, it in enumerate(mm.items):
-            name = MODALITY_NAMES.get(it.modality)
-            if name is None:
-                raise UsageError(f"item {i}: modality {it.modality} has no gRPC equivalent")
-            feature: Any = None
-            feature_dtype: str | None = None
-            if it.feature is not None:
-                feature, feature_dtype = _raw_array(it.feature)
-            elif it.feature_shm is not None:
-                s = it.feature_shm
-                feature = ShmFeature(
-                    s.name,
-                    tuple(s.shape or ()),
-                    s.dtype or "",
-                    s.offset,
-                    s.nbytes or 0,
-                    s.owner_id or "",
-                )
-            if it.hash is not None and not 0 <= it.hash <= _UINT64_MAX:
-                raise UsageError(f"item {i}: hash {it.hash} is not an unsigned 64-bit integer")
-            if it.pad_value is not None and not 0 <= it.pad_value <= _UINT32_MAX:
-                raise UsageError(f"item {i}: pad_value {it.pad_value} is outside uint32")
-            items.append(
-                build_item(
-                    name,
-                    offsets=it.offsets if it.offsets is not None else np.zeros((0, 2), np.int64),
-                    feature=feature,
-                    feature_dtype=feature_dtype,
-                    content_hash=it.hash,
-                    pad_value=it.pad_value,
-                    side={k: _raw_array(v) for k, v in it.side.items() if isinstance(v, Tensor)},
-                    placeholder_token_id=override.get(it.modality),
-                )
-            )
-        delta = mm.mrope_position_delta_scalar
-        if delta is None and mm.mrope_position_delta is not None:
-            values = mm.mrope_position_delta.to_numpy().reshape(-1)
-            if values.size == 1:
-                delta = int(values[0])
-        positions = mm.mrope_positions.to_numpy() if mm.mrope_positions is not None else None
-        if positions is not None or delta is not None:
-            mrope = (positions, delta)
-    try:
-        msg = build_request(
-            req.rid, req.input_ids, items, input_ids_unpadded=req.input_ids_unpadded, mrope=mrope
-        )
-    except ValueError as exc:  # protobuf's range checks, a bad tensor
-        raise UsageError(f"request {req.rid!r} cannot be expressed over gRPC: {exc}") from exc
-    if mm is not None:
-        msg.mm_inputs.SetInParent()  # present even with no items, as on the msgpack wire
-    return msg
+    if not any(k in doc for k in ("items", "mrope", "placeholder_token_ids")):
+        return Request(rid, input_ids, input_ids_unpadded=unpadded)
+    items_doc = doc.get("items", [])
+    if not isinstance(items_doc, list):
+        raise w.fail("items", "must be an array of items")
+    overrides = _check_keys(
+        doc.get("placeholder_token_ids", {}), "placeholder_token_ids", w, {"image", "video"}
+    )
+    # the request-wide override becomes each item's of that modality (gRPC's form)
+    tokens: dict[str, int] = {
+        name: _int(overrides[name], f"placeholder_token_ids.{name}", w, 0)
+        for name in ("image", "video")
+        if name in overrides
+    }
+    items = [_item(it, f"items[{i}]", w, base_dir, tokens) for i, it in enumerate(items_doc)]
+    mrope = _check_keys(doc.get("mrope", {}), "mrope", w, {"positions", "delta"})
+    positions = None
+    if "positions" in mrope:
+        pos = np.asarray(mrope["positions"]) if isinstance(mrope["positions"], list) else None
+        if pos is None or pos.ndim != 2 or pos.dtype.kind not in "iu":
+            raise w.fail("mrope.positions", "must be a [3, N] array of integers")
+        positions = pos.astype(np.int64)
+    delta = _int(mrope["delta"], "mrope.delta", w) if "delta" in mrope else None
+    return Request(
+        rid,
+        input_ids,
+        tuple(items),
+        input_ids_unpadded=unpadded,
+        mrope_positions=positions,
+        mrope_position_delta=delta,
+        multimodal=True,
+    )
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -640,122 +555,22 @@ class AdmitResult:
         }
 
 
-def _offsets_list(offsets: np.ndarray | None) -> list[tuple[int, int]]:
-    if offsets is None:
-        return []
-    return [(int(s), int(e)) for s, e in np.asarray(offsets).reshape(-1, 2).tolist()]
-
-
-def result_from_zmq(outcome: Any, latency_ms: float) -> AdmitResult:
-    """A :class:`~mmadmit_client.zmq.ZmqOutcome` as an :class:`AdmitResult`."""
-    if outcome.aborted:
+def result_from_outcome(
+    transport: Literal["grpc", "zmq"], outcome: Outcome, reply_frames: list[Any], latency_ms: float
+) -> AdmitResult:
+    """An outcome of either transport as an :class:`AdmitResult`."""
+    if not isinstance(outcome, Materialized):
         return AdmitResult(
-            "zmq", outcome.rid, "aborted", outcome.abort_code, outcome.abort_message,
-            reply_frames=list(outcome.frames), latency_ms=latency_ms,
-        )  # fmt: skip
-    req: Request = outcome.request
-    mm = req.mm
-    items = [
-        ResultItem(MODALITY_NAMES.get(it.modality, str(it.modality)), it.hash, it.pad_value,
-                   _offsets_list(it.offsets))
-        for it in (mm.items if mm is not None else [])
-    ]  # fmt: skip
-    positions = None
-    delta = None
-    if mm is not None:
-        if mm.mrope_positions is not None:
-            positions = np.asarray(mm.mrope_positions.to_numpy(), dtype=np.int64)
-        delta = mm.mrope_position_delta_scalar
-        if delta is None and mm.mrope_position_delta is not None:
-            delta = int(mm.mrope_position_delta.to_numpy().reshape(-1)[0])
-    return AdmitResult(
-        "zmq", req.rid, "materialized",
-        input_ids=np.asarray(req.input_ids, np.int64),
-        input_ids_unpadded=None if req.input_ids_unpadded is None
-        else np.asarray(req.input_ids_unpadded, np.int64),
-        items=items, mrope_positions=positions, mrope_position_delta=delta,
-        reply_frames=list(outcome.frames), latency_ms=latency_ms,
-    )  # fmt: skip
-
-
-def result_from_grpc(outcome: Any, sent: Request | None, latency_ms: float) -> AdmitResult:
-    """A gRPC ``Materialized`` / ``Aborted`` as an :class:`AdmitResult`; ``sent`` (the
-    request as sent) lets the reply frames be rebuilt."""
-    from .grpc import Aborted
-
-    frames = reply_frames_from_grpc(outcome, sent) if sent is not None else []
-    if isinstance(outcome, Aborted):
-        return AdmitResult(
-            "grpc", outcome.request_id, "aborted", outcome.code, outcome.message,
-            reply_frames=frames, latency_ms=latency_ms,
+            transport, outcome.request_id, "aborted", outcome.code, outcome.message,
+            reply_frames=reply_frames, latency_ms=latency_ms,
         )  # fmt: skip
     items = [
-        ResultItem(it.modality, it.hash, it.pad_value, _offsets_list(it.offsets))
+        ResultItem(it.modality, it.hash, it.pad_value, [(s, e) for s, e in it.offsets.tolist()])
         for it in outcome.items
     ]
-    unpadded = outcome.input_ids_unpadded if outcome.input_ids_unpadded.size else None
     return AdmitResult(
-        "grpc", outcome.request_id, "materialized",
-        input_ids=outcome.input_ids, input_ids_unpadded=unpadded, items=items,
+        transport, outcome.request_id, "materialized",
+        input_ids=outcome.input_ids, input_ids_unpadded=outcome.input_ids_unpadded, items=items,
         mrope_positions=outcome.mrope_positions, mrope_position_delta=outcome.mrope_position_delta,
-        passthrough=outcome.passthrough, reply_frames=frames, latency_ms=latency_ms,
+        passthrough=outcome.passthrough, reply_frames=reply_frames, latency_ms=latency_ms,
     )  # fmt: skip
-
-
-def _abort_code(name: str) -> AbortCode:
-    try:
-        return AbortCode(name)
-    except ValueError:
-        return AbortCode.INTERNAL
-
-
-def reply_frames_from_grpc(outcome: Any, sent: Request) -> list[Any]:
-    """The reply-mode frames ``[status, payload, *aux]`` for a gRPC outcome, encoded with
-    :mod:`mmadmit.wire`: the request as sent, with the response's derived fields applied
-    (as the ZMQ reply mode would send it; an abort carries no features)."""
-    from .grpc import Aborted
-
-    if isinstance(outcome, Aborted):
-        abort = Abort(_abort_code(outcome.code), outcome.message)
-        if abort.code.value != outcome.code:
-            abort = Abort(AbortCode.INTERNAL, f"{outcome.code}: {outcome.message}")
-        return wire.encode_aborted(sent, abort)
-    from mmadmit.model import Materialized as ModelMaterialized
-    from mmadmit.model import Rule
-
-    # Arrays the service did not change keep the very object sent, so the codec
-    # re-emits their received bytes (as a ZMQ reply would).
-    ids = outcome.input_ids
-    if np.array_equal(ids, sent.input_ids):
-        ids = sent.input_ids
-    unpadded = outcome.input_ids_unpadded if outcome.input_ids_unpadded.size else None
-    if unpadded is None:
-        unpadded = sent.input_ids_unpadded
-    elif sent.input_ids_unpadded is not None and np.array_equal(unpadded, sent.input_ids_unpadded):
-        unpadded = sent.input_ids_unpadded
-    elif np.array_equal(unpadded, sent.input_ids):
-        unpadded = sent.input_ids
-    mm = sent.mm
-    if mm is not None:
-        got = outcome.items
-        if len(got) == len(mm.items):
-            items = [it.with_pad(g.hash, g.pad_value) for it, g in zip(mm.items, got, strict=True)]
-        else:  # dropped (the decode-side exemption)
-            items = []
-        positions = mm.mrope_positions
-        if outcome.mrope_positions is not None:
-            positions = Tensor.of_int64(np.array(outcome.mrope_positions, dtype=np.int64))
-        delta_t, delta = mm.mrope_position_delta, mm.mrope_position_delta_scalar
-        if outcome.mrope_position_delta is not None:
-            delta = int(outcome.mrope_position_delta)
-            delta_t = Tensor.of_int64(np.array([[delta]], dtype=np.int64))
-        mm = dataclasses.replace(
-            mm,
-            items=items,
-            mrope_positions=positions,
-            mrope_position_delta=delta_t,
-            mrope_position_delta_scalar=delta,
-        )
-    req = dataclasses.replace(sent, input_ids=ids, input_ids_unpadded=unpadded, mm=mm)
-    rule = Rule.UPSTREAM if outcome.passthrough else Rule.NORMAL
-    return wire.encode_materialized(ModelMaterialized(req, rule))

@@ -1,11 +1,12 @@
 """Targets and transports of ``mmadmit-client``: the one place a connection is made.
 
-``grpc://HOST:PORT`` opens an :class:`~mmadmit_client.grpc.AsyncAdmissionClient`,
-``tcp://HOST:PORT`` or ``ipc://PATH`` an :class:`~mmadmit_client.zmq.AsyncZmqClient`
-(reply mode). Both sit behind one small interface, :class:`CliTransport`, used by
-``admit`` and ``bench`` alike; :func:`open_transport` is the only constructor
-(``health`` and ``model-info`` take their blocking client from
-:func:`grpc_client`), so transport security lives here and in
+``grpc://HOST:PORT`` makes a :class:`~mmadmit_client.Client` over a
+:class:`~mmadmit_client.GrpcTransport`, ``tcp://HOST:PORT`` or ``ipc://PATH``
+one over a :class:`~mmadmit_client.ZmqTransport` (reply mode). ``admit`` and
+``bench`` use it through :class:`CliTransport` (a loaded request file in, an
+:class:`AdmitResult` out), made only by :func:`open_transport`; ``health`` and
+``model-info`` take a :class:`~mmadmit_client.BlockingClient` from
+:func:`grpc_client`. Transport security lives here and in
 :class:`TransportOptions` only:
 
 * **TLS** (gRPC): ``--tls-ca`` verifies the server (default: the system's
@@ -22,7 +23,7 @@ be read is a :class:`UsageError` (exit 2) before anything connects.
 Reachability is checked once, on open, within ``connect_timeout_s``: over gRPC a
 health check (fails at once when the port refuses, after the timeout when
 nothing answers), over ZMQ the socket monitor's first connection
-(:meth:`~mmadmit_client.zmq.AsyncZmqClient.wait_connected`). Failing it raises
+(:meth:`~mmadmit_client.Client.wait_ready`). Failing it raises
 :class:`~mmadmit_client.ServerUnavailable` (the CLI's exit status 3), and so does
 a failed TLS or CURVE handshake; :func:`explain_unavailable` adds what can be
 told about why.
@@ -30,25 +31,19 @@ told about why.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._cli_request import (
-    AdmitResult,
-    LoadedRequest,
-    UsageError,
-    result_from_grpc,
-    result_from_zmq,
-)
-from ._exceptions import RequestTimeout, ServerUnavailable
+from ._cli_usage import UsageError
+from ._client import BlockingClient, Client
+from ._models import Outcome
+from ._transports.base import AsyncTransport
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the request side (the codec) loads only for admit and bench
     import grpc
 
-    from .grpc import AdmissionClient
+    from ._cli_request import AdmitResult, LoadedRequest
 
 TransportKind = Literal["grpc", "zmq"]
 
@@ -127,7 +122,7 @@ class TransportOptions:
         """TLS credentials from the files, or None for plaintext."""
         if not self.tls:
             return None
-        from .grpc import tls_credentials
+        from ._transports.grpc import tls_credentials
 
         try:
             return tls_credentials(self.tls_ca, self.tls_cert, self.tls_key)
@@ -138,7 +133,7 @@ class TransportOptions:
         """``curve_server_key`` / ``curve_keypair`` for the ZMQ client (empty: plain)."""
         if self.curve_server_key is None:
             return {}
-        from .zmq import curve_keypair_from_file, curve_server_key_from_file
+        from ._transports.zmq import curve_keypair_from_file, curve_server_key_from_file
 
         try:
             keys: dict[str, Any] = {
@@ -183,151 +178,101 @@ def explain_unavailable(message: str, options: TransportOptions, kind: Transport
     return message
 
 
-def grpc_client(target: Target, options: TransportOptions) -> AdmissionClient:
-    """The blocking gRPC client of ``health`` and ``model-info`` (not yet open)."""
-    from .grpc import AdmissionClient
-
+def _transport(target: Target, options: TransportOptions) -> AsyncTransport:
     options.check(target)
-    return AdmissionClient(target.address, credentials=options.grpc_credentials())
+    if target.transport == "grpc":
+        from ._transports.grpc import GrpcTransport
+
+        return GrpcTransport(target.address, credentials=options.grpc_credentials())
+    from ._transports.zmq import ZmqTransport
+
+    return ZmqTransport(target.address, timeout_s=options.request_timeout_s, **options.curve_keys())
+
+
+def grpc_client(target: Target, options: TransportOptions) -> BlockingClient:
+    """The blocking gRPC client of ``health`` and ``model-info`` (not yet open)."""
+    return BlockingClient(_transport(target, options))
 
 
 class CliTransport:
-    """One open connection; ``admit`` returns an :class:`AdmitResult` for a loaded request."""
+    """One open client; ``admit`` returns an :class:`AdmitResult` for a loaded request.
 
-    kind: TransportKind
-    target: Target
+    A captured frames file goes out over ZMQ exactly as captured (unless given
+    another request id); everything else is the file's :class:`~mmadmit_client.Request`
+    through :meth:`~mmadmit_client.Client.admit`.
+    """
+
+    def __init__(self, target: Target, options: TransportOptions) -> None:
+        self.target = target
+        self.options = options
+        self.kind: TransportKind = target.transport
+        self.client = Client(_transport(target, options), timeout_s=options.request_timeout_s)
 
     async def __aenter__(self) -> CliTransport:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def open(self) -> None:
-        raise NotImplementedError
+        await self.client.open()
+        await self.client.wait_ready(self.options.connect_timeout_s)
 
     async def aclose(self) -> None:
-        raise NotImplementedError
-
-    async def admit(self, loaded: LoadedRequest, rid: str | None = None) -> AdmitResult:
-        """Send one request (``rid``: another request id) and return its outcome."""
-        raise NotImplementedError
-
-    async def admit_code(self, loaded: LoadedRequest, rid: str) -> str:
-        """Send one request; only its code (``MATERIALIZED`` or the abort code)."""
-        raise NotImplementedError
+        await self.client.aclose()
 
     def prepare(self, loaded: LoadedRequest, rid: str | None = None) -> None:
         """Build what this transport sends for ``loaded`` now, so that a request this
         transport cannot carry is refused (:class:`UsageError`) before anything is sent."""
-        raise NotImplementedError
+        if self.kind == "grpc":
+            loaded.proto(rid)
+        else:
+            loaded.zmq_frames(rid)
+
+    async def _send(self, loaded: LoadedRequest, rid: str | None) -> Outcome:
+        transport = self.client.transport
+        if loaded.frames is not None and (rid is None or rid == loaded.rid):
+            admit_frames = getattr(transport, "admit_frames", None)
+            if admit_frames is not None:  # ZMQ: the captured message as it is
+                return await admit_frames(loaded.frames)  # type: ignore[no-any-return]
+        return await self.client.admit(loaded.decoded(rid))
+
+    async def admit(self, loaded: LoadedRequest, rid: str | None = None) -> AdmitResult:
+        """Send one request (``rid``: another request id) and return its outcome."""
+        t0 = time.perf_counter()
+        outcome = await self._send(loaded, rid)
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        if self.kind == "grpc":
+            from . import wire
+
+            frames = wire.encode_reply(outcome, loaded.decoded(rid))
+        else:
+            frames = list(outcome.frames)
+        from ._cli_request import result_from_outcome
+
+        return result_from_outcome(self.kind, outcome, frames, latency_ms)
+
+    async def admit_code(self, loaded: LoadedRequest, rid: str) -> str:
+        """Send one request; only its code (``MATERIALIZED`` or the abort code)."""
+        return (await self._send(loaded, rid)).code
 
     @property
     def counters(self) -> dict[str, int]:
         """Transport-level counters worth reporting (e.g. replies nobody waited for)."""
-        return {}
-
-
-class GrpcTransport(CliTransport):
-    kind: TransportKind = "grpc"
-
-    def __init__(self, target: Target, options: TransportOptions) -> None:
-        from .grpc import AsyncAdmissionClient
-
-        self.target = target
-        self.options = options
-        self.client = AsyncAdmissionClient(target.address, credentials=options.grpc_credentials())
-
-    async def open(self) -> None:
-        await self.client.open()
-        try:
-            await self.client.health(timeout=self.options.connect_timeout_s)
-        except RequestTimeout as exc:  # nothing answered within the connect timeout
-            raise ServerUnavailable(str(exc)) from exc
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-    def prepare(self, loaded: LoadedRequest, rid: str | None = None) -> None:
-        loaded.proto()
-
-    async def admit(self, loaded: LoadedRequest, rid: str | None = None) -> AdmitResult:
-        msg = loaded.proto_with_rid(rid) if rid is not None else loaded.proto()
-        t0 = time.perf_counter()
-        outcome = await self.client.admit(msg, timeout=self.options.request_timeout_s)
-        latency_ms = (time.perf_counter() - t0) * 1e3
-        sent = loaded.decoded()
-        if rid is not None and rid != sent.rid:
-            sent = dataclasses.replace(sent, rid=rid)
-        return result_from_grpc(outcome, sent, latency_ms)
-
-    async def admit_code(self, loaded: LoadedRequest, rid: str) -> str:
-        from .grpc import Aborted
-
-        outcome = await self.client.admit(
-            loaded.proto_with_rid(rid), timeout=self.options.request_timeout_s
-        )
-        return outcome.code if isinstance(outcome, Aborted) else "MATERIALIZED"
-
-
-class ZmqTransport(CliTransport):
-    kind: TransportKind = "zmq"
-
-    def __init__(self, target: Target, options: TransportOptions) -> None:
-        from .zmq import AsyncZmqClient
-
-        self.target = target
-        self.options = options
-        self.client = AsyncZmqClient(
-            target.address, timeout_s=options.request_timeout_s, **options.curve_keys()
-        )
-
-    async def open(self) -> None:
-        await self.client.open()
-        await self.client.wait_connected(self.options.connect_timeout_s)
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-    def prepare(self, loaded: LoadedRequest, rid: str | None = None) -> None:
-        loaded.zmq_frames(rid)
-
-    async def admit(self, loaded: LoadedRequest, rid: str | None = None) -> AdmitResult:
-        frames = loaded.zmq_frames(rid)
-        t0 = time.perf_counter()
-        outcome = await self.client.admit(frames)
-        return result_from_zmq(outcome, (time.perf_counter() - t0) * 1e3)
-
-    async def admit_code(self, loaded: LoadedRequest, rid: str) -> str:
-        outcome = await self.client.admit(loaded.zmq_frames(rid))
-        return "MATERIALIZED" if outcome.materialized else str(outcome.abort_code)
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {"unmatched_replies": self.client.unmatched_replies}
+        return self.client.transport.counters
 
 
 def open_transport(target: Target, options: TransportOptions) -> CliTransport:
     """The transport for ``target`` (not yet open: use ``async with``); :class:`UsageError`
     for security options that do not fit it, or files that cannot be read."""
-    options.check(target)
-    if target.transport == "grpc":
-        return GrpcTransport(target, options)
-    return ZmqTransport(target, options)
+    return CliTransport(target, options)
 
 
 __all__ = [
     "CliTransport",
-    "GrpcTransport",
     "Target",
     "TransportOptions",
-    "ZmqTransport",
     "explain_unavailable",
     "grpc_client",
     "open_transport",

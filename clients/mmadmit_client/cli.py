@@ -178,7 +178,7 @@ def _grpc_client(args: argparse.Namespace) -> Any:
 
     target = parse_target(args.target)
     if target.transport != "grpc":
-        from ._cli_request import UsageError
+        from ._cli_usage import UsageError
 
         raise UsageError(
             f"target {args.target!r}: this command speaks gRPC only (grpc://HOST:PORT)"
@@ -200,7 +200,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     with _grpc_client(args) as client:
         try:
-            status = client.health(args.service, timeout=args.timeout)
+            status = client.health(args.service, timeout_s=args.timeout)
         except RequestTimeout as exc:
             raise _probe_timeout(exc) from exc
     if status == "SERVING":
@@ -218,7 +218,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 
     with _grpc_client(args) as client:
         try:
-            info = client.model_info(timeout=args.timeout)
+            info = client.model_info(timeout_s=args.timeout)
         except RequestTimeout as exc:
             raise _probe_timeout(exc) from exc
     doc = dataclasses.asdict(info)
@@ -264,7 +264,7 @@ async def _admit(args: argparse.Namespace) -> int:
     async with transport:
         result = await transport.admit(loaded, args.rid)
     if args.out:
-        from mmadmit.frames import pack_frames
+        from .frames import pack_frames
 
         blob = pack_frames(result.reply_frames)
         _write(args.out, blob)
@@ -280,7 +280,7 @@ async def _admit(args: argparse.Namespace) -> int:
 
 
 def _write(path: str, blob: bytes) -> None:
-    from ._cli_request import UsageError
+    from ._cli_usage import UsageError
 
     try:
         with open(path, "wb") as fh:
@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # break "errors are one line"; the failure reaches us as UNAVAILABLE anyway.
     # (Read by grpc when it loads, which no command has done yet.)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from ._cli_request import UsageError
+    from ._cli_usage import UsageError
     from ._exceptions import ClientError, ServerUnavailable
 
     try:

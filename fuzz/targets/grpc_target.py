@@ -17,11 +17,11 @@ import functools
 
 from google.protobuf.message import DecodeError
 from mmadmit import pbwire, servicer
-from mmadmit._proto import admission_pb2 as pb
 from mmadmit.errors import AbortCode, AdmissionError, TooLarge
 from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
+from mmadmit_client._proto import admission_pb2 as pb
 
 from ._common import native_mode
 

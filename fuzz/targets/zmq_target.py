@@ -1,6 +1,6 @@
 """The whole ZMQ path: decode a captured message, materialize, encode the reply.
 
-The input is a frames container (``mmadmit.frames``: ``[type, payload, *aux]``),
+The input is a frames container (``mmadmit_client.frames``: ``[type, payload, *aux]``),
 what ``mmadmit materialize`` replays. It runs three ways: native code on,
 native code off (the Python fallbacks), and native on with the reply's
 shortcuts off (no received item spliced, no token array re-emitted from its
@@ -23,11 +23,11 @@ import msgspec
 from mmadmit import wire
 from mmadmit.cli import replay
 from mmadmit.errors import Abort, AbortCode
-from mmadmit.frames import MAGIC, parse_frames
 from mmadmit.intcodec import encode_int_array
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
+from mmadmit_client.frames import MAGIC, parse_frames
 
 from ._common import native_mode
 from ._data import Data
@@ -142,7 +142,7 @@ def _rid(reply: list[bytes]) -> Any:
 
 def seed_input(profile: str, frames: list[Any]) -> bytes:
     """A corpus file for ``frames`` under ``profile`` (the layout :func:`one` reads)."""
-    from mmadmit.frames import pack_frames
+    from mmadmit_client.frames import pack_frames
 
     return bytes([_PROFILES.index(profile)]) + pack_frames(frames)
 

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmadmit_client.frames import pack_frames, parse_frames
+
 from . import native, wire
 from .config import add_config_arguments, build_config
 from .errors import Abort, AbortCode, ConfigError
-from .frames import pack_frames, parse_frames
 from .materializer import Materializer
 from .model import Materialized
 

@@ -37,8 +37,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from mmadmit_client._proto import admission_pb2
 
-from ._proto import admission_pb2
 from .pbwire import (
     RefusedRequest,
     StrippedRequest,

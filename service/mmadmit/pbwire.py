@@ -58,9 +58,9 @@ from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
+from mmadmit_client._proto import admission_pb2 as pb
 
 from . import native
-from ._proto import admission_pb2 as pb
 from .errors import AbortCode, TooLarge
 from .limits import Limits, items_over, msgpack_len_over, placeholders_over, tokens_over
 

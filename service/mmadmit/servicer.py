@@ -60,10 +60,10 @@ from typing import Any, TypeAlias
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client._proto import admission_pb2_grpc as pb_grpc
 
 from . import pbwire
-from ._proto import admission_pb2 as pb
-from ._proto import admission_pb2_grpc as pb_grpc
 from .admission import Admissions, AdmissionStats
 from .dtypes import parse_dtype
 from .errors import (

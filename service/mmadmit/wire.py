@@ -57,6 +57,26 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from mmadmit_client.wire import (
+    EXT_TENSOR_DATA,
+    F_INPUT_IDS,
+    F_MM,
+    F_RID,
+    F_SAMPLING,
+    F_UNPADDED,
+    F_VALIDATION_ERROR,
+    FIELD_DEFAULTS,
+    ITEM_FIELDS,
+    MM_FIELDS,
+    MSG_ABORT,
+    MSG_ADD,
+    N_FIELDS,
+    STATUS_ABORTED,
+    STATUS_MATERIALIZED,
+    TAG,
+    TensorWriter,
+    ext_refusal,
+)
 
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
 from .intcodec import (
@@ -89,37 +109,11 @@ from .model import (
     check_shm_name,
 )
 
-MSG_ADD = 0x00
-MSG_ABORT = 0x01
-STATUS_MATERIALIZED = 0x00
-STATUS_ABORTED = 0x01
+# The wire's constants are the client's (one copy, mmadmit_client.wire).
+_FIELD_DEFAULTS = FIELD_DEFAULTS
 
-TAG = "TokenizedGenerateReqInput"
-EXT_TENSOR_DATA = 3
-INLINE_LIMIT_BYTES = 256  # the reference encoder inlines tensors below this size
-
-# TokenizedGenerateReqInput element indices (WIRE.md)
-F_RID = 1
-F_INPUT_IDS = 4
-F_SAMPLING = 5
-F_UNPADDED = 21
-F_MM = 22
-F_VALIDATION_ERROR = 23
-N_FIELDS = 24
-
-# Defaults of the typed fields, for elements a shorter array leaves out and for
-# the minimal abort message (a scheduler's typed decoder rejects nil for them).
-_FIELD_DEFAULTS: dict[int, Any] = {
-    6: False,  # return_logprob
-    7: -1,  # logprob_start_len
-    8: 0,  # top_logprobs_num
-    10: False,  # stream
-    14: False,  # return_hidden_states
-    15: 0.0,  # created_time
-}
-
-_MM_FIELDS = 7
-_ITEM_FIELDS = 10
+_MM_FIELDS = MM_FIELDS
+_ITEM_FIELDS = ITEM_FIELDS
 # Defaults of MultimodalInputs / MultimodalDataItem fields a shorter array
 # leaves out: nil, except model_specific_data, a map.
 _MM_DEFAULTS: dict[int, Any] = {}
@@ -148,13 +142,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code == EXT_TENSOR_DATA:
         # msgspec only guarantees the view for the hook's duration: copy (< 256 bytes).
         return _InlineData(bytes(data))
-    raise _ext_refused(code)
-
-
-def _ext_refused(code: int) -> InvalidRequest:
-    if code in (1, 2):
-        return InvalidRequest(f"msgpack ext type {code} (pickle) is never accepted")
-    return InvalidRequest(f"unknown msgpack ext type {code}")
+    raise InvalidRequest(ext_refusal(code))
 
 
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -345,7 +333,7 @@ class _TensorReader:
             self.used[data] = role if prev is None or prev == role else "shared"
         elif type(data) is _Ext:
             if data.code != EXT_TENSOR_DATA:  # pickle or an unknown ext code
-                raise InvalidRequest(f"{TensorName(*name)}: {_ext_refused(data.code).message}")
+                raise InvalidRequest(f"{TensorName(*name)}: {ext_refusal(data.code)}")
             buf = data.data
         elif type(data) is _InlineData:
             buf = data.data
@@ -818,24 +806,12 @@ def decode_message(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> WireMe
 # --------------------------------------------------------------------------- encode
 
 
-class _FrameWriter:
-    """Tensor encoder that keeps received aux indices and appends new buffers."""
-
-    def __init__(self, aux: list[memoryview]) -> None:
-        self.frames: list[Any] = list(aux)
-        # received frames keep their index: found by identity of the buffer object
-        self._index = {id(f): i + 1 for i, f in enumerate(self.frames)}
+class _FrameWriter(TensorWriter):
+    """The client's tensor writer (received aux frames keep their indices, new
+    buffers are appended) over the service's tensors."""
 
     def tensor(self, t: Tensor) -> list[Any]:
-        if t.nbytes < INLINE_LIMIT_BYTES:
-            data: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(t.data))
-        else:
-            data = self._index.get(id(t.data))
-            if data is None:  # a new tensor (e.g. computed positions): appended
-                self.frames.append(t.data)
-                data = len(self.frames)
-                self._index[id(t.data)] = data
-        return [t.dtype.name, list(t.shape), data]
+        return self.encode(t.dtype.name, t.shape, t.data)
 
 
 def _raw_at(raw: list[msgspec.Raw], i: int, defaults: dict[int, Any]) -> Any:

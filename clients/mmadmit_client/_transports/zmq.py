@@ -1,35 +1,32 @@
-"""ZMQ msgpack client of mmadmit's reply mode (WIRE.md).
+"""ZMQ transport: mmadmit's reply mode (WIRE.md) over one DEALER socket.
 
-A DEALER connects to the service's ROUTER; each ADD gets exactly one reply,
+The DEALER connects to the service's ROUTER; each ADD gets exactly one reply,
 possibly out of order. A background task reads replies and routes each to the
 future of its request id (several requests in flight with the same id are
 answered in arrival order: the service itself refuses a duplicate id that is
-still in flight, and that refusal is usually the first reply).
+still in flight, and that refusal is usually the first reply). Requests are
+encoded by :mod:`mmadmit_client.wire`; :meth:`ZmqTransport.admit_frames` sends
+raw frames, malformed ones included (the service answers them with an abort).
 
-An abort is an outcome, not an exception: :meth:`AsyncZmqClient.admit` returns a
-:class:`ZmqOutcome` for both. Exceptions (``mmadmit_client._exceptions``) are for
-what is not an outcome, each chained ``from`` the zmq error behind it::
-
-    async with AsyncZmqClient("tcp://127.0.0.1:5557", timeout_s=10) as client:
-        outcome = await client.admit(request)          # an mmadmit.model.Request
-        outcome = await client.admit(frames)           # raw [type, payload, *aux]
-        await client.abort("rid-1", "rid-2")
-
-    with ZmqClient("tcp://127.0.0.1:5557") as client:  # blocking twin
-        outcome = client.admit(request)
+Errors, each chained ``from`` the zmq error behind it: nothing connected
+within the timeout is :class:`~mmadmit_client.ServerUnavailable`, a
+connection that took the request but gave no reply in time
+:class:`~mmadmit_client.RequestTimeout`, a socket failure
+:class:`~mmadmit_client.TransportError`, an undecodable reply
+:class:`~mmadmit_client.ProtocolError`.
 
 CURVE: give the server's public key (``curve_server_key=``, Z85, e.g. from
 :func:`curve_server_key_from_file`) and the socket speaks CURVE, with this
 client's keypair (``curve_keypair=``, from :func:`curve_keypair_from_file`, for
-a server that admits only listed keys) or a fresh one per client. "Connected"
-means the ZMTP handshake completed (CURVE or not); a server that refuses the
-key (its ZAP allow-list) or the mechanism makes :meth:`AsyncZmqClient.wait_connected`
-raise :class:`~mmadmit_client.ServerUnavailable` saying so.
+a server that admits only listed keys) or a fresh one per transport.
+"Connected" means the ZMTP handshake completed (CURVE or not); a server that
+refuses the key (its ZAP allow-list) or the mechanism makes
+:meth:`ZmqTransport.wait_ready` raise :class:`~mmadmit_client.ServerUnavailable`
+saying so.
 
 Buffers: frames are sent with ``copy=False``; the caller must not modify a
-buffer it passed to :meth:`~AsyncZmqClient.admit` until the call returns.
-Reply frames are ``zmq.Frame`` objects; the decoded request's tensors are views
-on them.
+buffer it passed until the call returns. Reply frames are ``zmq.Frame``
+objects; the outcome's arrays and tensors are views on them.
 """
 
 from __future__ import annotations
@@ -38,94 +35,25 @@ import asyncio
 import collections
 import logging
 import os
-import threading
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
-import msgspec
 import zmq
 import zmq.asyncio
-from mmadmit import wire
-from mmadmit.model import Request
 from zmq.utils.monitor import parse_monitor_message
 
-from ._exceptions import (
+from .. import wire
+from .._exceptions import (
     ClientStateError,
     ProtocolError,
     RequestTimeout,
     ServerUnavailable,
     TransportError,
 )
-from ._state import ClientState
+from .._models import Outcome, Request
+from .base import AsyncTransport
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-_ABORT_ENC = msgspec.msgpack.Encoder()
-
-
-@dataclass(frozen=True, eq=False)
-class ZmqOutcome:
-    """One reply: materialized, or aborted with its code and message."""
-
-    status: Literal["materialized", "aborted"]
-    rid: str
-    request: Request  # the reply payload, decoded (features removed when aborted)
-    abort_code: str | None  # e.g. "INVALID_REQUEST"; None when materialized
-    abort_message: str | None
-    frames: list[Any]  # the reply as received: [status, payload, *aux] (zmq.Frame)
-
-    @property
-    def materialized(self) -> bool:
-        return self.status == "materialized"
-
-    @property
-    def aborted(self) -> bool:
-        return self.status == "aborted"
-
-
-def parse_validation_error(text: str) -> tuple[str, str]:
-    """``"CODE: message"`` -> (code, message); text without a code is INVALID_REQUEST."""
-    code, sep, message = text.partition(": ")
-    if sep and code.isupper() and code.replace("_", "").isalpha():
-        return code, message
-    return "INVALID_REQUEST", text
-
-
-def decode_reply(frames: Sequence[Any]) -> tuple[str, ZmqOutcome | ProtocolError]:
-    """Decode a reply into (rid, outcome), or (rid if readable else "", the error)."""
-    if len(frames) < 2:
-        return "", ProtocolError(f"a reply needs at least 2 frames, got {len(frames)}")
-    status = bytes(frames[0])
-    try:
-        request = wire.decode_request(frames[1], list(frames[2:]))
-    except wire.WireError as exc:
-        err = ProtocolError(f"undecodable reply payload: {exc.message}")
-        err.__cause__ = exc
-        return exc.rid, err
-    if status == bytes([wire.STATUS_MATERIALIZED]):
-        return request.rid, ZmqOutcome(
-            "materialized", request.rid, request, None, None, list(frames)
-        )
-    if status == bytes([wire.STATUS_ABORTED]):
-        code, message = parse_validation_error(request.validation_error or "")
-        return request.rid, ZmqOutcome("aborted", request.rid, request, code, message, list(frames))
-    return request.rid, ProtocolError(f"unknown reply status byte {status.hex() or '(empty)'}")
-
-
-def _frames_of(request_or_frames: Request | Sequence[Any]) -> tuple[list[Any], str]:
-    if isinstance(request_or_frames, Request):
-        return [
-            bytes([wire.MSG_ADD]),
-            *wire.encode_request(request_or_frames),
-        ], request_or_frames.rid
-    frames = list(request_or_frames)
-    if not frames:
-        raise ValueError("a message needs at least one frame")
-    rid = wire.recover_rid(frames[1]) if len(frames) > 1 else ""
-    return frames, rid
 
 
 def _key_file_pair(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
@@ -166,15 +94,17 @@ _HANDSHAKE_FAILED = (
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 
 
-class AsyncZmqClient:
-    """Async client over one DEALER socket; an async context manager.
+class ZmqTransport(AsyncTransport):
+    """One DEALER socket to ``address`` (``tcp://HOST:PORT``, ``ipc://PATH``).
 
-    ``timeout_s`` bounds each :meth:`admit` (connecting included: with nothing
-    listening the call ends in :class:`ServerUnavailable`). ``identity`` sets the
-    DEALER's routing identity (request ids are scoped to it by the service).
-    ``curve_server_key`` (Z85) turns CURVE on, with ``curve_keypair`` (public,
-    secret; Z85) or an ephemeral keypair.
+    ``timeout_s`` bounds each request by default (connecting included: with
+    nothing listening the call ends in :class:`ServerUnavailable`).
+    ``identity`` sets the DEALER's routing identity (request ids are scoped to
+    it by the service). ``curve_server_key`` (Z85) turns CURVE on, with
+    ``curve_keypair`` (public, secret; Z85) or an ephemeral keypair.
     """
+
+    kind: ClassVar[str] = "zmq"
 
     def __init__(
         self,
@@ -188,7 +118,7 @@ class AsyncZmqClient:
     ) -> None:
         if curve_keypair is not None and curve_server_key is None:
             raise ValueError("curve_keypair needs curve_server_key (the server's public key)")
-        self.address = address
+        self.target = address
         self.timeout_s = timeout_s
         self.identity = identity
         self.curve_server_key = curve_server_key
@@ -197,7 +127,6 @@ class AsyncZmqClient:
         self.handshake_error: str | None = None
         self.refused = False
         self._refused_event = asyncio.Event()
-        self.state = ClientState.UNOPENED
         self._ctx = context
         self._own_ctx = context is None
         self._sock: zmq.asyncio.Socket | None = None
@@ -206,24 +135,14 @@ class AsyncZmqClient:
         self._monitor_task: asyncio.Task[None] | None = None
         self.connected = False  # a handshaken connection to the server exists right now
         self._connected_event = asyncio.Event()  # set while ``connected``
-        self._pending: dict[str, collections.deque[asyncio.Future[ZmqOutcome]]] = {}
+        self._pending: dict[str, collections.deque[asyncio.Future[Outcome]]] = {}
         self.unmatched_replies = 0  # replies no pending request was waiting for
 
-    async def __aenter__(self) -> AsyncZmqClient:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    @property
+    def address(self) -> str:
+        return self.target
 
     async def open(self) -> None:
-        if self.state is not ClientState.UNOPENED:
-            raise ClientStateError(f"cannot open a client that is {self.state.name}")
         try:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
@@ -242,14 +161,12 @@ class AsyncZmqClient:
                 sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_server_key)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-            sock.connect(self.address)
+            sock.connect(self.target)
         except zmq.ZMQError as exc:
             self._close_socket()
-            self.state = ClientState.CLOSED
-            raise TransportError(f"cannot connect to {self.address}: {exc}") from exc
+            raise TransportError(f"cannot connect to {self.target}: {exc}") from exc
         self._recv_task = asyncio.create_task(self._receive(), name="mmadmit-client-recv")
         self._monitor_task = asyncio.create_task(self._watch(), name="mmadmit-client-monitor")
-        self.state = ClientState.OPENED
 
     async def _watch(self) -> None:
         """Follow connection events (sets ``connected``, ``handshake_error``, ``refused``)."""
@@ -266,7 +183,7 @@ class AsyncZmqClient:
                 self._connected_event.clear()
             elif kind & _HANDSHAKE_FAILED:
                 self.handshake_error = self._describe_failure(kind, value)
-                logger.debug("%s: %s", self.address, self.handshake_error)
+                logger.debug("%s: %s", self.target, self.handshake_error)
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self.refused = True
                     self._refused_event.set()
@@ -292,9 +209,9 @@ class AsyncZmqClient:
     def _unavailable_detail(self) -> str:
         return f" ({self.handshake_error})" if self.handshake_error else ""
 
-    async def wait_connected(self, timeout_s: float | None = None) -> None:
+    async def wait_ready(self, timeout_s: float) -> None:
         """Return once a connection to the server exists; :class:`ServerUnavailable`
-        when none is made within ``timeout_s`` (default: the client's ``timeout_s``).
+        when none is made within ``timeout_s``.
 
         A short connect check before sending: without it, a request to an address
         where nothing listens waits out its whole request timeout. A connection
@@ -304,12 +221,11 @@ class AsyncZmqClient:
         timeout, and the message says why.
         """
         self._check_open()
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         connected = asyncio.ensure_future(self._connected_event.wait())
         refused = asyncio.ensure_future(self._refused_event.wait())
         try:
             await asyncio.wait(
-                {connected, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                {connected, refused}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             for waiter in (connected, refused):
@@ -317,20 +233,17 @@ class AsyncZmqClient:
         if self.connected:
             return
         if self.refused:
-            raise ServerUnavailable(f"{self.address}: {self.handshake_error}")
+            raise ServerUnavailable(f"{self.target}: {self.handshake_error}")
         raise ServerUnavailable(
-            f"no connection to {self.address} within {timeout}s{self._unavailable_detail()}"
+            f"no connection to {self.target} within {timeout_s}s{self._unavailable_detail()}"
         )
 
     async def aclose(self) -> None:
-        """Close (idempotent); requests still waiting fail with ClientStateError."""
-        if self.state is ClientState.CLOSED:
-            return
-        self.state = ClientState.CLOSED
         tasks = [t for t in (self._recv_task, self._monitor_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._recv_task = self._monitor_task = None
         for futs in self._pending.values():
             for fut in futs:
                 if not fut.done():
@@ -347,24 +260,25 @@ class AsyncZmqClient:
             self._ctx.term()  # every socket is closed with linger 0: returns at once
 
     def _check_open(self) -> zmq.asyncio.Socket:
-        if self.state is not ClientState.OPENED or self._sock is None:
-            raise ClientStateError(
-                f"the client is {self.state.name}; use it inside 'async with' (or call open())"
-            )
+        if self._sock is None or self._sock.closed:
+            raise ClientStateError(f"the ZMQ transport to {self.target} is not open")
         return self._sock
 
     # ------------------------------------------------------------------ requests
 
-    async def admit(
-        self, request_or_frames: Request | Sequence[Any], *, timeout_s: float | None = None
-    ) -> ZmqOutcome:
-        """Send one ADD (a Request, or raw frames ``[type, payload, *aux]``) and
-        return its reply. Raw frames may be anything the service should see,
-        malformed ones included (their reply is an abort)."""
+    async def admit(self, request: Request, timeout_s: float | None = None) -> Outcome:
+        return await self.admit_frames(wire.encode_add(request), timeout_s)
+
+    async def admit_frames(self, frames: Sequence[Any], timeout_s: float | None = None) -> Outcome:
+        """Send one message as the raw frames ``[type, payload, *aux]`` (anything the
+        service should see, malformed included) and return its reply."""
         sock = self._check_open()
-        frames, rid = _frames_of(request_or_frames)
+        frames = list(frames)
+        if not frames:
+            raise ValueError("a message needs at least one frame")
+        rid = wire.recover_rid(frames[1]) if len(frames) > 1 else ""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        fut: asyncio.Future[ZmqOutcome] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         queue = self._pending.setdefault(rid, collections.deque())
         queue.append(fut)
         sent = False
@@ -376,7 +290,7 @@ class AsyncZmqClient:
         except TimeoutError as exc:
             if not sent or not self.connected:
                 raise ServerUnavailable(
-                    f"no connection to {self.address} accepted the request within {timeout}s"
+                    f"no connection to {self.target} accepted the request within {timeout}s"
                     f"{self._unavailable_detail()}"
                 ) from exc
             raise RequestTimeout(f"rid={rid}: no reply within {timeout}s") from exc
@@ -390,19 +304,21 @@ class AsyncZmqClient:
             if not queue and self._pending.get(rid) is queue:
                 del self._pending[rid]
 
-    async def abort(self, *rids: str) -> None:
-        """Send one ABORT naming ``rids`` (no reply; each cancelled ADD gets its own)."""
+    async def abort(self, request_ids: tuple[str, ...], reason: str = "") -> bool:
+        """Send one ABORT naming the ids (no reply; each cancelled ADD gets its own).
+        True once handed to the socket; the wire carries no ``reason``."""
         sock = self._check_open()
         try:
             async with asyncio.timeout(self.timeout_s):
-                await sock.send_multipart([bytes([wire.MSG_ABORT]), _ABORT_ENC.encode(list(rids))])
+                await sock.send_multipart(wire.encode_abort(request_ids))
         except TimeoutError as exc:
-            raise ServerUnavailable(f"no connection to {self.address} took the ABORT") from exc
+            raise ServerUnavailable(f"no connection to {self.target} took the ABORT") from exc
         except zmq.ZMQError as exc:
             raise TransportError(f"ABORT send failed: {exc}") from exc
         if not self.connected:
             # queued in the socket; it goes out if the server comes up while we are open
-            logger.debug("ABORT queued: no connection to %s yet", self.address)
+            logger.debug("ABORT queued: no connection to %s yet", self.target)
+        return True
 
     # ------------------------------------------------------------------ replies
 
@@ -418,13 +334,15 @@ class AsyncZmqClient:
             self._dispatch(frames)
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        rid, result = decode_reply(frames)
+        rid, result = wire.decode_reply(frames)
         queue = self._pending.get(rid)
         while queue:
             fut = queue.popleft()
             if not fut.done():
-                if isinstance(result, ProtocolError):
-                    fut.set_exception(result)
+                if isinstance(result, wire.WireFormatError):
+                    err = ProtocolError(f"undecodable reply: {result}")
+                    err.__cause__ = result
+                    fut.set_exception(err)
                 else:
                     fut.set_result(result)
                 return
@@ -438,95 +356,9 @@ class AsyncZmqClient:
                 if not fut.done():
                     fut.set_exception(err)
 
-
-class ZmqClient:
-    """Blocking twin of :class:`AsyncZmqClient`: a private event loop in a thread.
-
-    Methods are safe to call from any thread; they block until the loop thread
-    has the answer.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float = 30.0,
-        identity: bytes | None = None,
-        curve_server_key: bytes | None = None,
-        curve_keypair: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        self._client = AsyncZmqClient(
-            address,
-            timeout_s=timeout_s,
-            identity=identity,
-            curve_server_key=curve_server_key,
-            curve_keypair=curve_keypair,
-        )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
     @property
-    def state(self) -> ClientState:
-        return self._client.state
+    def counters(self) -> dict[str, int]:
+        return {"unmatched_replies": self.unmatched_replies}
 
-    def __enter__(self) -> ZmqClient:
-        self.open()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def open(self) -> None:
-        if self.state is not ClientState.UNOPENED:
-            raise ClientStateError(f"cannot open a client that is {self.state.name}")
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="mmadmit-zmq-client", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
-        try:
-            self._call(self._client.open())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    def close(self) -> None:
-        if self._loop is None:
-            self._client.state = ClientState.CLOSED
-            return
-        try:
-            self._call(self._client.aclose())
-        finally:
-            self._stop_loop()
-
-    def admit(
-        self, request_or_frames: Request | Sequence[Any], *, timeout_s: float | None = None
-    ) -> ZmqOutcome:
-        return self._call(self._client.admit(request_or_frames, timeout_s=timeout_s))
-
-    def abort(self, *rids: str) -> None:
-        self._call(self._client.abort(*rids))
-
-    def wait_connected(self, timeout_s: float | None = None) -> None:
-        self._call(self._client.wait_connected(timeout_s))
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            raise ClientStateError(f"the client is {self.state.name}")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
-
-    def _stop_loop(self) -> None:
-        loop, thread = self._loop, self._thread
-        self._loop = self._thread = None
-        if loop is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        if thread is not None:
-            thread.join()
-        loop.close()
+__all__ = ["ZmqTransport", "curve_keypair_from_file", "curve_server_key_from_file"]
