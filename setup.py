@@ -44,7 +44,7 @@ _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 # Pure-Python-mode sources that Cython compiles into a separately named module:
 # the .py file stays importable as plain Python (the reference, and what
 # `--native off` runs) and the compiled build sits beside it.
-_CYTHON_MODULES = [("mmadmit._rules_c", "service/mmadmit/rules.py")]
+_CYTHON_MODULES: list[tuple[str, str]] = []
 
 
 def _cython_extensions() -> list[Extension]:
@@ -76,6 +76,13 @@ setup(
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],
+            depends=["service/mmadmit/_native.h"],
+            extra_compile_args=_COMPILE_ARGS,
+            optional=True,
+        ),
+        Extension(
+            "mmadmit._planner",
+            sources=["service/mmadmit/_planner.c"],
             depends=["service/mmadmit/_native.h"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,

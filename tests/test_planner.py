@@ -1,10 +1,12 @@
-"""The compiled build of mmadmit.rules (mmadmit._rules_c) against the interpreted one.
+"""The native per-item pass (mmadmit._planner) against mmadmit.rules.
 
-``rules.py`` is the one source of rules 5 and 6; Cython compiles the same file.
-These tests hold the two builds to the same outcome: on valid requests of
-every family (generated prompts, the vectors) and on thousands of mutated
-requests (bad spans, grids, seconds, hashes, pad values, placeholders, dtypes,
-keys), the outcome, abort code and message included, must be equal.
+The native pass may only ever say "valid, here is the plan" or "not sure";
+mmadmit.rules decides every abort. These tests hold it to that: on valid
+requests of every family (generated prompts, the vectors) it must take the
+fast path and give the very same outcome, and on thousands of mutated
+requests (bad spans, grids, seconds, hashes, pad values, placeholders,
+dtypes, keys) the outcome, abort code and message included, must equal the
+Python path's. A pass that accepted something Python rejects fails here.
 
 Run with: python -m pytest tests/test_planner.py -q
 """
@@ -13,18 +15,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 import pytest
-from conftest import load_vector, vector_names
-from mmadmit import kernels, planner, rules, wire
+from conftest import forged_tensor, load_vector, vector_names
+from mmadmit import kernels, planner, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import ModelProfile, load_profile
 from prompt_gen import gen_prompt
 
-pytestmark = pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built")
+pytestmark = pytest.mark.skipif(not planner.HAVE_NATIVE, reason="C extension not built")
 
 FAMILIES = (
     "qwen2_vl",
@@ -37,16 +38,11 @@ FAMILIES = (
 )
 
 
-def _pinned(profile: ModelProfile, impl: ModuleType) -> Materializer:
-    """A materializer that runs the given build of the rules whatever the switch says."""
-    m = Materializer(profile)
-    pinned = (impl, impl.RuleSet(profile))
-    m._impl = lambda: pinned  # type: ignore[method-assign]
-    return m
-
-
 def _pair(profile: ModelProfile) -> tuple[Materializer, Materializer]:
-    return _pinned(profile, planner._BUILT), _pinned(profile, rules)
+    native = Materializer(profile)
+    python = Materializer(profile)
+    python._ctx = None  # the Python path only
+    return native, python
 
 
 def _request(profile: ModelProfile, family: str, seed: int) -> Request:
@@ -91,12 +87,14 @@ def _same(a: object, b: object) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_valid_prompts_identical_through_both_builds(family: str) -> None:
+def test_valid_prompts_take_the_native_path_with_identical_outcomes(family: str) -> None:
     profile = load_profile(family)
     native, python = _pair(profile)
     for seed in range(60):
         req = _request(profile, family, seed)
         assert req.mm is not None
+        ph = (profile.image_token_id, profile.video_token_id, profile.audio_token_id)
+        assert planner.fast_plan(req.mm.items, req.input_ids, native._ctx, ph, need_pad=False)
         a, b = native.run(req), python.run(req)
         assert isinstance(a, Materialized), a
         _same(a, b)
@@ -105,11 +103,12 @@ def test_valid_prompts_identical_through_both_builds(family: str) -> None:
         assert up.mm is not None
         up.mm.mrope_positions = up.mm.mrope_position_delta = None
         up.mm.mrope_position_delta_scalar = None
+        assert planner.fast_plan(up.mm.items, req.input_ids, native._ctx, ph, need_pad=True)
         _same(native.run(up), python.run(up))
 
 
 @pytest.mark.parametrize("name", vector_names())
-def test_vectors_identical_through_both_builds(name: str) -> None:
+def test_vectors_identical_through_both_paths(name: str) -> None:
     vec = load_vector(name)
     native, python = _pair(load_profile(str(vec.config)))
     req = wire.decode_message(list(vec.frames)).request
@@ -309,12 +308,12 @@ def _deep(req: Request) -> Request:
 
 
 @pytest.mark.parametrize("family", ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_omni_moe"))
-def test_mutated_requests_identical_through_both_builds(family: str) -> None:
+def test_mutated_requests_identical_through_both_paths(family: str) -> None:
     profile = load_profile(family)
     native, python = _pair(profile)
     mutations = _mutations(profile)
     rng = np.random.default_rng(2026)
-    aborted = 0
+    fast_taken = aborted = 0
     for seed in range(120):
         base = _request(profile, family, seed)
         for _ in range(6):
@@ -324,7 +323,47 @@ def test_mutated_requests_identical_through_both_builds(family: str) -> None:
             a, b = native.run(req), python.run(req)
             _same(a, b)
             aborted += not isinstance(b, Materialized)
-    assert aborted > 200, aborted
+            mm = req.mm
+            assert mm is not None
+            ph = (mm.im_token_id, mm.video_token_id, profile.audio_token_id)
+            if isinstance(mm.items, list) and all(
+                isinstance(i.offsets, np.ndarray) or i.offsets is None for i in mm.items
+            ):
+                try:
+                    fast = planner.fast_plan(
+                        mm.items, req.input_ids, native._ctx, ph, need_pad=False
+                    )
+                except (TypeError, ValueError):
+                    fast = None
+                if fast is not None:
+                    fast_taken += 1
+                    # whatever the native pass accepts, the Python path accepts too
+                    # (a later check, e.g. vocabulary or size, may still abort)
+                    assert (
+                        isinstance(b, Materialized)
+                        or "vocabulary" in str(b)
+                        or ("exceed" in str(b))
+                    ), b
+    assert aborted > 200 and fast_taken > 50, (aborted, fast_taken)
+
+
+def test_tensor_check_defers_to_python_on_anything_unusual() -> None:
+    profile = load_profile("qwen3_5")
+    native, _ = _pair(profile)
+    ctx = native._ctx
+    req = _request(profile, "qwen3_5", 1)
+    items = req.mm.items  # type: ignore[union-attr]
+    assert planner.tensors_ok(items, ctx, 8, 1 << 30)
+    assert not planner.tensors_ok(items, ctx, 0, 1 << 30)  # rank limit
+    assert not planner.tensors_ok(items, ctx, 8, 4)  # byte limit
+    item = items[0]
+    # a length mismatch cannot be built; the native check refuses one forged anyway
+    dtype = item.side[next(iter(item.side))].dtype
+    item.feature = forged_tensor(dtype, (99,), memoryview(b"x" * 8))
+    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)
+    item.feature = None
+    item.feature_shm = ShmHandle(name="seg")
+    assert not planner.tensors_ok(items, ctx, 8, 1 << 30)  # shm: Python looks
 
 
 def test_first_outside_native_equals_numpy() -> None:

@@ -1,4 +1,4 @@
-"""Rules 5 and 6 (``rules.py``, compiled as ``_rules_c``) and the materializer, both builds.
+"""The per-item planner (``_planner.c``) and the materializer, native against Python.
 
 A request is built from the input: a profile (Qwen2-VL, Qwen2.5-VL, Qwen3.5,
 Qwen3-Omni, a decode-side language-model-only Qwen3.5), text, and up to five
@@ -7,20 +7,18 @@ mostly well formed, then mutated with boundary values (forged tensor shapes,
 ints outside int64, wrong dtypes, overlapping or out-of-range spans, wild
 placeholder overrides, carried M-RoPE fields, an upstream-materialized form).
 ``Materializer.run`` with native code on and off must give the same outcome
-(materialized fields, or abort code and message), never ``INTERNAL``;
-``plan_items`` of both builds called directly on the same items (with wild
-placeholder ids too) must give the same abort or both accept.
+(materialized fields, or abort code and message), never ``INTERNAL``; the
+planner's entry points called directly on the same items must answer
+(``None``/a plan, a bool) and never raise.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
-from typing import Any
 
 import numpy as np
-from mmadmit import planner, rules
-from mmadmit.errors import AdmissionError
+from mmadmit import planner
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import load_profile
@@ -265,25 +263,18 @@ def _upstream(d: Data, pi: int, req: Request) -> None:
         it.pad_value = None if d.flag() else d.wild_int()
 
 
-def _plan_outcome(impl: Any, profile: Any, req: Request, phs: tuple, need_pad: bool) -> Any:
-    try:
-        impl.plan_items(impl.RuleSet(profile), req.mm.items, req.input_ids, phs, need_pad)
-    except AdmissionError as exc:
-        return (type(exc).__name__, exc.code, str(exc))
-    return "ok"
-
-
 def _direct(pi: int, req: Request, d: Data) -> None:
-    """rules.plan_items, compiled and interpreted, on the same items and placeholder ids
-    (wild ones too): the same abort, worded the same, or both accept; nothing else raises."""
+    """The planner's entry points on the same items: they answer, never raise."""
     m = _materializer(pi)
-    if planner._BUILT is None or req.mm is None or not isinstance(req.mm.items, list):
+    if planner._BUILT is None or m._ctx is None or req.mm is None:
         return
-    phs = tuple(d.wild_int() if d.flag(20) else p for p in m._placeholders(req.mm))
-    need_pad = d.flag()
-    a = _plan_outcome(planner._BUILT, m.profile, req, phs, need_pad)
-    b = _plan_outcome(rules, m.profile, req, phs, need_pad)
-    assert a == b, (a, b)
+    items = req.mm.items
+    phs = [d.wild_int() if d.flag(20) else p for p in m._placeholders(req.mm)]
+    phs = [-1 if p is None else p for p in phs]
+    res = planner._BUILT.plan(items, req.input_ids, m._ctx, *phs, d.flag())
+    assert res is None or isinstance(res, tuple)
+    ok = planner._BUILT.check_tensors(items, m._ctx, 8, 2**29)
+    assert isinstance(ok, bool)
 
 
 def one(data: bytes) -> None:

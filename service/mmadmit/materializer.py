@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from .errors import (
     abort_from_exception,
 )
 from .hashing import feature_hash
-from .limits import Limits, check_shape, items_over, tokens_over
+from .limits import Limits, items_over, tokens_over
 from .model import (
     Item,
     Materialized,
@@ -40,7 +39,6 @@ from .model import (
     Request,
     Rule,
     Tensor,
-    TensorName,
 )
 from .profile import ModelProfile
 
@@ -128,9 +126,9 @@ class Materializer:
     def __init__(self, profile: ModelProfile, limits: Limits | None = None) -> None:
         self.profile = profile
         self.limits = limits or Limits()
-        # rules 5 and 6: the build planner picks (compiled or interpreted rules.py)
-        self._rules: ModuleType | None = None
-        self._rule_set: Any = None
+        self._rules = rules.RuleSet(profile)
+        # the native pass of rules 5 and 6 (M-RoPE families; None: mmadmit.rules only)
+        self._ctx = planner.make_ctx(profile) if profile.uses_mrope else None
 
     # ------------------------------------------------------------------ entry points
 
@@ -287,11 +285,16 @@ class Materializer:
             return
         if len(mm.items) > lim.max_items:
             raise items_over(len(mm.items), lim.max_items)
-        self._impl()[0].tensors_within(mm, lim)
-        for i, item in enumerate(mm.items):
-            shm = item.feature_shm
-            if shm is not None and shm.shape is not None:
-                check_shape(TensorName(i, "feature_shm"), shm.shape, lim)
+        if (
+            self._ctx is not None
+            and mm.mrope_positions is None
+            and mm.mrope_position_delta is None
+            and planner.tensors_ok(
+                mm.items, self._ctx, lim.max_tensor_rank, lim.max_tensor_bytes, lim.max_tensor_dim
+            )
+        ):
+            return  # the native pass vouches for every item tensor (no feature_shm)
+        rules.tensors_within(mm, lim)
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
@@ -316,7 +319,7 @@ class Materializer:
         if differs.size == 0:
             return
         if spans is None:  # not validated yet (decode exemption): they must be usable here
-            spans = self._impl()[0].spans_of(list(items), len(ids))
+            spans = rules.spans_of(list(items), len(ids))
         owner = _owner_at(spans, differs)
         pads = np.asarray(
             [-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64
@@ -356,14 +359,6 @@ class Materializer:
             )
         return tensor_delta if tensor_delta is not None else scalar
 
-    def _impl(self) -> tuple[ModuleType, Any]:
-        """The rules build in use and its rule set for this profile (rebuilt on a switch)."""
-        impl = planner.active
-        if impl is not self._rules:
-            self._rule_set = impl.RuleSet(self.profile)
-            self._rules = impl
-        return impl, self._rule_set
-
     def _plan(
         self,
         items: list[Item],
@@ -373,12 +368,14 @@ class Materializer:
         need_pad: bool,
         hashable: bool = True,
     ) -> rules.ItemPlan:
-        """Rules 5 and 6 over the items (:func:`mmadmit.rules.plan_items`)."""
-        impl, rule_set = self._impl()
-        plan: rules.ItemPlan = impl.plan_items(
-            rule_set, items, original, self._placeholders(mm), need_pad, hashable
-        )
-        return plan
+        """Rules 5 and 6 over the items: the native pass when it vouches for them, else
+        :func:`mmadmit.rules.plan_items` (which alone refuses and words why)."""
+        placeholders = self._placeholders(mm)
+        if self._ctx is not None and hashable:
+            fast = planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
+            if fast is not None:
+                return fast
+        return rules.plan_items(self._rules, items, original, placeholders, need_pad, hashable)
 
     def _placeholders(self, mm: MultimodalInputs) -> tuple[int | None, int | None, int | None]:
         """Image, video and audio placeholder ids: the request's overrides, else the profile's."""

@@ -7,20 +7,17 @@ needs: the spans sorted by start, the M-RoPE run plan, and each item's pad
 value (rule 6) from its supplied hash. It either returns that
 (:class:`ItemPlan`) or raises the abort, worded here and nowhere else.
 
-One file, two builds. This file runs as plain Python, and it is also compiled
-by Cython (pure-Python mode, ``setup.py``) into ``mmadmit._rules_c`` when
-Cython and a compiler are present at install time. :mod:`mmadmit.planner` picks
-the compiled module unless native code is switched off (``--native off``);
-``tests/test_planner.py`` runs both on valid and on thousands of mutated
-requests and demands the same outcome, message included. The ``cython.*``
-annotations only type locals for the compiled build (C integers, typed
-memoryviews on int64 arrays); in plain Python they are inert. Per-token loops
-stay in :mod:`mmadmit.kernels`; the loops here are per item, span and grid row.
+The materializer asks :mod:`mmadmit.planner`'s native pass first; it answers
+only "valid, here is the plan" or "not sure", never an abort, and on "not
+sure" (or with native code off) this module decides. ``tests/test_planner.py``
+and the ``planner`` fuzz target hold the two to the same outcome. Per-token
+loops are :mod:`mmadmit.kernels`'; the loops here are per item, span and grid
+row. (Compiled by Cython in pure-Python mode, this file measured 1.5-1.75x the
+native pass's materialize time, so the native pass stays; README, "Native code".)
 """
 
 import struct
 
-import cython
 import numpy as np
 
 from . import kernels
@@ -138,81 +135,70 @@ def _offsets(item: Item) -> np.ndarray | None:
     return np.asarray(off, dtype=np.int64).reshape(-1, 2)
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _span_table(offs: list, n: cython.longlong, wants: list | None) -> tuple:
-    """Every span in item order, checked inside ``input_ids``: ``(start, stop, owner,
-    k_in_item, want)`` int64 arrays (``stop`` exclusive; ``want``: the owner's
-    placeholder id, when ``wants`` gives one per item)."""
-    i: cython.Py_ssize_t
-    k: cython.Py_ssize_t
-    pos: cython.Py_ssize_t = 0
-    total: cython.Py_ssize_t = 0
-    a: cython.longlong
-    b: cython.longlong
-    w: cython.longlong = -1
-    n_items: cython.Py_ssize_t = len(offs)
+def _span_table(offs: list, n: int, wants: list | None) -> tuple:
+    """Every span in item order, checked inside ``input_ids``: ``(table, first)``.
+
+    ``table`` rows: start, stop (exclusive), owner item, index in its item, and the
+    owner's placeholder id (when ``wants`` gives one per item, else -1);
+    ``first[i]`` is the column of item ``i``'s first span.
+    """
+    pos = 0
+    w = -1
+    n_items = len(offs)
+    present = [o for o in offs if o is not None]
+    if not present:
+        pairs = np.zeros((0, 2), np.int64)
+    elif len(present) == 1:
+        pairs = present[0]
+    else:
+        pairs = np.concatenate(present)
+    total = len(pairs)
+    pv = pairs
+    table = np.empty((5, total), np.int64)
+    first = np.empty(n_items + 1, np.int64)
+    tv = table
+    fv = first
     for i in range(n_items):
-        if offs[i] is not None:
-            total += len(offs[i])
-    start = np.empty(total, np.int64)
-    stop = np.empty(total, np.int64)
-    owner = np.empty(total, np.int64)
-    kin = np.empty(total, np.int64)
-    want = np.empty(total, np.int64)
-    sv: cython.longlong[::1] = start
-    ev: cython.longlong[::1] = stop
-    ov: cython.longlong[::1] = owner
-    kv: cython.longlong[::1] = kin
-    wv: cython.longlong[::1] = want
-    for i in range(n_items):
-        if offs[i] is None:
+        fv[i] = pos
+        off = offs[i]
+        if off is None:
             continue
         if wants is not None:
             w = wants[i]
-        o: cython.const[cython.longlong][:, :] = offs[i]  # type: ignore[valid-type]
-        for k in range(o.shape[0]):
-            a = o[k, 0]
-            b = o[k, 1]
+        for k in range(len(off)):
+            a = pv[pos, 0]
+            b = pv[pos, 1]
             if a < 0 or a > b or b >= n:
                 raise InvalidRequest(
                     f"{_describe(i, k, a, b)} is not a valid inclusive range inside "
                     f"input_ids (0 <= start <= end < {n})"
                 )
-            sv[pos] = a
-            ev[pos] = b + 1
-            ov[pos] = i
-            kv[pos] = k
-            wv[pos] = w
+            tv[0, pos] = a
+            tv[1, pos] = b + 1
+            tv[2, pos] = i
+            tv[3, pos] = k
+            tv[4, pos] = w
             pos += 1
-    return start, stop, owner, kin, want
+    fv[n_items] = pos
+    return table, first
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _sorted_disjoint(
-    start: np.ndarray, stop: np.ndarray, owner: np.ndarray, kin: np.ndarray
-) -> Spans:
+def _sorted_disjoint(table: np.ndarray) -> Spans:
     """The spans sorted by start; overlapping ones are refused."""
-    k: cython.Py_ssize_t
-    total: cython.Py_ssize_t = len(start)
-    sv: cython.longlong[::1] = start
+    tv = table
+    total = tv.shape[1]
     for k in range(1, total):
-        if sv[k] < sv[k - 1]:
-            order = np.argsort(start, kind="stable")
-            start, stop, owner, kin = start[order], stop[order], owner[order], kin[order]
+        if tv[0, k] < tv[0, k - 1]:
+            table = np.ascontiguousarray(table[:, np.argsort(table[0], kind="stable")])
+            tv = table
             break
-    sv = start
-    ev: cython.longlong[::1] = stop
-    ov: cython.longlong[::1] = owner
-    kv: cython.longlong[::1] = kin
     for k in range(1, total):
-        if sv[k] < ev[k - 1]:
+        if tv[0, k] < tv[1, k - 1]:
             raise InvalidRequest(
-                f"{_describe(ov[k], kv[k], sv[k], ev[k] - 1)} overlaps "
-                f"{_describe(ov[k - 1], kv[k - 1], sv[k - 1], ev[k - 1] - 1)}"
+                f"{_describe(tv[2, k], tv[3, k], tv[0, k], tv[1, k] - 1)} overlaps "
+                f"{_describe(tv[2, k - 1], tv[3, k - 1], tv[0, k - 1], tv[1, k - 1] - 1)}"
             )
-    return Spans(start, stop, owner)
+    return Spans(table[0], table[1], table[2])
 
 
 def spans_of(items: list, n: int) -> Spans:
@@ -221,8 +207,8 @@ def spans_of(items: list, n: int) -> Spans:
     Items without offsets contribute none (the caller decides whether that is
     allowed). Errors name the item and its span.
     """
-    start, stop, owner, kin, _ = _span_table([_offsets(it) for it in items], n, None)
-    return _sorted_disjoint(start, stop, owner, kin)
+    table, _ = _span_table([_offsets(it) for it in items], n, None)
+    return _sorted_disjoint(table)
 
 
 def _check_placeholders(
@@ -230,7 +216,7 @@ def _check_placeholders(
 ) -> None:
     """Every token of a span is its modality's placeholder (spans in item order: the
     first one that is not is reported)."""
-    start, stop, owner, kin, want = table
+    start, stop, owner, kin, want = table[0]
     k = kernels.first_mismatch(ids, start, stop, want)
     if k < 0:
         return
@@ -288,6 +274,20 @@ def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -
         )
         raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
     return -1, _PAD_HASH_FEATURE
+
+
+def _with_pad(item: Item, content_hash: int, pad: int) -> Item:
+    """A copy of ``item`` with ``hash`` and ``pad_value`` set: its attributes copied
+    (what :meth:`Item.with_pad` gives, without a call to the dataclass' ``__init__``)."""
+    new = _NEW(type(item))
+    attrs = item.__dict__.copy()
+    attrs["hash"] = content_hash
+    attrs["pad_value"] = pad
+    new.__dict__ = attrs
+    return new
+
+
+_NEW = object.__new__
 
 
 def pad_value(modality: int, content_hash: int) -> int:
@@ -380,59 +380,34 @@ def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
     return [rs.default_seconds] * rows
 
 
-@cython.cfunc
-@cython.inline
-@cython.exceptval(check=False)
-def _round32(x: cython.double) -> cython.double:
-    """:func:`f32` where the build has C floats: the same conversion (a double rounded
-    to the nearest float32, as ``struct``'s ``f`` format does) without the calls."""
-    if cython.compiled:
-        return cython.cast(cython.float, x)
-    return f32(x)
-
-
-def temporal_index(rs: RuleSet, frames: cython.Py_ssize_t, seconds: cython.double) -> list:
+def temporal_index(rs: RuleSet, frames: int, seconds: float) -> list:
     """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
-    k: cython.Py_ssize_t  # noqa: F842 - types the comprehensions' loop variable when compiled
     family = rs.family
     if family is Family.QWEN2_5_VL:  # trunc((k * s) * tokens_per_second)
-        tps: cython.double = rs.tps
-        return [int(_round32(_round32(k * seconds) * tps)) for k in range(frames)]
+        tps = rs.tps
+        return [int(f32(f32(k * seconds) * tps)) for k in range(frames)]
     if family is Family.QWEN3_OMNI:  # trunc(k * (s * position_id_per_seconds))
-        step: cython.double = _round32(seconds * rs.pps)
-        return [int(_round32(k * step)) for k in range(frames)]
+        step = f32(seconds * rs.pps)
+        return [int(f32(k * step)) for k in range(frames)]
     return list(range(frames))  # Qwen2-VL (per-frame families never get here)
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _plan_runs(
-    rs: RuleSet, items: list, modalities: list, offs: list, n_spans: cython.Py_ssize_t
-) -> RunPlan:
+def _plan_runs(rs: RuleSet, items: list, modalities: list, table: tuple) -> RunPlan:
     """Match every item's spans to its grid rows and return the runs in prompt order.
 
     Spans are already valid (bounds, disjointness, placeholder ids); this checks
     the grids and that each span's length equals its row's merged patch count.
     """
-    merge: cython.longlong = rs.merge
-    split_video: cython.bint = rs.split_video
-    start = np.empty(n_spans, np.int64)
-    frames = np.empty(n_spans, np.int64)
-    rows = np.empty(n_spans, np.int64)
-    cols = np.empty(n_spans, np.int64)
-    t_off = np.empty(n_spans, np.int64)
-    sv: cython.longlong[::1] = start
-    fv: cython.longlong[::1] = frames
-    rv: cython.longlong[::1] = rows
-    cv: cython.longlong[::1] = cols
-    tv: cython.longlong[::1] = t_off
+    merge = rs.merge
+    split_video = rs.split_video
+    spans = table[0]
+    first = table[1]
+    n_spans = spans.shape[1]
+    run_table = np.empty((5, n_spans), np.int64)  # start, frames, rows, cols, t_off
+    rt = run_table
     t_index: list = []
-    r: cython.Py_ssize_t = 0
-    k: cython.Py_ssize_t
-    _u: cython.Py_ssize_t
-    a: cython.longlong
-    b: cython.longlong
-    ordered: cython.bint = True
+    r = 0
+    ordered = True
     for idx in range(len(items)):
         item = items[idx]
         modality = modalities[idx]
@@ -441,11 +416,11 @@ def _plan_runs(
         flat = _grid_rows(idx, item, modality)
         if flat is None:
             continue
-        is_video: cython.bint = modality == 2
+        is_video = modality == 2
         key = VIDEO_GRID if is_video else IMAGE_GRID
-        n_rows: cython.Py_ssize_t = len(flat) // 3
+        n_rows = len(flat) // 3
         expected = 0
-        split: cython.bint = is_video and split_video  # one span per temporal frame of a row
+        split = is_video and split_video  # one span per temporal frame of a row
         for k in range(n_rows):
             t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
             if t <= 0 or h <= 0 or w <= 0:
@@ -458,8 +433,8 @@ def _plan_runs(
             if not is_video and t != 1:
                 raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {_shown(flat)}")
             expected += t if split else 1
-        o: cython.const[cython.longlong][:, :] = offs[idx]  # type: ignore[valid-type]
-        n_item_spans: cython.Py_ssize_t = o.shape[0]
+        row0 = first[idx]
+        n_item_spans = first[idx + 1] - row0
         if n_item_spans != expected:
             unit = "temporal frame" if split else "grid row"
             raise InvalidRequest(
@@ -467,7 +442,7 @@ def _plan_runs(
                 f"(one per {unit}; {key}={_shown(flat)})"
             )
         seconds = _seconds_per_row(rs, idx, item, n_rows) if is_video else None
-        s: cython.Py_ssize_t = 0
+        s = 0
         for k in range(n_rows):
             t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
             hh = h // merge
@@ -475,8 +450,8 @@ def _plan_runs(
             units = t if split else 1
             unit_t = 1 if split else t
             for _u in range(units):
-                a = o[s, 0]
-                b = o[s, 1]
+                a = spans[0, row0 + s]
+                b = spans[1, row0 + s] - 1
                 want = unit_t * hh * ww
                 if b - a + 1 != want:
                     raise InvalidRequest(
@@ -484,13 +459,13 @@ def _plan_runs(
                         f"grid row {k} {[t, h, w]} requires {want} "
                         f"(t*h*w/{merge * merge}" + (" per frame)" if split else ")")
                     )
-                if r and a < sv[r - 1]:
+                if r and a < rt[0, r - 1]:
                     ordered = False
-                sv[r] = a
-                fv[r] = unit_t
-                rv[r] = hh
-                cv[r] = ww
-                tv[r] = len(t_index)
+                rt[0, r] = a
+                rt[1, r] = unit_t
+                rt[2, r] = hh
+                rt[3, r] = ww
+                rt[4, r] = len(t_index)
                 if is_video and not split:
                     assert seconds is not None
                     ti = temporal_index(rs, unit_t, seconds[k])
@@ -506,71 +481,72 @@ def _plan_runs(
                     t_index.extend([0] * unit_t)
                 r += 1
                 s += 1
-    plan = RunPlan(
-        start=start[:r],
-        frames=frames[:r],
-        rows=rows[:r],
-        cols=cols[:r],
-        t_off=t_off[:r],
-        t_index=np.array(t_index, np.int64),
-    )
-    if ordered:
-        return plan
-    order = np.argsort(plan.start, kind="stable")
-    return RunPlan(
-        plan.start[order],
-        plan.frames[order],
-        plan.rows[order],
-        plan.cols[order],
-        plan.t_off[order],
-        plan.t_index,
-    )
+    runs = run_table[:, :r]
+    if not ordered:
+        runs = runs[:, np.argsort(runs[0], kind="stable")]
+    return RunPlan(runs[0], runs[1], runs[2], runs[3], runs[4], np.array(t_index, np.int64))
 
 
 def plan_runs(profile: ModelProfile, items: list) -> RunPlan:
     """The grid checks and run plan alone, for items whose spans are known valid
     (tests and tools; the materializer calls :func:`plan_items`)."""
     items = list(items)
-    offs = [_offsets(it) for it in items]
-    n_spans = sum(0 if o is None else len(o) for o in offs)
-    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], offs, n_spans)
+    table = _span_table([_offsets(it) for it in items], 2**62, None)
+    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], table)
 
 
 # ------------------------------------------------------------------ tensor limits
 
 
-def _within(what: TensorName, t: Tensor, limits: Limits) -> None:
+def _breach(what: TensorName, t: Tensor, limits: Limits) -> None:
+    """The limit ``t`` breaks, worded by :mod:`mmadmit.limits`."""
     check_shape(what, t.shape, limits)
-    nbytes = t.data.nbytes
-    if nbytes > limits.max_tensor_bytes:
-        raise tensor_bytes_over(what, t.shape, t.dtype.name, nbytes, limits.max_tensor_bytes)
+    raise tensor_bytes_over(what, t.shape, t.dtype.name, t.data.nbytes, limits.max_tensor_bytes)
+
+
+def _within(t: Tensor, rank: int, dim: int, nbytes_max: int) -> bool:
+    shape = t.shape
+    if len(shape) > rank or t.data.nbytes > nbytes_max:
+        return False
+    for d in shape:
+        if d > dim:
+            return False
+    return True
 
 
 def tensors_within(mm: MultimodalInputs, limits: Limits) -> None:
-    """Every tensor of a request within ``limits``. A tensor built with these very
-    limits was checked when it was built (:class:`mmadmit.model.Tensor`); any other
-    (built by a caller without limits, or under other ones) is checked here."""
-    i: cython.Py_ssize_t
-    if mm.mrope_positions is not None and mm.mrope_positions.limits is not limits:
-        _within(TensorName(None, "mrope_positions"), mm.mrope_positions, limits)
-    if mm.mrope_position_delta is not None and mm.mrope_position_delta.limits is not limits:
-        _within(TensorName(None, "mrope_position_delta"), mm.mrope_position_delta, limits)
+    """Every tensor of a request within ``limits``, and every shared-memory feature's
+    declared shape. A tensor built with these very limits was checked when it was
+    built (:class:`mmadmit.model.Tensor`); any other (built by a caller without
+    limits, or under other ones) is checked here. Names are made only for a breach."""
+    rank = limits.max_tensor_rank
+    dim = limits.max_tensor_dim
+    nbytes = limits.max_tensor_bytes
+    for key in ("mrope_positions", "mrope_position_delta"):
+        t = getattr(mm, key)
+        if t is not None and t.limits is not limits and not _within(t, rank, dim, nbytes):
+            _breach(TensorName(None, key), t, limits)
     items = mm.items
     for i in range(len(items)):
         item = items[i]
         t = item.feature
-        if t is not None and t.limits is not limits:
-            _within(TensorName(i, "feature"), t, limits)
+        if t is not None and t.limits is not limits and not _within(t, rank, dim, nbytes):
+            _breach(TensorName(i, "feature"), t, limits)
+        shm = item.feature_shm
+        if shm is not None and shm.shape is not None:
+            check_shape(TensorName(i, "feature_shm"), shm.shape, limits)
         for key, value in item.side.items():
-            if isinstance(value, Tensor) and value.limits is not limits:
-                _within(TensorName(i, key), value, limits)
+            if (
+                isinstance(value, Tensor)
+                and value.limits is not limits
+                and not _within(value, rank, dim, nbytes)
+            ):
+                _breach(TensorName(i, key), value, limits)
 
 
 # ------------------------------------------------------------------ entry point
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def plan_items(
     rs: RuleSet,
     items: list,
@@ -586,11 +562,9 @@ def plan_items(
     an item without hash nor pad value needs a feature to hash (False for the
     decode exemption, which needs no pad values).
     """
-    n_items: cython.Py_ssize_t = len(items)
-    i: cython.Py_ssize_t
-    n_spans: cython.Py_ssize_t = 0
+    n_items = len(items)
     pads = np.empty(n_items, np.int64)
-    pv: cython.longlong[::1] = pads
+    pv = pads
     hows = []
     modalities = []
     offs = []
@@ -613,7 +587,6 @@ def plan_items(
             raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
         off = _offsets(item)
         assert off is not None
-        n_spans += len(off)
         pad, how = _pad_of(i, item, mi, need_pad, hashable)
         pv[i] = pad
         hows.append(how)
@@ -621,11 +594,11 @@ def plan_items(
         offs.append(off)
         item_wants.append(wants[mi - 1])
     table = _span_table(offs, len(ids), item_wants)
-    spans = _sorted_disjoint(table[0], table[1], table[2], table[3])
+    spans = _sorted_disjoint(table[0])
     if n_items:
         _check_placeholders(ids, table, modalities, placeholders)
     if rs.uses_mrope:
-        runs = _plan_runs(rs, items, modalities, offs, n_spans)
+        runs = _plan_runs(rs, items, modalities, table)
     else:
         runs = None
         for i in range(n_items):
@@ -635,7 +608,7 @@ def plan_items(
         how = hows[i]
         item = items[i]
         if how == _PAD_FROM_HASH:
-            new_items.append(item.with_pad(item.hash, int(pv[i])))
+            new_items.append(_with_pad(item, item.hash, int(pv[i])))
         elif how == _PAD_HASH_FEATURE:
             new_items.append(None)
         else:
