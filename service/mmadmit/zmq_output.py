@@ -103,6 +103,18 @@ class Output:
         ingest waits for at stop."""
         self._stats = stats
         self._spawn = spawn
+        self._bind(ctx, intake, reader, spawn, name, default_max_pending)
+
+    def _bind(
+        self,
+        ctx: zmq.asyncio.Context,
+        intake: zmq.Socket[Any],
+        reader: SocketReader,
+        spawn: Spawn,
+        name: str,
+        default_max_pending: int,
+    ) -> None:
+        """The strategy's own part of :meth:`bind`."""
 
     @property
     def pending(self) -> int:
@@ -179,26 +191,15 @@ class Reply(Output):
         self.send_timeout_s = send_timeout_s
         self._sender: RetryingSender | None = None
 
-    def bind(
+    def _bind(
         self,
         ctx: zmq.asyncio.Context,
         intake: zmq.Socket[Any],
         reader: SocketReader,
-        *,
-        stats: OutputStats,
         spawn: Spawn,
         name: str,
         default_max_pending: int,
     ) -> None:
-        super().bind(
-            ctx,
-            intake,
-            reader,
-            stats=stats,
-            spawn=spawn,
-            name=name,
-            default_max_pending=default_max_pending,
-        )
         self._sender = RetryingSender(
             intake,
             timeout_s=self.send_timeout_s,
@@ -292,26 +293,15 @@ class Forward(Output):
         self._passthrough = passthrough
         self._fifo: OrderedSender | None = None
 
-    def bind(
+    def _bind(
         self,
         ctx: zmq.asyncio.Context,
         intake: zmq.Socket[Any],
         reader: SocketReader,
-        *,
-        stats: OutputStats,
         spawn: Spawn,
         name: str,
         default_max_pending: int,
     ) -> None:
-        super().bind(
-            ctx,
-            intake,
-            reader,
-            stats=stats,
-            spawn=spawn,
-            name=name,
-            default_max_pending=default_max_pending,
-        )
         if self.max_pending is None:
             self.max_pending = default_max_pending
         if self.socket is None:
