@@ -283,7 +283,7 @@ class Forward(Output):
         sent_hook: SentHook | None = None,
     ) -> None:
         if max_pending is not None and max_pending < 1:
-            raise ValueError("max_pending_forwards must be positive")
+            raise ValueError("max_pending must be positive")
         super().__init__(sent_hook)
         self.target = target
         self.socket = socket
