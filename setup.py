@@ -13,10 +13,15 @@ Two build outputs are never committed and are produced here, for both
   than only code in ``build_py`` because setuptools' editable build swallows
   exceptions from a customized ``build_py`` (a warning, and an install without
   stubs); a failure here fails the install.
-* The optional C extension ``mmadmit._intcodec`` (fast msgpack int arrays).
-  ``optional=True``: without a working compiler the install still succeeds
-  and ``mmadmit.intcodec`` uses its pure-Python fallback. Editable installs
-  build it in place (``service/mmadmit/_intcodec.*.so``, gitignored).
+* The optional C extensions (``_kernels``, ``_planner``, ``_pbwire``, from C
+  sources) and the modules written in Cython's pure-Python mode, listed in
+  ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is (the
+  reference, run interpreted) and is also compiled by Cython into a
+  separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``;
+  the generated C in ``build/cython/``); ``mmadmit.native`` picks one at run
+  time. ``optional=True`` for all: without a working compiler (or without
+  Cython) the install still succeeds and the pure-Python paths run. Editable
+  installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
 
 from __future__ import annotations
@@ -118,6 +123,30 @@ class build_with_protos(build):
 
 _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 
+# Modules in Cython's pure-Python mode: (extension name, source). The source
+# stays an importable module under its own name; the extension is the same
+# code compiled. One line per module.
+CYTHON_MODULES = [
+    ("mmadmit._walk_c", "service/mmadmit/msgpack_walk.py"),
+]
+
+
+def _cython_extensions() -> list[Extension]:
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # a build requirement; without it the pure modules run
+        _LOGGER.warning("mmadmit: Cython is not installed: %s stay interpreted", CYTHON_MODULES)
+        return []
+    extensions = [
+        Extension(name, [source], extra_compile_args=_COMPILE_ARGS, optional=True)
+        for name, source in CYTHON_MODULES
+    ]
+    result: list[Extension] = cythonize(
+        extensions, build_dir="build/cython", language_level=3, quiet=True
+    )
+    return result
+
+
 setup(
     cmdclass={
         "build": build_with_protos,
@@ -128,13 +157,6 @@ setup(
     # include-package-data (pyproject) would also ship the extension's source.
     exclude_package_data={"mmadmit": ["*.c"]},
     ext_modules=[
-        Extension(
-            "mmadmit._intcodec",
-            sources=["service/mmadmit/_intcodec.c"],
-            depends=["service/mmadmit/_native.h"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],
@@ -155,5 +177,6 @@ setup(
             extra_compile_args=_COMPILE_ARGS,
             optional=True,
         ),
+        *_cython_extensions(),
     ],
 )
