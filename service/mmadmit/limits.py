@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import TooLarge
+from .msgpack_walk import MAX_DEPTH
 
-# The ceiling of --max-msgpack-depth: the deepest nesting the codec's structure
-# walk (mmadmit.intcodec.check_structure, C and Python) keeps a stack for.
-MAX_DEPTH = 1024
+# MAX_DEPTH, the ceiling of --max-msgpack-depth: the deepest nesting the codec's
+# structure walk (mmadmit.intcodec.check_structure) keeps a stack for.
 
 __all__ = ["DEFAULT_LIMITS", "MAX_DEPTH", "Limits", "check_shape"]
 
