@@ -38,10 +38,7 @@ def _decode(buf: memoryview) -> None:
         ref = msgpack.unpackb(buf, strict_map_key=False)
     except Exception:  # noqa: BLE001 - any refusal: then the walker must refuse too
         ref = None
-    ints = (
-        isinstance(ref, list)
-        and all(type(v) is int and -(2**63) <= v < 2**63 for v in ref)
-    )
+    ints = isinstance(ref, list) and all(type(v) is int and -(2**63) <= v < 2**63 for v in ref)
     assert (a[0] == "ok") == ints, ("decode against msgpack.unpackb", a, ref)
     if a[0] == "ok":  # round trip: a canonical re-encoding decodes to the same values
         assert a[1].tolist() == ref, "decoded values"

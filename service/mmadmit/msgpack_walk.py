@@ -299,7 +299,7 @@ def _ints(
     first: cython.uint
     w: cython.int
     s: ssize
-    k: cython.int
+    _k: cython.int
     raw: u64
     u: u64
     # 8 elements at a time while 72 bytes are left (8 elements take at most
@@ -313,7 +313,7 @@ def _ints(
                 i += 8
                 pos += 8 * s
                 continue
-        for k in range(8):
+        for _k in range(8):
             b = p[pos]
             w = _int_width(b)
             if w < 0:
@@ -488,6 +488,7 @@ def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
     size: ssize
     x: i64
     k: cython.int
+    _k: cython.int
     same: cython.bint
     while n - i >= 8:
         # every 8 values, a look for a run of one value (8 more equal to the
@@ -499,7 +500,7 @@ def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
                 same &= v[i + k] == x
             if same:
                 t, payload, size = _form(x)
-                for k in range(8):
+                for _k in range(8):
                     _put9(o, at, t, payload)
                     at += size
                 i += 8
@@ -581,7 +582,9 @@ def _split_error(
         )
     b: cython.uint = p[pos]
     if kind == _S_BYTE:
-        return ValueError(f"msgpack: element {element}: invalid type byte 0x{b:02x} at offset {pos}")
+        return ValueError(
+            f"msgpack: element {element}: invalid type byte 0x{b:02x} at offset {pos}"
+        )
     return ValueError(
         f"msgpack: truncated input: element {element}: the {_type_name(b)} at offset {pos} "
         f"(type byte 0x{b:02x}) needs {need} bytes, only {end - pos} left"
@@ -712,9 +715,7 @@ def _top(p: cython.const[u8][::1]) -> ssize:
     count, h = _array_head(p, n, 0)
     if count == -1:
         b: cython.uint = p[0]
-        raise ValueError(
-            f"msgpack: expected an array, got {_type_name(b)} (type byte 0x{b:02x})"
-        )
+        raise ValueError(f"msgpack: expected an array, got {_type_name(b)} (type byte 0x{b:02x})")
     if count == -2:
         raise _split_error(_S_TRUNC, -1, p, n, 0, h)
     if count > n - h:
@@ -815,8 +816,13 @@ def array_spans(p: cython.const[u8][::1]) -> list:
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _walk_limits(
-    p: cython.const[u8][::1], end: ssize, pos: ssize, element: ssize, max_depth: cython.int,
-    max_len: u64, breach: list,
+    p: cython.const[u8][::1],
+    end: ssize,
+    pos: ssize,
+    element: ssize,
+    max_depth: cython.int,
+    max_len: u64,
+    breach: list,
 ) -> ssize:
     """Walk the one value at ``p[pos]`` (inside the top array: depth 1) against the
     limits; where it ends, or -1 with the breach appended to ``breach``
@@ -954,8 +960,7 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
                 cells, h = _array_head(p, n, pos)
             if cells != width or cells > n - pos - h:
                 raise ValueError(
-                    f"int_rows: row {r} of the array at offset {at} is not an array "
-                    f"of {width} ints"
+                    f"int_rows: row {r} of the array at offset {at} is not an array of {width} ints"
                 )
             kind, bad, pos, value = _ints(p, n, pos + h, width, out, o)
             if kind != _OK:
