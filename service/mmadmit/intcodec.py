@@ -77,7 +77,6 @@ __all__ = [
 HAVE_NATIVE: bool = _BUILT is not None
 
 _INT64_MAX = 2**63 - 1
-_MAX_ARRAY_COUNT = 2**32 - 1
 _PREFIX = "msgpack int array: "
 
 
@@ -204,13 +203,9 @@ def _as_int64(values: Any) -> npt.NDArray[np.int64]:
         if arr.size:
             raise TypeError(f"{_PREFIX}expected an integer dtype, got {arr.dtype}")
         arr = arr.astype(np.int64)  # np.asarray([]) is float64
-    if arr.size > _MAX_ARRAY_COUNT:
-        raise ValueError(f"{_PREFIX}{arr.size} elements exceed the array32 limit")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
         index = int(np.argmax(arr > _INT64_MAX))
-        raise ValueError(
-            f"{_PREFIX}element {index}: uint64 value {int(arr[index])} exceeds the int64 range"
-        )
+        raise ValueError(msgpack_walk.range_message(index, int(arr[index])))
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
@@ -326,8 +321,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def _encode_py(values: npt.NDArray[np.int64]) -> bytes:
-    if values.size > _MAX_ARRAY_COUNT:
-        refused: bytes = msgpack_walk.encode(values)  # its error
+    if values.size > msgpack_walk.MAX_ARRAY_COUNT:  # the walker words the limit
+        refused: bytes = msgpack_walk.encode(values)
         return refused
     return _ENCODER.encode(values.tolist())
 

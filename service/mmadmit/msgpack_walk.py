@@ -41,6 +41,7 @@ import cython
 import numpy as np
 
 __all__ = [
+    "MAX_ARRAY_COUNT",
     "MAX_DEPTH",
     "IntArrayTooLong",
     "array_len",
@@ -49,6 +50,7 @@ __all__ = [
     "decode",
     "encode",
     "int_rows",
+    "range_message",
     "split",
 ]
 
@@ -72,7 +74,7 @@ i64 = cython.typedef(cython.longlong)
 u64 = cython.typedef(cython.ulonglong)
 
 MAX_DEPTH = 1024  # deepest nesting check_structure follows (its stack: _walk_limits)
-_MAX_ARRAY_COUNT = cython.declare(ssize, 0xFFFFFFFF)  # array32
+MAX_ARRAY_COUNT = cython.declare(ssize, 0xFFFFFFFF)  # array32: the most elements encode writes
 _GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the GIL
 _INT = "msgpack int array: "
 
@@ -372,6 +374,11 @@ def _int_error(p: cython.const[u8][::1], kind: cython.int, i: ssize, pos: ssize,
             f"{_INT}truncated input: element {i} (type byte 0x{b:02x}) needs "
             f"{1 + _int_width(b)} bytes at offset {pos}, only {n - pos} left"
         )
+    return range_message(i, value)
+
+
+def range_message(i: ssize, value: u64) -> str:
+    """The error of a uint64 above INT64_MAX at element ``i``, decoded or to encode."""
     return f"{_INT}element {i}: uint64 value {value} exceeds the int64 range"
 
 
@@ -526,7 +533,7 @@ def encode(v: cython.const[i64][::1]) -> bytes:
     byte what ``msgpack.packb(list_of_ints)`` writes. ValueError above the
     array32 limit."""
     n: ssize = v.shape[0]
-    if n > _MAX_ARRAY_COUNT:
+    if n > MAX_ARRAY_COUNT:
         raise ValueError(f"{_INT}{n} elements exceed the array32 limit")
     buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
     o: u8[::1] = buf
