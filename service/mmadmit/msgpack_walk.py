@@ -74,7 +74,7 @@ i64 = cython.typedef(cython.longlong)
 u64 = cython.typedef(cython.ulonglong)
 
 MAX_DEPTH = 1024  # deepest nesting check_structure follows (its stack: _walk_limits)
-MAX_ARRAY_COUNT = cython.declare(ssize, 0xFFFFFFFF)  # array32: the most elements encode writes
+MAX_ARRAY_COUNT = 0xFFFFFFFF  # array32: the most elements encode writes
 _GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the GIL
 _INT = "msgpack int array: "
 
