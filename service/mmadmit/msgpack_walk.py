@@ -134,7 +134,7 @@ def _wrap(x: u64) -> u64:
 @cython.inline
 @cython.nogil
 @cython.exceptval(check=False)
-def _int_width(b: cython.uint) -> cython.int:
+def _int_width(b: cython.uint) -> ssize:
     """Payload bytes after an int's type byte: 0 for a fixint, 1, 2, 4 or 8 for
     uint8..64 / int8..64 (0xcc..0xd3), -1 for a byte that does not start an int."""
     if b < 0x80 or b >= 0xE0:
@@ -299,7 +299,7 @@ def _ints(
     i: ssize = 0
     b: cython.uint
     first: cython.uint
-    w: cython.int
+    w: ssize
     s: ssize
     _k: cython.int
     raw: u64
@@ -446,9 +446,10 @@ def _put9(o: u8[::1], at: ssize, t: cython.uint, payload: u64) -> cython.void:
 @cython.exceptval(check=False)
 def _form(v: i64) -> tuple[cython.uint, u64, ssize]:
     """``(type byte, payload, size)`` of ``v`` in its smallest msgpack form,
-    msgpack-python's choice, without data-dependent branches: a fixint (the
-    type byte is the value, size 1), else 0xcc + k (uint) / 0xd0 + k (int)
-    and a payload of ``1 << k`` bytes (left-aligned in ``payload``)."""
+    msgpack-python's choice, with one branch only (a fixint, rare among ids):
+    a fixint (the type byte is the value, size 1), else 0xcc + k (uint) /
+    0xd0 + k (int) and a payload of ``1 << k`` bytes (left-aligned in
+    ``payload``)."""
     u: u64 = _wrap(cython.cast(u64, v))
     neg: u64 = u >> 63
     # for v < 0, ~v: the int8/16/32 ranges are then ~v <= 0x7f, 0x7fff,
