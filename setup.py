@@ -9,10 +9,15 @@ produced here, for both ``pip install .`` and PEP 660 ``pip install -e .``:
   ``clients/mmadmit_client/_proto/`` (gitignored), generated from ``protos/``
   by ``scripts/gen_protos.py``, whose :func:`setuptools_cmdclass` supplies the
   build commands (``clients/setup.py`` uses the same ones).
-* The optional C extensions ``mmadmit._intcodec`` and friends.
-  ``optional=True``: without a working compiler the install still succeeds
-  and the service uses its pure-Python fallbacks. Editable installs build
-  them in place (``service/mmadmit/_*.so``, gitignored).
+* The optional C extensions (``_kernels``, ``_planner``, ``_pbwire``, from C
+  sources) and the modules written in Cython's pure-Python mode, listed in
+  ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is (the
+  reference, run interpreted) and is also compiled by Cython into a
+  separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``;
+  the generated C in ``build/cython/``); ``mmadmit.native`` picks one at run
+  time. ``optional=True`` for all: without a working compiler (or without
+  Cython) the install still succeeds and the pure-Python paths run. Editable
+  installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
 
 from __future__ import annotations
@@ -41,24 +46,28 @@ def _load_gen_protos() -> ModuleType:
 _GEN = _load_gen_protos()
 _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 
-# Pure-Python-mode sources that Cython compiles into a separately named module:
-# the .py file stays importable as plain Python (the reference, and what
-# `--native off` runs) and the compiled build sits beside it.
-_CYTHON_MODULES: list[tuple[str, str]] = []
+# Modules in Cython's pure-Python mode: (extension name, source). The source
+# stays an importable module under its own name; the extension is the same
+# code compiled. One line per module.
+CYTHON_MODULES = [
+    ("mmadmit._walk_c", "service/mmadmit/msgpack_walk.py"),
+]
 
 
 def _cython_extensions() -> list[Extension]:
-    """The compiled builds of _CYTHON_MODULES; none without Cython (optional)."""
     try:
         from Cython.Build import cythonize
-    except ImportError:
-        _LOGGER.warning("mmadmit: Cython is not installed; the rules run as plain Python")
+    except ImportError:  # a build requirement; without it the pure modules run
+        _LOGGER.warning("mmadmit: Cython is not installed: %s stay interpreted", CYTHON_MODULES)
         return []
-    exts = [
-        Extension(name, sources=[src], extra_compile_args=_COMPILE_ARGS, optional=True)
-        for name, src in _CYTHON_MODULES
+    extensions = [
+        Extension(name, [source], extra_compile_args=_COMPILE_ARGS, optional=True)
+        for name, source in CYTHON_MODULES
     ]
-    return list(cythonize(exts, build_dir="build/cython", language_level=3, quiet=True))
+    result: list[Extension] = cythonize(
+        extensions, build_dir="build/cython", language_level=3, quiet=True
+    )
+    return result
 
 
 setup(
@@ -66,13 +75,6 @@ setup(
     # include-package-data (pyproject) would also ship the extension's source.
     exclude_package_data={"mmadmit": ["*.c"]},
     ext_modules=[
-        Extension(
-            "mmadmit._intcodec",
-            sources=["service/mmadmit/_intcodec.c"],
-            depends=["service/mmadmit/_native.h"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],

@@ -3,8 +3,10 @@
     python bench/bench_intcodec.py [--n 131072] [--repeat 31]
 
 Prints the median time to decode and to encode N token ids (realistic ids:
-mostly uint16/uint32 forms, a few fixints) with the native extension, the
-pure-Python fallback, msgpack-python and msgspec (both of which build one
+mostly uint16/uint32 forms, a few fixints) with the compiled walker
+(``mmadmit._walk_c``, Cython's build of ``msgpack_walk.py``), the interpreted
+fallback (msgspec shortcuts, module doc of ``mmadmit.intcodec``), msgpack-python
+and msgspec (both of which build one
 Python int per element; "msgpack + np.array" is what the codec replaces).
 """
 
@@ -67,7 +69,7 @@ def main() -> None:
 
     print(
         f"{args.n} ids, {len(raw)} bytes, median of {args.repeat}; "
-        f"native extension: {'built' if intcodec.HAVE_NATIVE else 'NOT built'}\n"
+        f"compiled walker (_walk_c): {'built' if intcodec.HAVE_NATIVE else 'NOT built'}\n"
     )
     for title, cases in (("decode (msgpack -> int64 ndarray)", decode),
                          ("encode (int64 ndarray -> msgpack)", encode)):  # fmt: skip

@@ -1,6 +1,8 @@
 #!/bin/sh
-# Build the four C extensions with AddressSanitizer and UndefinedBehaviorSanitizer
-# into build/fuzz/mmadmit/ (never over the regular build in service/mmadmit/).
+# Build the C extensions, and the C that Cython generates from the pure-Python
+# modules setup.py compiles (CYTHON_MODULES: msgpack_walk.py -> _walk_c), with
+# AddressSanitizer and UndefinedBehaviorSanitizer into build/fuzz/mmadmit/
+# (never over the regular build in service/mmadmit/).
 # fuzz/run.py loads them from there when MMADMIT_FUZZ_EXT_DIR names that folder
 # (make fuzz does), under LD_PRELOAD of the ASan runtime (see RELIABILITY.md).
 #
@@ -21,8 +23,26 @@ if "$CC" --version 2>/dev/null | grep -q clang; then
     FLAGS="$FLAGS -fsanitize=fuzzer-no-link"  # libFuzzer coverage for atheris
 fi
 mkdir -p "$OUT"
-for ext in _intcodec _pbwire _planner _kernels; do
+for ext in _pbwire _planner _kernels; do
     echo "$CC [asan,ubsan] service/mmadmit/$ext.c -> $OUT/$ext$SUFFIX"
     # shellcheck disable=SC2086
     "$CC" $FLAGS -I"$INCLUDE" -Iservice/mmadmit "service/mmadmit/$ext.c" -o "$OUT/$ext$SUFFIX"
 done
+# The modules in setup.py's CYTHON_MODULES (read from the file: importing
+# setup.py would run setup()): Cython's C for each, in build/fuzz/cython/.
+CYDIR=$(dirname "$OUT")/cython
+mkdir -p "$CYDIR"
+"$PYTHON" -c '
+import ast
+for node in ast.parse(open("setup.py").read()).body:
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CYTHON_MODULES":
+        for name, source in ast.literal_eval(node.value):
+            print(name, source)
+' > "$CYDIR/modules.txt"
+while read -r name source; do
+    ext=${name##*.}
+    echo "cython $source -> $CYDIR/$ext.c; $CC [asan,ubsan] -> $OUT/$ext$SUFFIX"
+    "$PYTHON" -m cython -3 --module-name "$name" "$source" -o "$CYDIR/$ext.c"
+    # shellcheck disable=SC2086
+    "$CC" $FLAGS -Wno-unused-function -I"$INCLUDE" "$CYDIR/$ext.c" -o "$OUT/$ext$SUFFIX"
+done < "$CYDIR/modules.txt"

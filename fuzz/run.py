@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTENSIONS = ("_intcodec", "_pbwire", "_planner", "_kernels")
+EXTENSIONS = ("_walk_c", "_pbwire", "_planner", "_kernels")  # _walk_c: msgpack_walk.py compiled
 
 
 def load_sanitized(folder: str) -> list[str]:

@@ -263,8 +263,8 @@ def test_dtype_strings_numpy_would_parse_are_invalid_request(dtype: str) -> None
     lists and subarray shapes with ast.literal_eval), which the servicer reported as
     INTERNAL. Only a plain numpy type string ever reaches numpy now."""
     from mmadmit import servicer
-    from mmadmit_client._proto import admission_pb2 as pb
     from mmadmit.errors import InvalidRequest
+    from mmadmit_client._proto import admission_pb2 as pb
 
     with pytest.raises(InvalidRequest, match="unsupported tensor dtype"):
         parse_dtype(dtype)

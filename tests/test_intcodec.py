@@ -1,13 +1,14 @@
 """mmadmit.intcodec: msgpack int arrays <-> int64 numpy arrays.
 
-Contract: the native extension (``mmadmit._intcodec``), the pure-Python
-fallback and msgpack-python agree byte for byte on encoding and value for
-value on decoding; both implementations raise ``ValueError`` with the *same*
-message for each malformed input.
+Contract: the walker compiled (``mmadmit._walk_c``, built by Cython from
+``mmadmit/msgpack_walk.py``), the same source interpreted ("fallback", with
+intcodec's msgspec shortcuts) and msgpack-python agree byte for byte on
+encoding and value for value on decoding; both raise ``ValueError`` with the
+*same* message for each malformed input (split errors included).
 
 The "native" cases skip when the extension is not built (a machine without a
-compiler at install time: ``pip install -e .`` then installs the fallback only);
-the fallback cases always run. ``mmadmit.intcodec.HAVE_NATIVE`` says which one
+compiler or Cython at install time: ``pip install -e .`` then installs the
+pure module only); the fallback cases always run. ``mmadmit.intcodec.HAVE_NATIVE`` says which one
 the public functions use.
 
 Run with: python -m pytest tests/test_intcodec.py -q
@@ -36,7 +37,7 @@ EDGE_VALUES = [
 
 native_only = pytest.mark.skipif(
     not ic.HAVE_NATIVE,
-    reason="mmadmit._intcodec not built (no C compiler at install time); fallback only",
+    reason="mmadmit._walk_c not built (no C compiler or Cython at install time); fallback only",
 )
 
 Decoder = Callable[[Any], np.ndarray]
@@ -339,25 +340,37 @@ def test_native_and_fallback_errors_identical(raw: bytes, message: str) -> None:
 
 @native_only
 def test_native_low_level_api() -> None:
-    from mmadmit import _intcodec  # type: ignore[attr-defined]
+    from mmadmit import _walk_c  # type: ignore[attr-defined]
 
     raw = msgpack.packb([1, 2, 3])
-    assert _intcodec.array_len(raw) == 3
-    with pytest.raises(ValueError, match="out holds 2 elements, the array has 3"):
-        _intcodec.decode_into(raw, np.empty(2, dtype=np.int64))
-    with pytest.raises(TypeError, match="native int64"):
-        _intcodec.decode_into(raw, np.empty(3, dtype=np.float64))
-    with pytest.raises(TypeError, match="native int64"):
-        _intcodec.decode_into(raw, np.empty(3, dtype=">i8"))
-    readonly = np.empty(3, dtype=np.int64)
+    assert _walk_c.array_len(raw) == 3
+    assert _walk_c.decode(raw).tolist() == [1, 2, 3]
+    assert _walk_c.encode(np.array([1, 2, 3], dtype=np.int64)) == raw
+    readonly = np.array([1, 2, 3], dtype=np.int64)
     readonly.flags.writeable = False
-    with pytest.raises((BufferError, ValueError, TypeError)):
-        _intcodec.decode_into(raw, readonly)
-    with pytest.raises(TypeError, match="native int64"):
-        _intcodec.encode(np.array([1, 2], dtype=np.int32))
+    assert _walk_c.encode(readonly) == raw
+    for bad in (np.empty(3, dtype=np.float64), np.array([1, 2], dtype=np.int32)):
+        with pytest.raises(ValueError, match="dtype mismatch"):
+            _walk_c.encode(bad)
+    with pytest.raises(ValueError):  # a big-endian buffer is refused, never misread
+        _walk_c.encode(np.array([1, 2], dtype=">i8"))
     with pytest.raises(TypeError):
-        _intcodec.decode_into(raw)
-    assert _intcodec.encode(np.array([1, 2, 3], dtype=np.int64)) == raw
+        _walk_c.decode()
+    with pytest.raises(TypeError):  # the wrappers pass lists and tuples, nothing else
+        _walk_c.check_structure(raw, (0, 4), (), 4, 4)
+
+
+def test_one_walker_source() -> None:
+    """The compiled walker is the pure module compiled: the same entry points,
+    one IntArrayTooLong class for both."""
+    from mmadmit import msgpack_walk
+
+    public = {"array_len", "array_spans", "check_structure", "decode", "encode", "int_rows"}
+    assert public | {"split"} <= set(dir(msgpack_walk))
+    if ic._BUILT is not None:
+        assert public | {"split"} <= set(dir(ic._BUILT))
+        assert ic._BUILT.IntArrayTooLong is msgpack_walk.IntArrayTooLong is ic.IntArrayTooLong
+        assert "compiled" in ic._BUILT.__doc__ and ic._BUILT.__file__.endswith(".so")
 
 
 # --------------------------------------------------------------------------
@@ -795,8 +808,6 @@ def guarded() -> _Guarded:
 
 @native_only
 def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
-    from mmadmit import _intcodec  # type: ignore[attr-defined]
-
     rng = np.random.default_rng(5)
     cases: list[list[int]] = [[], [1], [2**63 - 1] * 9, [-1] * 20, [248056] * 100]
     cases += [_runs(rng, int(n)).tolist() for n in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200)]
@@ -804,9 +815,7 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
     for values in cases:
         raw = msgpack.packb(values)
         buf = guarded(raw)
-        out = np.empty(len(values), dtype=np.int64)
-        _intcodec.decode_into(buf, out)
-        assert out.tolist() == values
+        assert ic._decode_native(buf).tolist() == values
         for cut in range(len(raw)):  # truncated: an error, never a read past the end
             part = guarded(raw[:cut])
             with pytest.raises(ValueError):

@@ -21,7 +21,8 @@ CODECS = {
     "mmadmit.intcodec",
     "mmadmit.wire",
     "mmadmit.pbwire",
-    "mmadmit._intcodec",
+    "mmadmit.msgpack_walk",
+    "mmadmit._walk_c",
     "mmadmit._pbwire",
 }
 

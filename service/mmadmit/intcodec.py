@@ -1,34 +1,39 @@
-"""msgpack arrays of ints <-> int64 numpy arrays, fast.
+"""msgpack arrays of ints <-> int64 numpy arrays, and the walks of msgpack messages.
 
 The msgpack wire carries token ids as a plain msgpack array of ints (128K
 elements for a long prompt). Generic msgpack decoding builds one Python int
 per element (about 9 ms for 128K ids); this module decodes straight into a
 numpy ``int64`` array and encodes from one.
 
-Two implementations with the same results and the same errors, messages
-included:
+All the work is done by one walker, :mod:`mmadmit.msgpack_walk`: a Python
+source in Cython's pure-Python mode that holds every rule and every error
+text. ``setup.py`` compiles it into the optional extension
+``mmadmit._walk_c``; this module calls the compiled one when it is built and
+native code is on (:mod:`mmadmit.native`, ``--native off``), and the same
+source interpreted otherwise. ``HAVE_NATIVE`` says which.
 
-* native: the optional C extension ``mmadmit._intcodec`` (built by
-  ``setup.py``; no numpy headers, buffers go through the buffer protocol).
-* fallback: pure Python/numpy, used when the extension is not built. Decoding
-  goes through ``msgspec`` (one Python int per element, then ``np.array``);
-  errors are re-diagnosed by a byte-level scan so the messages match the
-  native ones. Encoding is ``msgspec`` on ``values.tolist()``.
-
-``HAVE_NATIVE`` says which one :func:`decode_int_array` and
-:func:`encode_int_array` use (:mod:`mmadmit.native` can switch the native one off).
+Interpreted, the walker's loops are Python loops, far too slow for token
+arrays: on 128K ids (measured here, on a loaded 2-core machine) it takes 6 s
+to decode, 2.4 s to encode and 5.5 s to split a message around them, against
+50 ms, 21 ms and 0.18 s through ``msgspec``. So when the walker is
+interpreted, and only then, three ``msgspec`` shortcuts run, each only where
+it gives the walker's result: :func:`decode_int_array` and the int fields of
+:func:`split_array` decode through ``Decoder(list[int])``, the offsets of
+:func:`split_array` come from ``Decoder(list[msgspec.Raw])``, and whenever
+``msgspec`` refuses the walker runs and words the error;
+:func:`encode_int_array` is ``msgspec`` on ``values.tolist()``, byte-identical
+(the tests check it). :func:`check_structure`, :func:`array_spans` and
+:func:`int_rows` (headers and small arrays) are the walker's alone.
 
 Splitting (for the wire codec): :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
 elements (token ids) into int64 arrays in the same pass, so a 128K-id payload
 is read once; :func:`array_spans` gives the element spans of an array of
 arrays (multimodal items), and :func:`int_rows` decodes arrays of int rows
-at given offsets (their offset pairs) into one int64 table. The native walk
-checks the structure only (lengths, the never-used byte ``0xc1``, trailing
-bytes), iteratively: no depth limit, no recursion; the fallback splits with
-``msgspec`` and walks the bytes in Python where the nesting is deeper than
-``msgspec`` follows. Both raise ``ValueError`` for malformed input and agree
-on every result for valid input; error texts differ (the caller wraps them).
+at given offsets (their offset pairs) into one int64 table. The walk checks
+the structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
+iteratively: no depth limit, no recursion. Errors are ``ValueError`` with the
+same text compiled and interpreted.
 
 Format: exactly one msgpack array (fixarray, array16 or array32) whose
 elements are ints in any msgpack int encoding; values must fit int64 (a uint64
@@ -41,22 +46,19 @@ for the same list. Non-goals: nested arrays, nil elements, arrays of more than
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from mmadmit import native
-from mmadmit.limits import MAX_DEPTH
+from mmadmit import msgpack_walk, native
+from mmadmit.msgpack_walk import IntArrayTooLong
 
 try:
-    from mmadmit import _intcodec as _BUILT  # type: ignore[attr-defined]
-except ImportError:  # not built (no compiler at install time): use the fallback
+    from mmadmit import _walk_c as _BUILT  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler or no Cython at install time)
     _BUILT = None
-
-_intcodec: Any = _BUILT  # the extension; the _*_impl below say which one runs
 
 __all__ = [
     "HAVE_NATIVE",
@@ -72,17 +74,10 @@ __all__ = [
     "split_array",
 ]
 
-HAVE_NATIVE: bool = _intcodec is not None
+HAVE_NATIVE: bool = _BUILT is not None
 
 _INT64_MAX = 2**63 - 1
-_MAX_ARRAY_COUNT = 2**32 - 1
 _PREFIX = "msgpack int array: "
-
-# Element type bytes 0xcc..0xd3 -> (payload width, signed).
-_INT_FORMS = {
-    0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
-    0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True),
-}  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -111,15 +106,6 @@ def encode_int_array(values: Any) -> bytes:
     return _encode_impl(_as_int64(values))
 
 
-class IntArrayTooLong(ValueError):
-    """An ``int_fields`` element of :func:`split_array` declares more than ``max_ints``
-    elements; raised from its header, before anything is allocated for it."""
-
-    def __init__(self, element: int, count: int, limit: int) -> None:
-        super().__init__(f"element {element}: an array of {count} elements, limit {limit}")
-        self.element, self.count, self.limit = element, count, limit
-
-
 def array_len(raw: Any) -> int:
     """The element count of the msgpack array header at the start of ``raw``.
 
@@ -143,10 +129,6 @@ def check_structure(
     headers only and allocates nothing. ``ValueError`` for offsets that do not
     split ``raw`` into single values.
     """
-    if not 1 <= max_depth <= MAX_DEPTH or max_len < 0:
-        raise ValueError(f"check_structure: max_depth must be 1..{MAX_DEPTH}, max_len >= 0")
-    if len(skip) > 8:
-        raise ValueError("check_structure: at most 8 skipped elements")
     return _check_impl(_as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len)
 
 
@@ -195,8 +177,6 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
     offset, the first row and the end row of its array, ``-1, -1`` for nil.
     Raises ``ValueError`` for any other value or an offset outside ``raw``.
     """
-    if not 1 <= width <= 15:
-        raise ValueError("int_rows: width must be 1..15")
     return _rows_impl(_as_bytes(raw), list(starts), width)
 
 
@@ -223,51 +203,14 @@ def _as_int64(values: Any) -> npt.NDArray[np.int64]:
         if arr.size:
             raise TypeError(f"{_PREFIX}expected an integer dtype, got {arr.dtype}")
         arr = arr.astype(np.int64)  # np.asarray([]) is float64
-    if arr.size > _MAX_ARRAY_COUNT:
-        raise ValueError(f"{_PREFIX}{arr.size} elements exceed the array32 limit")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
         index = int(np.argmax(arr > _INT64_MAX))
-        raise ValueError(
-            f"{_PREFIX}element {index}: uint64 value {int(arr[index])} exceeds the int64 range"
-        )
+        raise ValueError(msgpack_walk.range_message(index, int(arr[index])))
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------
-# Native
-
-
-def _decode_native(buf: memoryview) -> npt.NDArray[np.int64]:
-    assert _intcodec is not None
-    # array_len refuses a count larger than the bytes that follow, so a forged
-    # header cannot make this allocate more than 8 bytes per input byte.
-    out = np.empty(_intcodec.array_len(buf), dtype=np.int64)
-    _intcodec.decode_into(buf, out)
-    return out
-
-
-def _encode_native(values: npt.NDArray[np.int64]) -> bytes:
-    assert _intcodec is not None
-    result: bytes = _intcodec.encode(values)
-    return result
-
-
-def _alloc_int64(count: int) -> npt.NDArray[np.int64]:
-    return np.empty(count, dtype=np.int64)
-
-
-class _BoundedAlloc:
-    """split's ``alloc``: refuses a count over ``limit`` (the header's, before any decode)."""
-
-    __slots__ = ("limit",)
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-
-    def __call__(self, count: int) -> npt.NDArray[np.int64]:
-        if count > self.limit:
-            raise IntArrayTooLong(-1, count, self.limit)  # the element is found by the caller
-        return np.empty(count, dtype=np.int64)
+# Header-only checks (no walk)
 
 
 def offsets_of(total: int, raws: Sequence[Any]) -> list[int]:
@@ -285,376 +228,91 @@ def check_int_arrays(
 ) -> None:
     """Raise :class:`IntArrayTooLong` for the first ``int_fields`` element at ``offsets``
     that is an array of more than ``max_ints`` elements (its header only)."""
-    _too_long_field(_as_bytes(raw), offsets, int_fields, max_ints)
-
-
-def _too_long_field(
-    buf: memoryview, offsets: list[int], int_fields: tuple[int, ...], max_ints: int
-) -> None:
+    buf = _as_bytes(raw)
     for field in sorted(int_fields):
         if 0 <= field < len(offsets) - 1:
             b = buf[offsets[field]]
             if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-                count, _ = _parse_header(buf[offsets[field] : offsets[field + 1]])
+                count = _len_impl(buf[offsets[field] : offsets[field + 1]])
                 if count > max_ints:
                     raise IntArrayTooLong(field, count, max_ints)
+
+
+# --------------------------------------------------------------------------
+# Compiled (_X_native: the walker compiled, mmadmit._walk_c) and interpreted
+# (_X_py: the same source run by Python, with the msgspec shortcuts of the
+# module doc). Tests and the fuzz target compare each pair.
+
+
+def _decode_native(buf: memoryview) -> npt.NDArray[np.int64]:
+    assert _BUILT is not None
+    out: npt.NDArray[np.int64] = _BUILT.decode(buf)
+    return out
+
+
+def _encode_native(values: npt.NDArray[np.int64]) -> bytes:
+    assert _BUILT is not None
+    result: bytes = _BUILT.encode(values)
+    return result
 
 
 def _split_native(
     buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
-    assert _intcodec is not None
-    if max_ints is None or not int_fields:
-        offsets, ints = _intcodec.split(buf, int_fields, _alloc_int64)
-        return offsets, ints
-    try:
-        offsets, ints = _intcodec.split(buf, int_fields, _BoundedAlloc(max_ints))
-    except IntArrayTooLong:
-        # which element: the split without decoding (a breach only) names it
-        _too_long_field(buf, _intcodec.split(buf, (), None)[0], int_fields, max_ints)
-        raise  # pragma: no cover - the walk above raises for the same header
+    assert _BUILT is not None
+    offsets, ints = _BUILT.split(buf, int_fields, -1 if max_ints is None else max_ints)
     return offsets, ints
 
 
 def _len_native(buf: memoryview) -> int:
-    assert _intcodec is not None
-    count: int = _intcodec.array_len(buf)
+    assert _BUILT is not None
+    count: int = _BUILT.array_len(buf)
     return count
 
 
 def _check_native(
     buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
 ) -> tuple[int, int, int] | None:
-    assert _intcodec is not None
-    breach: tuple[int, int, int] | None = _intcodec.check_structure(
+    assert _BUILT is not None
+    breach: tuple[int, int, int] | None = _BUILT.check_structure(
         buf, offsets, skip, max_depth, max_len
     )
     return breach
 
 
 def _spans_native(buf: memoryview) -> list[int]:
-    assert _intcodec is not None
-    spans: list[int] = _intcodec.array_spans(buf)
+    assert _BUILT is not None
+    spans: list[int] = _BUILT.array_spans(buf)
     return spans
 
 
 def _rows_native(
     buf: memoryview, starts: list[int], width: int
 ) -> tuple[npt.NDArray[np.int64], list[int]]:
-    assert _intcodec is not None
-    table, bounds = _intcodec.int_rows(buf, starts, width, _alloc_int64)
+    assert _BUILT is not None
+    table, bounds = _BUILT.int_rows(buf, starts, width)
     return table, bounds
-
-
-# --------------------------------------------------------------------------
-# Fallback: decode
 
 
 _LIST_OF_INT_DECODER = msgspec.msgpack.Decoder(list[int])
 
 
+def _ints_by_msgspec(buf: memoryview) -> npt.NDArray[np.int64] | None:
+    """The int array filling ``buf`` through msgspec; None where it refuses."""
+    try:
+        return np.array(_LIST_OF_INT_DECODER.decode(buf), dtype=np.int64)
+    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, ValueError):
+        return None  # OverflowError: a uint64 above INT64_MAX
+
+
 def _decode_py(buf: memoryview) -> npt.NDArray[np.int64]:
-    count, _ = _parse_header(buf)  # refuse a forged count before msgspec allocates
-    try:
-        values = _LIST_OF_INT_DECODER.decode(buf)
-        out = np.array(values, dtype=np.int64)  # OverflowError above INT64_MAX
-    except (msgspec.DecodeError, OverflowError, ValueError) as exc:
-        _scan(buf)  # raises the precise error (same text as the native decoder)
-        raise ValueError(f"{_PREFIX}{exc}") from exc  # pragma: no cover - scan raises
-    if out.shape != (count,):  # pragma: no cover - msgspec checked the count
-        raise ValueError(f"{_PREFIX}expected {count} elements, decoded {out.shape}")
+    count = msgpack_walk.array_len(buf)  # a forged count refused before msgspec allocates
+    out = _ints_by_msgspec(buf)
+    if out is None or out.shape != (count,):
+        decoded: npt.NDArray[np.int64] = msgpack_walk.decode(buf)  # the error, worded
+        return decoded
     return out
 
-
-def _type_name(b: int) -> str:
-    if b <= 0x7F or b >= 0xE0 or 0xCC <= b <= 0xD3:
-        return "int"
-    if b <= 0x8F or b in (0xDE, 0xDF):
-        return "map"
-    if b <= 0x9F or b in (0xDC, 0xDD):
-        return "array"
-    if b <= 0xBF or 0xD9 <= b <= 0xDB:
-        return "str"
-    return {
-        0xC0: "nil",
-        0xC1: "never-used byte",
-        0xC2: "bool",
-        0xC3: "bool",
-        0xC4: "bin",
-        0xC5: "bin",
-        0xC6: "bin",
-        0xCA: "float32",
-        0xCB: "float64",
-    }.get(b, "ext")  # 0xc7..0xc9, 0xd4..0xd8
-
-
-def _parse_header(buf: memoryview) -> tuple[int, int]:
-    """(count, header length); the same checks as the native array_len."""
-    n = len(buf)
-    if n < 1:
-        raise ValueError(f"{_PREFIX}truncated input: empty buffer")
-    b = buf[0]
-    if 0x90 <= b <= 0x9F:
-        count, hlen = b & 0x0F, 1
-    elif b in (0xDC, 0xDD):
-        hlen = 3 if b == 0xDC else 5
-        if n < hlen:
-            raise ValueError(
-                f"{_PREFIX}truncated input: array header (type byte 0x{b:02x}) "
-                f"needs {hlen} bytes, only {n} given"
-            )
-        count = int.from_bytes(buf[1:hlen], "big")
-    else:
-        raise ValueError(
-            f"{_PREFIX}expected an array header, got {_type_name(b)} (type byte 0x{b:02x})"
-        )
-    if count > n - hlen:
-        raise ValueError(
-            f"{_PREFIX}truncated input: array header declares {count} elements "
-            f"but only {n - hlen} bytes follow"
-        )
-    return count, hlen
-
-
-def _scan(buf: memoryview) -> None:
-    """Walk the array byte by byte and raise the first error, as the C code does."""
-    count, pos = _parse_header(buf)
-    n = len(buf)
-    for i in range(count):
-        if pos >= n:
-            raise ValueError(f"{_PREFIX}truncated input: element {i} missing at offset {pos}")
-        b = buf[pos]
-        if b <= 0x7F or b >= 0xE0:
-            pos += 1
-            continue
-        form = _INT_FORMS.get(b)
-        if form is None:
-            raise ValueError(
-                f"{_PREFIX}element {i}: expected an int, got {_type_name(b)} (type byte 0x{b:02x})"
-            )
-        width, signed = form
-        if n - pos < 1 + width:
-            raise ValueError(
-                f"{_PREFIX}truncated input: element {i} (type byte 0x{b:02x}) needs "
-                f"{1 + width} bytes at offset {pos}, only {n - pos} left"
-            )
-        value = int.from_bytes(buf[pos + 1 : pos + 1 + width], "big", signed=signed)
-        if value > _INT64_MAX:
-            raise ValueError(f"{_PREFIX}element {i}: uint64 value {value} exceeds the int64 range")
-        pos += 1 + width
-    if pos != n:
-        raise ValueError(f"{_PREFIX}{n - pos} trailing bytes after the array (at offset {pos})")
-
-
-# --------------------------------------------------------------------------
-# Fallback: split
-
-_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
-
-def _split_py(
-    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
-) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
-    try:
-        elems = _RAW_LIST_DECODER.decode(buf)
-    except RecursionError:  # nested deeper than msgspec follows: walk it here
-        offsets = _walk_py(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"msgpack: {exc}") from exc
-    else:
-        offsets = offsets_of(len(buf), elems)  # back to back, ending the input
-    if max_ints is not None:
-        _too_long_field(buf, offsets, int_fields, max_ints)
-    ints: list[npt.NDArray[np.int64] | None] = []
-    for field in int_fields:
-        value = None
-        if 0 <= field < len(offsets) - 1:
-            try:
-                value = _decode_py(buf[offsets[field] : offsets[field + 1]])
-            except ValueError:
-                pass
-        ints.append(value)
-    return offsets, ints
-
-
-def _walk_py(buf: memoryview) -> list[int]:
-    """split_array's offsets by a byte walk (no recursion: any nesting depth)."""
-    n = len(buf)
-    if n < 1 or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
-        raise ValueError("msgpack: expected an array")
-    hlen = 1 if buf[0] <= 0x9F else (3 if buf[0] == 0xDC else 5)
-    if n < hlen:
-        raise ValueError("msgpack: truncated input: array header")
-    count = buf[0] & 0x0F if hlen == 1 else int.from_bytes(buf[1:hlen], "big")
-    if count > n - hlen:
-        raise ValueError(f"msgpack: truncated input: the array header declares {count} elements")
-    offsets = [hlen]
-    for _ in range(count):
-        offsets.append(_value_end_py(buf, offsets[-1]))
-    if offsets[-1] != n:
-        raise ValueError(f"msgpack: {n - offsets[-1]} trailing bytes after the array")
-    return offsets
-
-
-def _spans_py(buf: memoryview) -> list[int]:
-    offsets, _ = _split_py(buf, ())
-    out: list[int] = []
-    for start, end in pairwise(offsets):
-        b = buf[start]
-        count, off1, off3 = -1, -1, -1
-        if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-            sub, _ = _split_py(buf[start:end], ())
-            count = len(sub) - 1
-            if count >= 3:
-                off1, off3 = start + sub[1], start + sub[3]
-        out += [start, end, count, off1, off3]
-    return out
-
-
-def _value_end_py(buf: memoryview, pos: int) -> int:
-    """Where the msgpack value starting at ``pos`` ends (structure only, as the C walk)."""
-    n = len(buf)
-    pending = 1
-    while pending:
-        if pos >= n:
-            raise ValueError(f"msgpack: truncated input at offset {pos}")
-        b = buf[pos]
-        pending -= 1
-        if b <= 0x7F or b >= 0xE0:
-            pos += 1
-            continue
-        size, children, _ = _head_py(buf, pos, n)
-        pos += size
-        pending += children
-        if pending > n - pos:
-            raise ValueError(f"msgpack: truncated input at offset {pos}")
-    return pos
-
-
-_FIXED_SIZE = {  # type byte -> size of the whole value
-    0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9,
-    0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9,
-    0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18,
-}  # fmt: skip
-_LENGTH_FORMS = {  # type byte -> (length field width, ext type byte, container: 1 array, 2 map)
-    0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0),  # bin
-    0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0),  # str
-    0xC7: (1, 1, 0), 0xC8: (2, 1, 0), 0xC9: (4, 1, 0),  # ext
-    0xDC: (2, 0, 1), 0xDD: (4, 0, 1),  # array
-    0xDE: (2, 0, 2), 0xDF: (4, 0, 2),  # map
-}  # fmt: skip
-
-
-def _len_py(buf: memoryview) -> int:
-    return _parse_header(buf)[0]
-
-
-def _check_py(
-    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
-) -> tuple[int, int, int] | None:
-    """The C walk of check_structure: one counter per open container, headers only."""
-    n = len(buf)
-    for i, (start, end) in enumerate(pairwise(offsets)):
-        if not 0 <= start <= end <= n:
-            raise ValueError(f"check_structure: element {i} spans {start}..{end} of {n} bytes")
-        if i in skip:
-            continue
-        pos, pending = start, [1]  # values left in each open level; level 0: the element
-        while True:
-            while pending[-1] == 0:
-                pending.pop()
-                if not pending:
-                    break
-            if not pending:
-                break
-            if pos >= end:
-                raise ValueError(f"msgpack: truncated input at offset {pos}")
-            pending[-1] -= 1
-            b = buf[pos]
-            if b <= 0x7F or b >= 0xE0:
-                pos += 1
-                continue
-            size, children, container = _head_py(buf, pos, end)
-            pos += size
-            if not container:
-                continue
-            entries = children // 2 if container == 2 else children
-            if entries > max_len:
-                return (container, i, entries)
-            depth = len(pending) + 1  # inside the array (1) and len(pending) - 1 levels
-            if depth > max_depth:
-                return (3, i, depth)
-            if children > end - pos:
-                raise ValueError(f"msgpack: truncated input at offset {pos}")
-            if children:
-                pending.append(children)
-        if pos != end:
-            raise ValueError(
-                f"check_structure: element {i} is not one value ({pos - start} of "
-                f"{end - start} bytes)"
-            )
-    return None
-
-
-def _head_py(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
-    """(size without children, children, container: 0, 1 array, 2 map) of a non-fixint."""
-    b = buf[pos]
-    size, children, container = 1, 0, 0
-    if b <= 0x8F:
-        children, container = 2 * (b & 0x0F), 2
-    elif b <= 0x9F:
-        children, container = b & 0x0F, 1
-    elif b <= 0xBF:
-        size = 1 + (b & 0x1F)
-    elif b == 0xC1:
-        raise ValueError(f"msgpack: invalid type byte 0xc1 at offset {pos}")
-    elif b in _FIXED_SIZE:
-        size = _FIXED_SIZE[b]
-    else:
-        width, ext, kind = _LENGTH_FORMS[b]
-        if end - pos < 1 + width:
-            raise ValueError(f"msgpack: truncated input at offset {pos}")
-        m = int.from_bytes(buf[pos + 1 : pos + 1 + width], "big")
-        if kind:
-            size, children, container = 1 + width, m * kind, kind
-        else:
-            size = 1 + width + ext + m
-    if size > end - pos:
-        raise ValueError(f"msgpack: truncated input at offset {pos}")
-    return size, children, container
-
-
-_ROWS_DECODER = msgspec.msgpack.Decoder(list[list[int]] | None)
-
-
-def _rows_py(
-    buf: memoryview, starts: list[int], width: int
-) -> tuple[npt.NDArray[np.int64], list[int]]:
-    rows: list[list[int]] = []
-    bounds: list[int] = []
-    for at in starts:
-        if not 0 <= at < len(buf):
-            raise ValueError(f"int_rows: start {at} outside the input")
-        try:
-            value = _ROWS_DECODER.decode(buf[at : _value_end_py(buf, at)])
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-            raise ValueError(f"int_rows: the value at offset {at}: {exc}") from exc
-        if value is None:
-            bounds += [-1, -1]
-            continue
-        if any(len(row) != width for row in value):
-            raise ValueError(f"int_rows: a row at offset {at} is not an array of {width} ints")
-        bounds += [len(rows), len(rows) + len(value)]
-        rows += value
-    try:
-        table = np.array(rows, dtype=np.int64).reshape(-1)
-    except OverflowError as exc:
-        raise ValueError(f"int_rows: {exc}") from exc
-    return table, bounds
-
-
-# --------------------------------------------------------------------------
-# Fallback: encode
 
 # msgspec writes ints in the same smallest forms as msgpack-python (the tests
 # check it). Going through .tolist() was measured faster than a vectorized
@@ -663,10 +321,68 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def _encode_py(values: npt.NDArray[np.int64]) -> bytes:
+    if values.size > msgpack_walk.MAX_ARRAY_COUNT:  # the walker words the limit
+        refused: bytes = msgpack_walk.encode(values)
+        return refused
     return _ENCODER.encode(values.tolist())
 
 
-# --------------------------------------------------------------------------
+_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def _split_py(
+    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
+) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+    # msgspec finds the offsets where it accepts the message (the msgpack format
+    # leaves it no other reading, and it accepts no message the walker
+    # refuses); the walker does where it does not, and words the error. Then
+    # msgspec decodes the int fields, None where it refuses (as the walker's
+    # own decode says).
+    try:
+        offsets = offsets_of(len(buf), _RAW_LIST_DECODER.decode(buf))
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        bound = -1 if max_ints is None else max_ints
+        offsets, _ = msgpack_walk.split(buf, int_fields, bound, False)
+    else:
+        if max_ints is not None:  # as the walk would, in element order, from the headers
+            check_int_arrays(buf, offsets, int_fields, max_ints)
+    ints: list[npt.NDArray[np.int64] | None] = []
+    for field in int_fields:
+        value = None
+        if 0 <= field < len(offsets) - 1:
+            elem = buf[offsets[field] : offsets[field + 1]]
+            b = elem[0]
+            if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+                value = _ints_by_msgspec(elem)
+        ints.append(value)
+    return offsets, ints
+
+
+def _len_py(buf: memoryview) -> int:
+    count: int = msgpack_walk.array_len(buf)
+    return count
+
+
+def _check_py(
+    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+) -> tuple[int, int, int] | None:
+    breach: tuple[int, int, int] | None = msgpack_walk.check_structure(
+        buf, offsets, skip, max_depth, max_len
+    )
+    return breach
+
+
+def _spans_py(buf: memoryview) -> list[int]:
+    spans: list[int] = msgpack_walk.array_spans(buf)
+    return spans
+
+
+def _rows_py(
+    buf: memoryview, starts: list[int], width: int
+) -> tuple[npt.NDArray[np.int64], list[int]]:
+    table, bounds = msgpack_walk.int_rows(buf, starts, width)
+    return table, bounds
+
 
 _decode_impl = _decode_py
 _encode_impl = _encode_py
@@ -678,7 +394,8 @@ _check_impl = _check_py
 
 
 def _use_native(on: bool) -> bool:
-    """Point the public functions at the extension (when built and ``on``) or the fallback."""
+    """Point the public functions at the compiled walker (when built and ``on``)
+    or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
     global _len_impl, _check_impl
     HAVE_NATIVE = on and _BUILT is not None

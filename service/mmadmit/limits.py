@@ -34,7 +34,8 @@ from typing import Any
 from .errors import InvalidRequest, TooLarge
 
 # The ceiling of --max-msgpack-depth: the deepest nesting the codec's structure
-# walk (mmadmit.intcodec.check_structure, C and Python) keeps a stack for.
+# walk (mmadmit.msgpack_walk.check_structure) keeps a stack for. Defined here so
+# that the configuration and the materializer load no codec (tests/test_layering.py).
 MAX_DEPTH = 1024
 
 __all__ = [

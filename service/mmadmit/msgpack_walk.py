@@ -1,0 +1,984 @@
+"""The msgpack walker and int-array codec: one source, interpreted or compiled.
+
+This module is the reference for every structural rule :mod:`mmadmit.intcodec`
+applies to msgpack bytes, and it words every error. It is plain Python (it
+imports ``cython`` only for the type annotations, which do nothing when it
+runs interpreted), and ``setup.py`` compiles the same file with Cython into
+the optional extension ``mmadmit._walk_c`` (Cython's pure-Python mode). Both
+are importable side by side; :mod:`mmadmit.intcodec` picks one at run time
+(``mmadmit.native``, ``--native off``), and the tests and the ``intcodec`` fuzz
+target run both on the same inputs and compare results and messages.
+
+Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
+
+* :func:`array_len`, :func:`decode`, :func:`encode`: one msgpack array of ints
+  <-> a 1-D ``int64`` array (errors prefixed ``msgpack int array:``).
+* :func:`split`, :func:`array_spans`, :func:`int_rows`,
+  :func:`check_structure`: walks over one whole msgpack message that check
+  its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
+  iteratively (no recursion: any nesting depth costs no stack), every read
+  bounds-checked (errors prefixed ``msgpack:`` or the entry point's name).
+
+The int loops touch no Python object and, compiled, run without the GIL for
+arrays of ``_GIL_MIN`` elements or more. Decoding takes runs of one int form
+(a placeholder id over an image, a pad value over its span) eight elements
+at a time, and elements eight at a time with one unaligned 8-byte big-endian
+load each while 72 bytes are left; encoding writes runs of one value eight at
+a time. Results and errors are those of the element-by-element loop.
+
+Arithmetic is written to give the same numbers in C (64-bit, wrapping) and in
+Python (unbounded ints): an unsigned value that may wrap goes through
+:func:`_wrap` (a no-op compiled), and every count stays far below 2**62.
+``cython.compiled`` is tested in two places only: :func:`_wrap`, and
+:func:`_load8`, which reads through a pointer when compiled (GCC merges
+byte loads into one load and a byte swap only at constant offsets from one
+pointer, not at a variable index into a memoryview).
+"""
+
+from __future__ import annotations
+
+import cython
+import numpy as np
+
+from .limits import MAX_DEPTH
+
+__all__ = [
+    "MAX_ARRAY_COUNT",
+    "MAX_DEPTH",
+    "IntArrayTooLong",
+    "array_len",
+    "array_spans",
+    "check_structure",
+    "decode",
+    "encode",
+    "int_rows",
+    "range_message",
+    "split",
+]
+
+if cython.compiled:
+    # One class for both builds: intcodec and wire catch the pure module's.
+    from mmadmit.msgpack_walk import IntArrayTooLong  # type: ignore[attr-defined]
+else:
+
+    class IntArrayTooLong(ValueError):  # type: ignore[no-redef]
+        """An ``int_fields`` element of :func:`split` declares more than ``max_ints``
+        elements; raised from its header, before anything is allocated for it."""
+
+        def __init__(self, element: int, count: int, limit: int) -> None:
+            super().__init__(f"element {element}: an array of {count} elements, limit {limit}")
+            self.element, self.count, self.limit = element, count, limit
+
+
+ssize = cython.typedef(cython.Py_ssize_t)
+u8 = cython.typedef(cython.uchar)
+i64 = cython.typedef(cython.longlong)
+u64 = cython.typedef(cython.ulonglong)
+
+# the deepest nesting check_structure follows; _walk_limits's stack is sized by the
+# literal 1024 (Cython wants one), so it is checked against the setting here
+assert MAX_DEPTH == 1024, MAX_DEPTH
+MAX_ARRAY_COUNT = 0xFFFFFFFF  # array32: the most elements encode writes
+_GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the GIL
+_INT = "msgpack int array: "
+
+# Int-array decode outcomes (_ints) and split errors (_split_error).
+_OK = cython.declare(cython.int, 0)
+_E_MISSING = cython.declare(cython.int, 1)  # input ended before element i
+_E_TYPE = cython.declare(cython.int, 2)  # element i is not an int
+_E_TRUNC = cython.declare(cython.int, 3)  # element i cut short
+_E_RANGE = cython.declare(cython.int, 4)  # a uint64 above INT64_MAX
+_S_END = cython.declare(cython.int, 1)  # input ended where a value was expected
+_S_TRUNC = cython.declare(cython.int, 2)  # a value cut short
+_S_PENDING = cython.declare(cython.int, 3)  # more values announced than bytes left
+_S_BYTE = cython.declare(cython.int, 4)  # the never-used type byte 0xc1
+_S_COUNT = cython.declare(cython.int, 5)  # the top array declares more than bytes left
+
+
+# --------------------------------------------------------------------------
+# Type bytes
+
+
+def _type_name(b: cython.int) -> str:
+    if b <= 0x7F or b >= 0xE0 or 0xCC <= b <= 0xD3:
+        return "int"
+    if b <= 0x8F or b == 0xDE or b == 0xDF:
+        return "map"
+    if b <= 0x9F or b == 0xDC or b == 0xDD:
+        return "array"
+    if b <= 0xBF or 0xD9 <= b <= 0xDB:
+        return "str"
+    if b == 0xC0:
+        return "nil"
+    if b == 0xC1:
+        return "never-used byte"
+    if b == 0xC2 or b == 0xC3:
+        return "bool"
+    if 0xC4 <= b <= 0xC6:
+        return "bin"
+    if b == 0xCA:
+        return "float32"
+    if b == 0xCB:
+        return "float64"
+    return "ext"  # 0xc7..0xc9, 0xd4..0xd8
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _wrap(x: u64) -> u64:
+    """``x`` modulo 2**64: what C's unsigned arithmetic does by itself."""
+    if not cython.compiled:
+        x &= 0xFFFFFFFFFFFFFFFF
+    return x
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _int_width(b: cython.uint) -> ssize:
+    """Payload bytes after an int's type byte: 0 for a fixint, 1, 2, 4 or 8 for
+    uint8..64 / int8..64 (0xcc..0xd3), -1 for a byte that does not start an int."""
+    if b < 0x80 or b >= 0xE0:
+        return 0
+    if 0xCC <= b <= 0xD3:
+        return 1 << (b & 3)
+    return -1
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _int_value(b: cython.uint, u: u64) -> i64:
+    """The int of type byte ``b`` and payload ``u``: sign-extended for a fixint
+    (``u`` unused) and int8..64, as is for uint8..32, and uint64 as int64 (a
+    value above INT64_MAX comes out negative, in range for the caller to refuse)."""
+    m: u64 = 0
+    if b < 0x80 or b >= 0xE0:
+        u = b
+        m = 0x80
+    elif b >= 0xCF:
+        m = cython.cast(u64, 1) << (8 * (1 << (b & 3)) - 1)
+    return cython.cast(i64, (u ^ m) - m)  # C wraps in 64 bits, Python needs not
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _load(p: cython.const[u8][::1], at: ssize, width: cython.int) -> u64:
+    """``width`` bytes at ``p[at]``, big-endian (the caller has checked they are there)."""
+    v: u64 = 0
+    k: cython.int
+    for k in range(width):
+        v = (v << 8) | p[at + k]
+    return v
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _load8(p: cython.const[u8][::1], at: ssize) -> u64:
+    """8 bytes at ``p[at]``, big-endian (one unaligned load and a byte swap, compiled)."""
+    q: cython.pointer(cython.const[u8])
+    if cython.compiled:
+        q = cython.address(p[at])
+    else:
+        q = p[at : at + 8]
+    return (
+        (cython.cast(u64, q[0]) << 56)
+        | (cython.cast(u64, q[1]) << 48)
+        | (cython.cast(u64, q[2]) << 40)
+        | (cython.cast(u64, q[3]) << 32)
+        | (cython.cast(u64, q[4]) << 24)
+        | (cython.cast(u64, q[5]) << 16)
+        | (cython.cast(u64, q[6]) << 8)
+        | cython.cast(u64, q[7])
+    )
+
+
+# --------------------------------------------------------------------------
+# Int arrays: decode
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _array_head(p: cython.const[u8][::1], end: ssize, pos: ssize) -> tuple[ssize, ssize]:
+    """The array header at ``p[pos]`` (``pos < end``): ``(count, header length)``;
+    ``(-1, 0)`` if it is no array header, ``(-2, need)`` if it is cut short."""
+    b: cython.uint = p[pos]
+    h: ssize
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F, 1
+    if b == 0xDC or b == 0xDD:
+        h = 3 if b == 0xDC else 5
+        if end - pos < h:
+            return -2, h
+        return cython.cast(ssize, _load(p, pos + 1, h - 1)), h
+    return -1, 0
+
+
+def _int_header(p: cython.const[u8][::1]) -> tuple[ssize, ssize]:
+    """(count, header length) of the int array filling ``p``, or ValueError."""
+    n: ssize = p.shape[0]
+    count: ssize
+    h: ssize
+    if n < 1:
+        raise ValueError(f"{_INT}truncated input: empty buffer")
+    count, h = _array_head(p, n, 0)
+    if count == -1:
+        raise ValueError(
+            f"{_INT}expected an array header, got {_type_name(p[0])} (type byte 0x{p[0]:02x})"
+        )
+    if count == -2:
+        raise ValueError(
+            f"{_INT}truncated input: array header (type byte 0x{p[0]:02x}) "
+            f"needs {h} bytes, only {n} given"
+        )
+    # Each element takes at least one byte: refusing a larger count here keeps
+    # a forged header from making the caller allocate gigabytes.
+    if count > n - h:
+        raise ValueError(
+            f"{_INT}truncated input: array header declares {count} elements "
+            f"but only {n - h} bytes follow"
+        )
+    return count, h
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _run8(
+    p: cython.const[u8][::1], pos: ssize, b: cython.uint, s: ssize, out: i64[::1], o: ssize
+) -> cython.bint:
+    """Eight elements of type byte ``b`` (0xcc..0xd3), ``s`` bytes apart, decoded
+    with independent loads into ``out[o:o + 8]``. False (``out`` then holds
+    nothing to keep) unless all eight have type byte ``b`` and none is a uint64
+    above INT64_MAX. Needs ``7 * s + 9`` bytes at ``p[pos]``."""
+    k: cython.int
+    same: cython.bint = True
+    for k in range(1, 8):
+        same &= p[pos + k * s] == b
+    if not same:
+        return False
+    shift: cython.int = (64 - 8 * (1 << (b & 3))) & 63
+    seen: u64 = 0
+    raw: u64
+    for k in range(8):
+        raw = _load8(p, pos + k * s + 1)
+        seen |= raw
+        out[o + k] = _int_value(b, raw >> shift)
+    return not (b == 0xCF and (seen >> 63))
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _ints(
+    p: cython.const[u8][::1], end: ssize, pos: ssize, count: ssize, out: i64[::1], o: ssize
+) -> tuple[cython.int, ssize, ssize, u64]:
+    """Decode ``count`` ints from ``p[pos]`` into ``out[o:o + count]``.
+
+    ``(_OK, count, end position, 0)``, or ``(error kind, element, its offset,
+    the uint64 value for _E_RANGE)`` for the first bad element. Bytes past the
+    array are not looked at (the 8-wide loop reads, never uses, up to 8 bytes
+    past its end, within ``end``)."""
+    i: ssize = 0
+    b: cython.uint
+    first: cython.uint
+    w: ssize
+    s: ssize
+    _k: cython.int
+    raw: u64
+    u: u64
+    # 8 elements at a time while 72 bytes are left (8 elements take at most
+    # that, the last one's 8-byte load included: no bounds check inside a
+    # chunk); first a look for a run of one form, taken while it lasts.
+    while count - i >= 8 and end - pos >= 72:
+        first = p[pos]
+        if 0xCC <= first <= 0xD3:
+            s = 1 + (1 << (first & 3))
+            if _run8(p, pos, first, s, out, o + i):  # 7 * s + 9 <= 72
+                i += 8
+                pos += 8 * s
+                continue
+        for _k in range(8):
+            b = p[pos]
+            w = _int_width(b)
+            if w < 0:
+                return _E_TYPE, i, pos, 0
+            raw = _load8(p, pos + 1)
+            u = raw >> ((64 - 8 * w) & 63)
+            if b == 0xCF and u >> 63:
+                return _E_RANGE, i, pos, u
+            out[o + i] = _int_value(b, u)
+            pos += 1 + w
+            i += 1
+    # the last few elements: every read checked
+    while i < count:
+        if pos >= end:
+            return _E_MISSING, i, pos, 0
+        b = p[pos]
+        w = _int_width(b)
+        if w < 0:
+            return _E_TYPE, i, pos, 0
+        if end - pos < 1 + w:
+            return _E_TRUNC, i, pos, 0
+        u = _load(p, pos + 1, w)
+        if b == 0xCF and u >> 63:
+            return _E_RANGE, i, pos, u
+        out[o + i] = _int_value(b, u)
+        pos += 1 + w
+        i += 1
+    return _OK, i, pos, 0
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _decode_ints(
+    p: cython.const[u8][::1], end: ssize, pos: ssize, count: ssize, out: i64[::1], o: ssize
+) -> tuple[cython.int, ssize, ssize, u64]:
+    """:func:`_ints`, without the GIL for a long array (compiled)."""
+    r: tuple[cython.int, ssize, ssize, u64]
+    if count >= _GIL_MIN:
+        with cython.nogil:
+            r = _ints(p, end, pos, count, out, o)
+    else:
+        r = _ints(p, end, pos, count, out, o)
+    return r
+
+
+def _int_error(p: cython.const[u8][::1], kind: cython.int, i: ssize, pos: ssize, value: u64) -> str:
+    """The message of an :func:`_ints` outcome."""
+    n: ssize = p.shape[0]
+    if kind == _E_MISSING:
+        return f"{_INT}truncated input: element {i} missing at offset {pos}"
+    b: cython.uint = p[pos]
+    if kind == _E_TYPE:
+        return f"{_INT}element {i}: expected an int, got {_type_name(b)} (type byte 0x{b:02x})"
+    if kind == _E_TRUNC:
+        return (
+            f"{_INT}truncated input: element {i} (type byte 0x{b:02x}) needs "
+            f"{1 + _int_width(b)} bytes at offset {pos}, only {n - pos} left"
+        )
+    return range_message(i, value)
+
+
+def range_message(i: ssize, value: u64) -> str:
+    """The error of a uint64 above INT64_MAX at element ``i``, decoded or to encode."""
+    return f"{_INT}element {i}: uint64 value {value} exceeds the int64 range"
+
+
+def array_len(p: cython.const[u8][::1]) -> int:
+    """The element count of the int array header at the start of ``p`` (header only).
+
+    ValueError for a non-array, a cut header, or a count larger than the bytes
+    that follow (so ``count`` int64 may be allocated safely)."""
+    count: ssize
+    count, _ = _int_header(p)
+    return count
+
+
+def decode(p: cython.const[u8][::1]) -> np.ndarray:
+    """The one msgpack array of ints filling ``p``, as a new 1-D int64 array."""
+    count: ssize
+    h: ssize
+    count, h = _int_header(p)
+    arr = np.empty(count, dtype=np.int64)
+    out: i64[::1] = arr
+    kind: cython.int
+    i: ssize
+    pos: ssize
+    value: u64
+    kind, i, pos, value = _decode_ints(p, p.shape[0], h, count, out, 0)
+    if kind != _OK:
+        raise ValueError(_int_error(p, kind, i, pos, value))
+    if pos != p.shape[0]:
+        raise ValueError(
+            f"{_INT}{p.shape[0] - pos} trailing bytes after the array (at offset {pos})"
+        )
+    return arr
+
+
+# --------------------------------------------------------------------------
+# Int arrays: encode
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _put9(o: u8[::1], at: ssize, t: cython.uint, payload: u64) -> cython.void:
+    """Type byte ``t`` and 8 payload bytes (big-endian) at ``o[at]``; the caller
+    then advances by the int's true size, the next write overwrites the rest.
+    Written as the 8 bytes of one big-endian word and a ninth byte, which GCC
+    turns into one byte-swapped 8-byte store and a byte store."""
+    w: u64 = (cython.cast(u64, t) << 56) | (payload >> 8)
+    o[at] = w >> 56
+    o[at + 1] = (w >> 48) & 0xFF
+    o[at + 2] = (w >> 40) & 0xFF
+    o[at + 3] = (w >> 32) & 0xFF
+    o[at + 4] = (w >> 24) & 0xFF
+    o[at + 5] = (w >> 16) & 0xFF
+    o[at + 6] = (w >> 8) & 0xFF
+    o[at + 7] = w & 0xFF
+    o[at + 8] = payload & 0xFF
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _form(v: i64) -> tuple[cython.uint, u64, ssize]:
+    """``(type byte, payload, size)`` of ``v`` in its smallest msgpack form,
+    msgpack-python's choice, with one branch only (a fixint, rare among ids):
+    a fixint (the type byte is the value, size 1), else 0xcc + k (uint) /
+    0xd0 + k (int) and a payload of ``1 << k`` bytes (left-aligned in
+    ``payload``)."""
+    u: u64 = _wrap(cython.cast(u64, v))
+    neg: u64 = u >> 63
+    # for v < 0, ~v: the int8/16/32 ranges are then ~v <= 0x7f, 0x7fff,
+    # 0x7fffffff and negative fixints ~v <= 31; for v >= 0 the uint8/16/32
+    # ranges are v <= 0xff, 0xffff, 0xffffffff and fixints v <= 127.
+    m: u64 = u ^ _wrap(0 - neg)
+    one: u64 = 1
+    fixint: cython.bint = m <= ((one << 7) - 1) >> (2 * neg)
+    k: cython.uint = 0
+    k += m > ((one << 8) - 1) >> neg
+    k += m > ((one << 16) - 1) >> neg
+    k += m > ((one << 32) - 1) >> neg
+    width: cython.uint = 1 << k
+    if fixint:  # its payload is never kept (its size is 1)
+        return u & 0xFF, 0, 1
+    return 0xCC + 4 * neg + k, _wrap(u << ((64 - 8 * width) & 63)), 1 + width
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _put(o: u8[::1], at: ssize, x: i64) -> ssize:
+    """Write ``x`` at ``o[at]`` (9 writable bytes); where the next value goes."""
+    t: cython.uint
+    payload: u64
+    size: ssize
+    t, payload, size = _form(x)
+    _put9(o, at, t, payload)
+    return at + size
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
+    """Write ``v``'s values from ``o[at]`` (9 writable bytes a value); the end offset."""
+    n: ssize = v.shape[0]
+    i: ssize = 0
+    t: cython.uint
+    payload: u64
+    size: ssize
+    x: i64
+    k: cython.int
+    _k: cython.int
+    same: cython.bint
+    while n - i >= 8:
+        # every 8 values, a look for a run of one value (8 more equal to the
+        # previous one): its encoding written again while it lasts
+        if i > 0 and v[i] == v[i - 1]:
+            x = v[i - 1]
+            same = True
+            for k in range(8):
+                same &= v[i + k] == x
+            if same:
+                t, payload, size = _form(x)
+                for _k in range(8):
+                    _put9(o, at, t, payload)
+                    at += size
+                i += 8
+                continue
+        # eight values, unrolled by hand: GCC does not unroll a loop this long
+        at = _put(o, at, v[i])
+        at = _put(o, at, v[i + 1])
+        at = _put(o, at, v[i + 2])
+        at = _put(o, at, v[i + 3])
+        at = _put(o, at, v[i + 4])
+        at = _put(o, at, v[i + 5])
+        at = _put(o, at, v[i + 6])
+        at = _put(o, at, v[i + 7])
+        i += 8
+    while i < n:
+        at = _put(o, at, v[i])
+        i += 1
+    return at
+
+
+def encode(v: cython.const[i64][::1]) -> bytes:
+    """The msgpack array of ``v``'s values, each in its smallest form: byte for
+    byte what ``msgpack.packb(list_of_ints)`` writes. ValueError above the
+    array32 limit."""
+    n: ssize = v.shape[0]
+    if n > MAX_ARRAY_COUNT:
+        raise ValueError(f"{_INT}{n} elements exceed the array32 limit")
+    buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
+    o: u8[::1] = buf
+    at: ssize
+    if n < 16:
+        o[0] = 0x90 | n
+        at = 1
+    elif n <= 0xFFFF:
+        o[0], o[1], o[2] = 0xDC, n >> 8, n & 0xFF
+        at = 3
+    else:
+        o[0], o[1], o[2], o[3], o[4] = 0xDD, n >> 24, (n >> 16) & 0xFF, (n >> 8) & 0xFF, n & 0xFF
+        at = 5
+    if n >= _GIL_MIN:
+        with cython.nogil:
+            at = _write_ints(o, at, v)
+    else:
+        at = _write_ints(o, at, v)
+    result: bytes = buf[:at].tobytes()
+    return result
+
+
+# --------------------------------------------------------------------------
+# Structure walks: split, array_spans, check_structure, int_rows.
+#
+# One counter holds the values still to be skipped (an array header adds its
+# count, a map header twice its count). Every length is checked against the
+# bytes left before it is used, and the pending count is kept below the bytes
+# left (each value takes one byte at least), so a forged header fails at once
+# instead of making the walk run long. Only the structure is checked; the
+# values are validated by whoever decodes them.
+
+
+def _split_error(
+    kind: cython.int, element: ssize, p: cython.const[u8][::1], end: ssize, pos: ssize, need: u64
+) -> ValueError:
+    """The ValueError of a malformed message: ``kind`` what, at ``p[pos]``, inside
+    top-level ``element``; ``need`` the bytes (_S_TRUNC) or values (_S_PENDING)."""
+    if kind == _S_END:
+        return ValueError(
+            f"msgpack: truncated input: element {element}: input ends at "
+            f"offset {pos} where a value is expected"
+        )
+    if kind == _S_PENDING:
+        return ValueError(
+            f"msgpack: truncated input: element {element}: {need} more values "
+            f"announced at offset {pos} but only {end - pos} bytes left"
+        )
+    if kind == _S_COUNT:
+        return ValueError(
+            f"msgpack: truncated input: the array header declares {need} "
+            f"elements but only {end - pos} bytes follow"
+        )
+    b: cython.uint = p[pos]
+    if kind == _S_BYTE:
+        return ValueError(
+            f"msgpack: element {element}: invalid type byte 0x{b:02x} at offset {pos}"
+        )
+    return ValueError(
+        f"msgpack: truncated input: element {element}: the {_type_name(b)} at offset {pos} "
+        f"(type byte 0x{b:02x}) needs {need} bytes, only {end - pos} left"
+    )
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _head(p: cython.const[u8][::1], end: ssize, pos: ssize) -> tuple[ssize, ssize, cython.int]:
+    """The head of the value at ``p[pos]`` (``pos < end``, not a fixint).
+
+    ``(size, children, container)``: its size with its children excluded, the
+    values that follow as its children (a map: two per entry), and 0, 1 (an
+    array) or 2 (a map). ``(-1, need, _S_TRUNC)`` for a value cut short,
+    ``(-1, 0, _S_BYTE)`` for the byte 0xc1."""
+    b: cython.uint = p[pos]
+    size: ssize = 1
+    lw: ssize = 0  # width of a length field after the type byte
+    ext: ssize = 0  # ext: the type code byte after the length
+    container: cython.int = 0
+    m: ssize
+    if b <= 0x8F:  # fixmap (fixints are the caller's)
+        return 1, 2 * (b & 0x0F), 2
+    if b <= 0x9F:  # fixarray
+        return 1, b & 0x0F, 1
+    if b <= 0xBF:  # fixstr
+        size = 1 + (b & 0x1F)
+    elif b == 0xC1:
+        return -1, 0, _S_BYTE
+    elif b == 0xC0 or b == 0xC2 or b == 0xC3:  # nil, bool
+        size = 1
+    elif b == 0xC4 or b == 0xD9:  # bin8, str8
+        lw = 1
+    elif b == 0xC5 or b == 0xDA:  # bin16, str16
+        lw = 2
+    elif b == 0xC6 or b == 0xDB:  # bin32, str32
+        lw = 4
+    elif 0xC7 <= b <= 0xC9:  # ext8, ext16, ext32
+        lw = 1 << (b - 0xC7)
+        ext = 1
+    elif b == 0xCA:  # float32
+        size = 5
+    elif b == 0xCB:  # float64
+        size = 9
+    elif 0xCC <= b <= 0xD3:  # uint8..64, int8..64
+        size = 1 + (1 << (b & 3))
+    elif 0xD4 <= b <= 0xD8:  # fixext 1, 2, 4, 8, 16
+        size = 2 + (1 << (b - 0xD4))
+    else:  # 0xdc..0xdf: array16, array32, map16, map32
+        lw = 2 if (b & 1) == 0 else 4
+        container = 1 if b <= 0xDD else 2
+    if lw:
+        if end - pos < 1 + lw:
+            return -1, 1 + lw, _S_TRUNC
+        m = cython.cast(ssize, _load(p, pos + 1, lw))
+        if container:
+            return 1 + lw, m * container, container
+        size = 1 + lw + ext + m
+    if size > end - pos:
+        return -1, size, _S_TRUNC
+    return size, 0, 0
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _skip(p: cython.const[u8][::1], end: ssize, pos: ssize, n: ssize, element: ssize) -> ssize:
+    """Skip ``n`` values from ``p[pos]``; where they end (ValueError if malformed)."""
+    pending: ssize = n
+    b: cython.uint
+    size: ssize
+    children: ssize
+    kind: cython.int
+    while pending:
+        if pos >= end:
+            raise _split_error(_S_END, element, p, end, pos, 0)
+        b = p[pos]
+        pending -= 1
+        if b <= 0x7F or b >= 0xE0:  # fixint
+            pos += 1
+            continue
+        size, children, kind = _head(p, end, pos)
+        if size < 0:
+            raise _split_error(kind, element, p, end, pos, children)
+        pos += size
+        pending += children
+        if pending > end - pos:
+            raise _split_error(_S_PENDING, element, p, end, pos, pending)
+    return pos
+
+
+@cython.cfunc
+@cython.exceptval(-3, check=True)
+def _array_at(p: cython.const[u8][::1], end: ssize, pos: ssize, element: ssize) -> ssize:
+    """The count of the array header at ``p[pos]``, -1 if it is not one
+    (ValueError for a cut header or a count over the bytes that follow)."""
+    count: ssize
+    h: ssize
+    if pos >= end:
+        raise _split_error(_S_END, element, p, end, pos, 0)
+    count, h = _array_head(p, end, pos)
+    if count == -2:
+        raise _split_error(_S_TRUNC, element, p, end, pos, h)
+    if count > end - pos - h:
+        raise _split_error(_S_PENDING, element, p, end, pos + h, count)
+    return count
+
+
+@cython.cfunc
+@cython.inline
+def _head_len(p: cython.const[u8][::1], pos: ssize) -> ssize:
+    """The length of the array header at ``p[pos]`` (one checked by _array_at)."""
+    b: cython.uint = p[pos]
+    return 1 if b <= 0x9F else (3 if b == 0xDC else 5)
+
+
+def _top(p: cython.const[u8][::1]) -> ssize:
+    """The element count of the array that must fill ``p``."""
+    n: ssize = p.shape[0]
+    count: ssize
+    h: ssize
+    if n < 1:
+        raise ValueError("msgpack: truncated input: empty buffer")
+    count, h = _array_head(p, n, 0)
+    if count == -1:
+        b: cython.uint = p[0]
+        raise ValueError(f"msgpack: expected an array, got {_type_name(b)} (type byte 0x{b:02x})")
+    if count == -2:
+        raise _split_error(_S_TRUNC, -1, p, n, 0, h)
+    if count > n - h:
+        raise _split_error(_S_COUNT, -1, p, n, h, count)
+    return count
+
+
+def _trailing(p: cython.const[u8][::1], pos: ssize) -> ValueError:
+    n: ssize = p.shape[0]
+    return ValueError(f"msgpack: {n - pos} trailing bytes after the array (at offset {pos})")
+
+
+def split(
+    p: cython.const[u8][::1], int_fields: tuple, max_ints: ssize, decode: cython.bint = True
+) -> tuple:
+    """Element boundaries of the one array filling ``p``, int arrays decoded on the way.
+
+    ``(offsets, ints)``: ``n + 1`` offsets (element ``i`` is
+    ``p[offsets[i]:offsets[i + 1]]``) and, per ``int_fields`` entry, that
+    element as a new int64 array, or None when it is missing or not an array
+    of int64-range ints. :class:`IntArrayTooLong` for an ``int_fields``
+    element declaring more than ``max_ints`` (``-1``: no bound) elements,
+    from its header; ValueError for a malformed message. With ``decode``
+    false the int fields are only checked against ``max_ints`` (``ints`` all
+    None: the interpreted caller decodes them faster, see intcodec).
+    """
+    n: ssize = p.shape[0]
+    count: ssize = _top(p)
+    pos: ssize = _head_len(p, 0)
+    offsets: list = []
+    ints: list = [None] * len(int_fields)
+    i: ssize
+    k: ssize
+    m: ssize
+    kind: cython.int
+    at: ssize
+    end: ssize
+    value: u64
+    out: i64[::1]
+    for i in range(count):
+        offsets.append(pos)
+        if i in int_fields:
+            k = int_fields.index(i)
+            m = _array_at(p, n, pos, i)
+            if 0 <= max_ints < m:
+                raise IntArrayTooLong(i, m, max_ints)
+            if m >= 0 and decode:
+                arr = np.empty(m, dtype=np.int64)
+                out = arr
+                kind, at, end, value = _decode_ints(p, n, pos + _head_len(p, pos), m, out, 0)
+                if kind == _OK:
+                    ints[k] = arr
+                    pos = end
+                    continue
+        pos = _skip(p, n, pos, 1, i)
+    if pos != n:
+        raise _trailing(p, pos)
+    offsets.append(pos)
+    return offsets, ints
+
+
+def array_spans(p: cython.const[u8][::1]) -> list:
+    """5 ints per element of the array filling ``p``: its start and end, its
+    element count (-1: not an array), where its elements 1 and 3 start (-1
+    both: fewer than 3 elements). ValueError as :func:`split`."""
+    n: ssize = p.shape[0]
+    count: ssize = _top(p)
+    pos: ssize = _head_len(p, 0)
+    out: list = []
+    i: ssize
+    m: ssize
+    start: ssize
+    at1: ssize
+    at3: ssize
+    for i in range(count):
+        start, at1, at3 = pos, -1, -1
+        m = _array_at(p, n, pos, i)
+        if m < 0:
+            pos = _skip(p, n, pos, 1, i)
+        else:
+            pos += _head_len(p, pos)
+            if m >= 3:
+                pos = _skip(p, n, pos, 1, i)
+                at1 = pos
+                pos = _skip(p, n, pos, 2, i)
+                at3 = pos
+                pos = _skip(p, n, pos, m - 3, i)
+            else:
+                pos = _skip(p, n, pos, m, i)
+        out += [start, pos, m, at1, at3]
+    if pos != n:
+        raise _trailing(p, pos)
+    return out
+
+
+@cython.cfunc
+@cython.exceptval(-2, check=True)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _walk_limits(
+    p: cython.const[u8][::1],
+    end: ssize,
+    pos: ssize,
+    element: ssize,
+    max_depth: cython.int,
+    max_len: u64,
+    breach: list,
+) -> ssize:
+    """Walk the one value at ``p[pos]`` (inside the top array: depth 1) against the
+    limits; where it ends, or -1 with the breach appended to ``breach``
+    (ValueError if malformed). One counter per open container, and no container
+    deeper than ``max_depth`` is ever opened."""
+    pending = cython.declare(ssize[1024])  # values left in each open level: MAX_DEPTH
+    top: cython.int = 0  # level 0: the value itself
+    b: cython.uint
+    size: ssize
+    children: ssize
+    container: cython.int
+    entries: ssize
+    pending[0] = 1
+    while True:
+        while pending[top] == 0:
+            if top == 0:
+                return pos
+            top -= 1
+        if pos >= end:
+            raise _split_error(_S_END, element, p, end, pos, 0)
+        pending[top] -= 1
+        b = p[pos]
+        if b <= 0x7F or b >= 0xE0:  # fixint
+            pos += 1
+            continue
+        size, children, container = _head(p, end, pos)
+        if size < 0:
+            raise _split_error(container, element, p, end, pos, children)
+        pos += size
+        if not container:
+            continue
+        entries = children // 2 if container == 2 else children
+        if cython.cast(u64, entries) > max_len:
+            breach += [container, element, entries]
+            return -1
+        if top + 2 > max_depth:  # this container sits inside 1 + top others
+            breach += [3, element, top + 2]
+            return -1
+        if children > end - pos:
+            raise _split_error(_S_PENDING, element, p, end, pos, children)
+        if children:
+            top += 1  # top + 1 <= max_depth - 1 < _DEPTH_CAP
+            pending[top] = children
+
+
+def check_structure(
+    p: cython.const[u8][::1], offsets: list, skip: tuple, max_depth: int, max_len: int
+) -> tuple | None:
+    """Walk the elements at :func:`split`'s ``offsets`` not in ``skip`` against a
+    nesting depth (the array itself: 1) and a container length limit.
+
+    None, or the first breach ``(kind, element, value)``: kind 1 (array) or 2
+    (map) with its length, 3 (depth) with the depth reached. ValueError for
+    limits out of range and for offsets that do not split ``p`` into values."""
+    if not 1 <= max_depth <= MAX_DEPTH or max_len < 0:
+        raise ValueError(f"check_structure: max_depth must be 1..{MAX_DEPTH}, max_len >= 0")
+    if len(skip) > 8:
+        raise ValueError("check_structure: at most 8 skipped elements")
+    n: ssize = p.shape[0]
+    depth: cython.int = max_depth
+    limit: u64 = max_len
+    i: ssize
+    start: ssize
+    end: ssize
+    pos: ssize
+    breach: list = []
+    for i in range(len(offsets) - 1):
+        start, end = offsets[i], offsets[i + 1]
+        if start < 0 or end < start or end > n:
+            raise ValueError(f"check_structure: element {i} spans {start}..{end} of {n} bytes")
+        if i in skip:
+            continue
+        pos = _walk_limits(p, end, start, i, depth, limit, breach)
+        if pos < 0:
+            return tuple(breach)
+        if pos != end:
+            raise ValueError(
+                f"check_structure: element {i} is not one value ({pos - start} of "
+                f"{end - start} bytes)"
+            )
+    return None
+
+
+def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
+    """The arrays of ``width``-int rows (or nil) at ``starts`` in ``p``, in one table.
+
+    ``(table, bounds)``: a new 1-D int64 array of every row in order, and per
+    start its first and end row (``-1, -1`` for nil). ValueError for any other
+    value, a start outside ``p`` or a width outside 1..15."""
+    if not 1 <= width <= 15:
+        raise ValueError("int_rows: width must be 1..15")
+    n: ssize = p.shape[0]
+    bounds: list = []
+    at_of: list = []
+    total: ssize = 0
+    at: ssize
+    rows: ssize
+    r: ssize
+    pos: ssize
+    o: ssize
+    kind: cython.int
+    bad: ssize
+    value: u64
+    cells: ssize
+    h: ssize
+    # pass 1: the row count of each array (headers only)
+    for item in starts:
+        at = item
+        if at < 0 or at >= n:
+            raise ValueError(f"int_rows: start {at} outside the input")
+        at_of.append(at)
+        if p[at] == 0xC0:
+            bounds += [-1, -1]
+            continue
+        rows, _ = _array_head(p, n, at)
+        if rows < 0 or rows > n - at - _head_len(p, at):
+            raise ValueError(f"int_rows: the value at offset {at} is not an array of rows")
+        bounds += [total, total + rows]
+        total += rows
+    table = np.empty(total * width, dtype=np.int64)
+    out: i64[::1] = table
+    o = 0
+    # pass 2: every row, checked and decoded
+    for item in at_of:
+        at = item
+        if p[at] == 0xC0:
+            continue
+        rows, _ = _array_head(p, n, at)
+        pos = at + _head_len(p, at)
+        for r in range(rows):
+            if o + width > total * width:  # pragma: no cover - pass 1 counted them
+                raise ValueError("int_rows: the input changed")
+            cells, h = -1, 0
+            if pos < n:
+                cells, h = _array_head(p, n, pos)
+            if cells != width or cells > n - pos - h:
+                raise ValueError(
+                    f"int_rows: row {r} of the array at offset {at} is not an array of {width} ints"
+                )
+            kind, bad, pos, value = _ints(p, n, pos + h, width, out, o)
+            if kind != _OK:
+                raise ValueError(
+                    f"int_rows: row {r} of the array at offset {at} is not an array "
+                    f"of {width} int64 values"
+                )
+            o += width
+    return table, bounds
