@@ -38,7 +38,7 @@ def comparable(x: Any) -> Any:
     """Arrays, memoryviews and nested containers as plain comparable values."""
     if isinstance(x, np.ndarray):
         return ("ndarray", x.dtype.str, x.shape, x.tobytes())
-    if isinstance(x, (memoryview, bytearray)):
+    if isinstance(x, (bytes, memoryview, bytearray)):  # any buffer: compared by content
         return ("bytes", bytes(x))
     if isinstance(x, (list, tuple)):
         return type(x).__name__, [comparable(v) for v in x]

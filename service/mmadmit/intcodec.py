@@ -96,10 +96,11 @@ def decode_int_array(raw: Any) -> npt.NDArray[np.int64]:
     return _decode_impl(_as_bytes(raw))
 
 
-def encode_int_array(values: Any) -> bytes:
+def encode_int_array(values: Any) -> bytes | memoryview:
     """Encode a 1-D int array (any int dtype) as one msgpack array of ints.
 
-    Byte-identical to ``msgpack.packb(values.tolist())``. Raises ``TypeError``
+    Byte-identical to ``msgpack.packb(values.tolist())`` (``bytes``, or a view of a
+    fresh buffer from the compiled walker: no copy of a 128K-id encoding). Raises ``TypeError``
     for a non-integer dtype and ``ValueError`` for a non-1-D array, a uint64
     value above ``2**63 - 1`` or more than ``2**32 - 1`` elements.
     """
@@ -250,9 +251,9 @@ def _decode_native(buf: memoryview) -> npt.NDArray[np.int64]:
     return out
 
 
-def _encode_native(values: npt.NDArray[np.int64]) -> bytes:
+def _encode_native(values: npt.NDArray[np.int64]) -> bytes | memoryview:
     assert _BUILT is not None
-    result: bytes = _BUILT.encode(values)
+    result: memoryview = _BUILT.encode(values)
     return result
 
 
@@ -320,9 +321,9 @@ def _decode_py(buf: memoryview) -> npt.NDArray[np.int64]:
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def _encode_py(values: npt.NDArray[np.int64]) -> bytes:
+def _encode_py(values: npt.NDArray[np.int64]) -> bytes | memoryview:
     if values.size > msgpack_walk.MAX_ARRAY_COUNT:  # the walker words the limit
-        refused: bytes = msgpack_walk.encode(values)
+        refused: memoryview = msgpack_walk.encode(values)
         return refused
     return _ENCODER.encode(values.tolist())
 
