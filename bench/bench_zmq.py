@@ -1,9 +1,12 @@
 """ZMQ reply-mode admission benchmark (mmadmit.zmq_ingest). Not a test.
 
-    python bench/bench_zmq.py [--quick] [--workers 2]
+    python bench/bench_zmq.py [--quick] [--workers 2] [--only ratios|excess]
 
-Round trips through three ROUTER servers, each in its own process, measured
-from one client process in the same run:
+Two parts, each server in its own process, all measured from one client
+process in the same run (``--only`` runs one part; ``--quick`` is a smoke run
+of seconds).
+
+**Ratios** (the first tables). Round trips through five ROUTER servers:
 
 * ``echo``: a plain ROUTER that sends every message straight back
   (``copy=False``): the floor of sockets + loopback TCP;
@@ -35,12 +38,32 @@ The 128K target is stated against that floor because the reply WIRE.md fixes
 (positions and unpadded ids, 3.6 MiB at 128K) alone costs about 1.4x of the
 bare codec on loopback, which puts 1.5x of the codec out of reach of any
 materializer.
+
+**Excess** (issue #18, the last table): mmadmit's own cost in ms, measured
+against a ``reply-echo`` server per profile: a bare, blocking ROUTER that
+answers each request with mmadmit's own reply frames for that very request,
+made once per request shape at warm-up (by that profile's ``Materializer`` and
+``wire.encode_materialized``) and then only looked up and sent. Workloads:
+``bench/workloads.py``'s ``build_request`` for Qwen3.5 and Qwen3-Omni at 8K,
+32K and 128K tokens (features of 32 bytes a media token always sent), with
+every item's hash supplied (nothing hashed) and without any (mmadmit hashes
+every feature). One ``mmadmit`` server per profile, as above. A pair is one
+mmadmit round trip, then one reply-echo round trip of the same request
+frames, at concurrency 1; the excess is the median of the pairs' differences,
+over rounds that rotate over the twelve cells. The echo sends the same bytes
+(checked frame by frame at warm-up), so the reply's size WIRE.md fixes is not
+counted against mmadmit; what is left is its own work: the event loop,
+decoding, materializing (hashing, without hashes), encoding, a worker hop
+when one is taken. Targets (hashes supplied, issue #18): both families 8K
+<= 0.35 ms; 32K Qwen3.5 <= 1.0 ms, Qwen3-Omni <= 0.45 ms; 128K Qwen3.5
+<= 2.0 ms, Qwen3-Omni <= 1.3 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import statistics
@@ -48,6 +71,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +79,10 @@ import zmq
 import zmq.asyncio
 from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workloads  # noqa: E402  (bench/ is not a package)
 
 IMAGE, VSTART, VEND = 248056, 248053, 248054  # Qwen3.5 special tokens
 MERGE = 2
@@ -167,14 +195,14 @@ async def _serve_echo_or_codec(kind: str) -> None:
         ctx.term()
 
 
-async def _serve_mmadmit(workers: int, inline: bool) -> None:
+async def _serve_mmadmit(workers: int, inline: bool, model: str) -> None:
     from mmadmit.config import build_config
     from mmadmit.server import build_pool
     from mmadmit.telemetry import Telemetry
     from mmadmit.zmq_ingest import ZmqIngest
 
     settings: dict[str, Any] = {
-        "model": "qwen3_5",
+        "model": model,
         "device": "cpu",
         "workers": workers,
         "max_inflight": 256,
@@ -201,23 +229,72 @@ async def _serve_mmadmit(workers: int, inline: bool) -> None:
         pool.close()
 
 
-def serve(kind: str, workers: int) -> None:
+def _serve_reply_echo(model: str) -> None:
+    """A bare ROUTER answering each ADD with mmadmit's own reply frames for it.
+
+    The reply of a request shape (the message's frame count and payload length:
+    the bench's rids have a fixed width) is made once, by this profile's
+    ``Materializer`` with mmadmit's codec, when the shape first arrives (the
+    client's untimed warm-up); afterwards the loop only looks it up and sends
+    the stored frames (``copy=False``; received feature frames as the
+    ``zmq.Frame`` objects they arrived in, as mmadmit sends them). A blocking
+    socket, no event loop: the floor of these bytes on these sockets. The
+    stored payload keeps the warm-up's rid: the client matches by order.
+    """
+    from mmadmit.config import build_config
+    from mmadmit.materializer import Materializer
+    from mmadmit.model import Materialized
+
+    config = build_config({"model": model, "device": "cpu"})
+    materializer = Materializer(config.load_profile(), config.limits)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    print("READY", router.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    replies: dict[tuple[int, int], list[Any]] = {}
+    try:
+        while True:
+            frames = router.recv_multipart(copy=False)
+            key = (len(frames), len(frames[2]))
+            reply = replies.get(key)
+            if reply is None:  # first of its shape: the warm-up, not timed
+                req = wire.decode_message(frames[1:]).request
+                assert req is not None
+                outcome = materializer.run(req)
+                assert isinstance(outcome, Materialized), outcome
+                reply = replies[key] = wire.encode_materialized(outcome)
+            router.send_multipart([frames[0], *reply], copy=False)
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+def serve(kind: str, workers: int, model: str) -> None:
     from mmadmit.runtime import tune_allocator
 
     tune_allocator()  # every server of the comparison runs as `mmadmit serve` would (arenas too)
+    if kind == "reply-echo":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        _serve_reply_echo(model)
+        return
     _use_uvloop()
     if kind.startswith("mmadmit"):
-        asyncio.run(_serve_mmadmit(workers, inline=kind == "mmadmit"))
+        asyncio.run(_serve_mmadmit(workers, inline=kind == "mmadmit", model=model))
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         asyncio.run(_serve_echo_or_codec(kind))
 
 
 class ServerProcess:
-    def __init__(self, kind: str, workers: int) -> None:
+    def __init__(self, kind: str, workers: int, model: str = "qwen3_5") -> None:
         self.kind = kind
+        self.model = model
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", kind, "--workers", str(workers)],
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                *("--serve", kind, "--workers", str(workers), "--model", model),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -225,7 +302,7 @@ class ServerProcess:
         line = self.proc.stdout.readline().split()
         if not line or line[0] != "READY":
             self.close()
-            raise RuntimeError(f"{kind} server did not start")
+            raise RuntimeError(f"{kind} ({model}) server did not start")
         self.endpoint = line[1]
 
     def close(self) -> None:
@@ -297,7 +374,6 @@ async def _drive(
 
 def _frames_factory(template: Request) -> Any:
     """Per request only the rid changes; feature buffers are shared, never copied."""
-    import dataclasses
 
     def make(rid: str) -> list[Any]:
         return [b"\x00", *wire.encode_request(dataclasses.replace(template, rid=rid))]
@@ -339,76 +415,179 @@ async def measure_interleaved(
     return cells
 
 
+# --------------------------------------------------------------------------- excess
+
+FAMILIES = ("qwen3_5", "qwen3_omni_moe")
+EXCESS_TOKENS = (8192, 32768, 131072)
+# issue #18: mmadmit's excess over the reply echo, ms, hashes supplied (a quiet machine)
+EXCESS_TARGET_MS = {
+    ("qwen3_5", 8192): 0.35,
+    ("qwen3_omni_moe", 8192): 0.35,
+    ("qwen3_5", 32768): 1.0,
+    ("qwen3_omni_moe", 32768): 0.45,
+    ("qwen3_5", 131072): 2.0,
+    ("qwen3_omni_moe", 131072): 1.3,
+}
+RID_WIDTH = 8  # every rid of the excess run: the reply echo keys its replies by length
+
+
+@dataclass
+class ExcessCell:
+    family: str
+    tokens: int
+    hashes: bool  # every item's hash supplied (nothing hashed) or none (features hashed)
+    template: Request
+    mmadmit_s: list[float]
+    echo_s: list[float]
+
+    @property
+    def excess_ms(self) -> float:
+        """Median over pairs of (mmadmit round trip - the echo round trip after it)."""
+        return (
+            statistics.median(m - e for m, e in zip(self.mmadmit_s, self.echo_s, strict=True)) * 1e3
+        )
+
+    @property
+    def hashes_word(self) -> str:
+        return "supplied" if self.hashes else "without"
+
+
+def excess_request(family: str, tokens: int, hashes: bool) -> Request:
+    """bench/workloads.py's request (features of 32 bytes a media token, always sent):
+    ``hashes`` keeps every item's content hash (nothing to hash), else none is sent
+    and mmadmit hashes every feature."""
+    return workloads.build_request(workloads.profile_for(family), tokens, with_hash=hashes)
+
+
+def _rid(i: int) -> str:
+    rid = f"x{i:0{RID_WIDTH - 1}d}"
+    assert len(rid) == RID_WIDTH
+    return rid
+
+
+def _round_trip(sock: zmq.Socket[Any], frames: list[Any]) -> tuple[float, list[zmq.Frame]]:
+    t0 = time.perf_counter()
+    sock.send_multipart(frames, copy=False)
+    reply = sock.recv_multipart(copy=False)
+    return time.perf_counter() - t0, reply
+
+
+class ExcessClient:
+    """Blocking DEALERs to one mmadmit and one reply echo per family, concurrency 1."""
+
+    def __init__(self, endpoints: dict[str, tuple[str, str]]) -> None:
+        self.ctx = zmq.Context()
+        self.socks: dict[str, tuple[zmq.Socket[Any], zmq.Socket[Any]]] = {}
+        for family, pair in endpoints.items():
+            socks = []
+            for endpoint in pair:
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a dead server fails the run
+                sock.connect(endpoint)
+                socks.append(sock)
+            self.socks[family] = (socks[0], socks[1])
+        self.next_rid = 1
+        self.warm_rid: dict[int, str] = {}  # id(cell) -> the rid the echo's reply carries
+
+    def close(self) -> None:
+        for pair in self.socks.values():
+            for sock in pair:
+                sock.close(linger=0)
+        self.ctx.term()
+
+    def frames(self, cell: ExcessCell, rid: str) -> list[Any]:
+        return [
+            bytes([wire.MSG_ADD]),
+            *wire.encode_request(dataclasses.replace(cell.template, rid=rid)),
+        ]
+
+    def warm_up(self, cell: ExcessCell) -> None:
+        """One request to both with the same rid: the echo stores its reply for the
+        shape, and the two replies must be the same bytes, frame by frame."""
+        rid = _rid(0)
+        frames = self.frames(cell, rid)
+        mm, echo = self.socks[cell.family]
+        _, a = _round_trip(mm, frames)
+        _, b = _round_trip(echo, frames)
+        name = f"{cell.family} {cell.tokens} hashes={cell.hashes}"
+        if a[0].bytes != bytes([wire.STATUS_MATERIALIZED]):
+            raise SystemExit(f"{name}: mmadmit did not materialize the request")
+        if [f.bytes for f in a] != [f.bytes for f in b]:
+            raise SystemExit(f"{name}: the reply echo's reply differs from mmadmit's")
+        self.warm_rid[id(cell)] = rid
+
+    def pairs(self, cell: ExcessCell, n: int, record: bool = True) -> None:
+        """``n`` pairs: one mmadmit round trip, then one echo round trip of the same frames."""
+        mm, echo = self.socks[cell.family]
+        for _ in range(n):
+            rid = _rid(self.next_rid)
+            self.next_rid += 1
+            frames = self.frames(cell, rid)  # client-side encoding is not timed
+            t_mm, a = _round_trip(mm, frames)
+            t_echo, b = _round_trip(echo, frames)
+            if a[0].bytes != b"\x00" or wire.recover_rid(a[1]) != rid:
+                raise SystemExit(f"{cell.family}/{cell.tokens}: mmadmit's reply is not {rid}'s")
+            if wire.recover_rid(b[1]) != self.warm_rid[id(cell)]:  # computed, not looked up
+                raise SystemExit(f"{cell.family}/{cell.tokens}: the echo missed its reply store")
+            if record:
+                cell.mmadmit_s.append(t_mm)
+                cell.echo_s.append(t_echo)
+
+
+def measure_excess(
+    endpoints: dict[str, tuple[str, str]], cells: list[ExcessCell], rounds: int, per_round: int
+) -> None:
+    """Rounds rotate over the cells (background load hits every cell alike); each
+    visit first runs two unrecorded pairs, then ``per_round`` recorded ones."""
+    client = ExcessClient(endpoints)
+    try:
+        for cell in cells:
+            client.warm_up(cell)
+            client.pairs(cell, 3, record=False)
+        for r in range(rounds):
+            k = r % len(cells)
+            for cell in cells[k:] + cells[:k]:
+                client.pairs(cell, 2, record=False)
+                client.pairs(cell, per_round)
+    finally:
+        client.close()
+
+
+def print_excess(cells: list[ExcessCell], rounds: int, per_round: int) -> None:
+    print(
+        f"excess: {rounds} rounds x {per_round} pairs per cell at concurrency 1, cells rotated "
+        "per round; a pair is one mmadmit round trip then one reply-echo round trip of the "
+        "same request frames; excess = median over pairs of their difference"
+    )
+    print()
+    print(
+        "| family | tokens | hashes | mmadmit ms | reply-echo ms | excess ms (median of pairs) "
+        "| target | met/MISSED |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---|")
+    for c in cells:
+        target = EXCESS_TARGET_MS.get((c.family, c.tokens)) if c.hashes else None
+        excess = c.excess_ms
+        verdict = "-" if target is None else ("met" if excess <= target else "MISSED")
+        print(
+            f"| {c.family} | {c.tokens} | {c.hashes_word} | "
+            f"{statistics.median(c.mmadmit_s) * 1e3:.2f} | "
+            f"{statistics.median(c.echo_s) * 1e3:.2f} | "
+            f"{excess:.2f} | {'-' if target is None else f'<= {target}'} | {verdict} |"
+        )
+
+
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--serve",
-        choices=["echo", "codec", "codec+reply", "mmadmit", "mmadmit-workers"],
-        help=argparse.SUPPRESS,
-    )
-    parser.add_argument("--workers", type=int, default=2, help="mmadmit materializer workers")
-    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
-    args = parser.parse_args()
-    if args.serve:
-        serve(args.serve, args.workers)
-        return
-
-    _use_uvloop()
-    scale = 0.25 if args.quick else 1.0
-    # name -> (template, rounds, n latency per round, n throughput per round, concurrency)
-    workloads = {
-        "8K tokens": (token_request("t", 8192, 32), 7, 40, 80, 8),
-        "128K tokens": (token_request("t", 131072, 64), 7, 12, 12, 4),
-        "100 MiB features": (feature_request("t", 100 << 20), 5, 2, 4, 2),
-    }
-    for name, (req, *_rest) in workloads.items():
-        n_items = len(req.mm.items) if req.mm else 0
-        print(
-            f"# {name}: {len(req.input_ids)} tokens, {n_items} items, "
-            f"{sum(len(memoryview(f)) for f in wire.encode_request(req)) / 2**20:.1f} MiB "
-            "on the wire",
-            flush=True,
-        )
-    kinds = ("echo", "codec", "codec+reply", "mmadmit", "mmadmit-workers")
-    servers = []
-    results: dict[tuple[str, str], Cell] = {}
-    started = time.perf_counter()
-    try:
-        for kind in kinds:
-            servers.append(ServerProcess(kind, args.workers))
-        endpoints = {s.kind: s.endpoint for s in servers}
-        for name, (req, rounds, n_lat, n_tp, conc) in workloads.items():
-            n_lat = max(1, int(n_lat * scale))
-            n_tp = max(2, int(n_tp * scale))
-            cells = asyncio.run(measure_interleaved(endpoints, req, rounds, n_lat, n_tp, conc))
-            for kind, cell in cells.items():
-                if cell.ok != cell.sent:
-                    raise SystemExit(f"{kind}/{name}: {cell.sent - cell.ok} replies not OK")
-                results[(kind, name)] = cell
-                print(
-                    f"# {kind:8s} {name:17s} median {cell.median_ms:8.2f} ms  "
-                    f"p99 {cell.p99_ms:8.2f} ms  {cell.throughput_rps:8.1f} req/s",
-                    flush=True,
-                )
-    finally:
-        for server in servers:
-            server.close()
-
-    print()
-    print("command: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
-    print(
-        f"cpus: {os.cpu_count()}, mmadmit workers: {args.workers}; latency at concurrency 1, "
-        "throughput (median of rounds) at the concurrency shown; servers interleaved per "
-        f"round; total {time.perf_counter() - started:.0f}s"
-    )
-    print()
+def print_ratios(
+    workloads: dict[str, tuple[Request, int, int, int, int]], results: dict[tuple[str, str], Cell]
+) -> None:
     print("| workload | server | median ms | p99 ms | req/s (conc) |")
     print("|---|---|---:|---:|---:|")
     for name, (_, _, _, _, conc) in workloads.items():
-        for kind in kinds:
+        for kind in RATIO_KINDS:
             c = results[(kind, name)]
             print(
                 f"| {name} | {kind} | {c.median_ms:.2f} | {c.p99_ms:.2f} | "
@@ -443,6 +622,130 @@ def main() -> None:
             f"| {server} | {name} | {baseline} | {ratio:.2f} | "
             f"{m.throughput_rps / b.throughput_rps:.2f} | {verdict} |"
         )
+
+
+RATIO_KINDS = ("echo", "codec", "codec+reply", "mmadmit", "mmadmit-workers")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--serve",
+        choices=["echo", "codec", "codec+reply", "reply-echo", "mmadmit", "mmadmit-workers"],
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument("--model", default="qwen3_5", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=2, help="mmadmit materializer workers")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    parser.add_argument(
+        "--only",
+        choices=["ratios", "excess"],
+        help="run one part: the ratio tables, or mmadmit's excess over the reply echo",
+    )
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.workers, args.model)
+        return
+
+    _use_uvloop()
+    run_ratios = args.only in (None, "ratios")
+    run_excess = args.only in (None, "excess")
+    scale = 0.25 if args.quick else 1.0
+    # name -> (template, rounds, n latency per round, n throughput per round, concurrency)
+    workloads = {
+        "8K tokens": (token_request("t", 8192, 32), 7, 40, 80, 8),
+        "128K tokens": (token_request("t", 131072, 64), 7, 12, 12, 4),
+        "100 MiB features": (feature_request("t", 100 << 20), 5, 2, 4, 2),
+    }
+    excess_rounds, excess_per_round = (2, 3) if args.quick else (10, 20)
+    cells = (
+        [
+            ExcessCell(family, tokens, hashes, excess_request(family, tokens, hashes), [], [])
+            for family in FAMILIES
+            for tokens in EXCESS_TOKENS
+            for hashes in (True, False)
+        ]
+        if run_excess
+        else []
+    )
+    if run_ratios:
+        for name, (req, *_rest) in workloads.items():
+            n_items = len(req.mm.items) if req.mm else 0
+            print(
+                f"# {name}: {len(req.input_ids)} tokens, {n_items} items, "
+                f"{sum(len(memoryview(f)) for f in wire.encode_request(req)) / 2**20:.1f} MiB "
+                "on the wire",
+                flush=True,
+            )
+    for c in cells:
+        assert c.template.mm is not None
+        print(
+            f"# excess {c.family} {c.tokens} tokens, hashes {c.hashes_word}: "
+            f"{len(c.template.mm.items)} items, "
+            f"{sum(len(memoryview(f)) for f in wire.encode_request(c.template)) / 2**20:.2f} MiB "
+            "on the wire",
+            flush=True,
+        )
+    wanted: list[tuple[str, str]] = []
+    if run_ratios:
+        wanted += [(kind, "qwen3_5") for kind in RATIO_KINDS]
+    if run_excess:
+        for family in FAMILIES:
+            wanted += [
+                (kind, family) for kind in ("mmadmit", "reply-echo") if (kind, family) not in wanted
+            ]
+    servers: dict[tuple[str, str], ServerProcess] = {}
+    results: dict[tuple[str, str], Cell] = {}
+    started = time.perf_counter()
+    try:
+        for kind, model in wanted:
+            servers[(kind, model)] = ServerProcess(kind, args.workers, model)
+        if run_ratios:
+            endpoints = {kind: servers[(kind, "qwen3_5")].endpoint for kind in RATIO_KINDS}
+            for name, (req, rounds, n_lat, n_tp, conc) in workloads.items():
+                n_lat = max(1, int(n_lat * scale))
+                n_tp = max(2, int(n_tp * scale))
+                measured = asyncio.run(
+                    measure_interleaved(endpoints, req, rounds, n_lat, n_tp, conc)
+                )
+                for kind, cell in measured.items():
+                    if cell.ok != cell.sent:
+                        raise SystemExit(f"{kind}/{name}: {cell.sent - cell.ok} replies not OK")
+                    results[(kind, name)] = cell
+                    print(
+                        f"# {kind:8s} {name:17s} median {cell.median_ms:8.2f} ms  "
+                        f"p99 {cell.p99_ms:8.2f} ms  {cell.throughput_rps:8.1f} req/s",
+                        flush=True,
+                    )
+        if run_excess:
+            pairs = {
+                family: (
+                    servers[("mmadmit", family)].endpoint,
+                    servers[("reply-echo", family)].endpoint,
+                )
+                for family in FAMILIES
+            }
+            measure_excess(pairs, cells, excess_rounds, excess_per_round)
+    finally:
+        for server in servers.values():
+            server.close()
+
+    print()
+    print("command: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
+    print(
+        f"cpus: {os.cpu_count()}, mmadmit workers: {args.workers}; total "
+        f"{time.perf_counter() - started:.0f}s"
+    )
+    if run_ratios:
+        print(
+            "ratios: latency at concurrency 1, throughput (median of rounds) at the concurrency "
+            "shown; servers interleaved per round"
+        )
+        print()
+        print_ratios(workloads, results)
+    if run_excess:
+        print()
+        print_excess(cells, excess_rounds, excess_per_round)
 
 
 if __name__ == "__main__":

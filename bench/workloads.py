@@ -2,8 +2,12 @@
 
 ``qwen3_5_request(n)`` / ``qwen3_omni_request(n)`` build an ``n``-token prompt
 whose media tokens are 50-85% of it (images, videos with several frames, audio
-for Omni), with content hashes supplied, as the internal model. ``frames_of``
-encodes one as a ZMQ ADD message through the service's own codec.
+for Omni), with content hashes supplied, as the internal model. Every item
+also carries a feature (32 bytes a media token, or ``feature_bytes`` each), so
+``with_hash`` switches between the two cases the benchmarks compare: every
+hash supplied (nothing to hash; the feature travels unread) or none (the
+service hashes every feature). ``frames_of`` encodes one as a ZMQ ADD message
+through the service's own codec.
 """
 
 from __future__ import annotations
