@@ -140,64 +140,40 @@ def _span_table(offs: list, n: int, wants: list | None) -> tuple:
 
     ``table`` rows: start, stop (exclusive), owner item, index in its item, and the
     owner's placeholder id (when ``wants`` gives one per item, else -1);
-    ``first[i]`` is the column of item ``i``'s first span.
+    ``first[i]`` is the column of item ``i``'s first span. The first span out of
+    bounds, in item order, is the one reported.
     """
-    pos = 0
-    w = -1
-    n_items = len(offs)
-    present = [o for o in offs if o is not None]
-    if not present:
-        pairs = np.zeros((0, 2), np.int64)
-    elif len(present) == 1:
-        pairs = present[0]
-    else:
-        pairs = np.concatenate(present)
-    total = len(pairs)
-    pv = pairs
-    table = np.empty((5, total), np.int64)
-    first = np.empty(n_items + 1, np.int64)
-    tv = table
-    fv = first
-    for i in range(n_items):
-        fv[i] = pos
-        off = offs[i]
-        if off is None:
-            continue
-        if wants is not None:
-            w = wants[i]
-        for k in range(len(off)):
-            a = pv[pos, 0]
-            b = pv[pos, 1]
-            if a < 0 or a > b or b >= n:
-                raise InvalidRequest(
-                    f"{_describe(i, k, a, b)} is not a valid inclusive range inside "
-                    f"input_ids (0 <= start <= end < {n})"
-                )
-            tv[0, pos] = a
-            tv[1, pos] = b + 1
-            tv[2, pos] = i
-            tv[3, pos] = k
-            tv[4, pos] = w
-            pos += 1
-    fv[n_items] = pos
-    return table, first
+    counts = [0 if o is None else len(o) for o in offs]
+    present = [o for o in offs if o is not None and len(o)]
+    pairs = np.concatenate(present) if present else np.zeros((0, 2), np.int64)
+    first = np.zeros(len(offs) + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    owner = np.repeat(np.arange(len(offs), dtype=np.int64), counts)
+    kin = np.arange(len(pairs), dtype=np.int64) - first[owner]
+    start, end = pairs[:, 0], pairs[:, 1]
+    bad = (start < 0) | (start > end) | (end >= n)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise InvalidRequest(
+            f"{_describe(int(owner[k]), int(kin[k]), int(start[k]), int(end[k]))} is not a "
+            f"valid inclusive range inside input_ids (0 <= start <= end < {n})"
+        )
+    want = np.asarray(wants, np.int64)[owner] if wants is not None else np.full_like(owner, -1)
+    return np.stack([start, end + 1, owner, kin, want]), first
 
 
 def _sorted_disjoint(table: np.ndarray) -> Spans:
     """The spans sorted by start; overlapping ones are refused."""
-    tv = table
-    total = tv.shape[1]
-    for k in range(1, total):
-        if tv[0, k] < tv[0, k - 1]:
-            table = np.ascontiguousarray(table[:, np.argsort(table[0], kind="stable")])
-            tv = table
-            break
-    for k in range(1, total):
-        if tv[0, k] < tv[1, k - 1]:
-            raise InvalidRequest(
-                f"{_describe(tv[2, k], tv[3, k], tv[0, k], tv[1, k] - 1)} overlaps "
-                f"{_describe(tv[2, k - 1], tv[3, k - 1], tv[0, k - 1], tv[1, k - 1] - 1)}"
-            )
+    if table.shape[1] > 1 and (table[0, 1:] < table[0, :-1]).any():
+        table = table[:, np.argsort(table[0], kind="stable")]
+    clash = table[0, 1:] < table[1, :-1]
+    if clash.any():
+        k = int(np.argmax(clash)) + 1
+        a, b = table[:, k].tolist(), table[:, k - 1].tolist()
+        raise InvalidRequest(
+            f"{_describe(a[2], a[3], a[0], a[1] - 1)} overlaps "
+            f"{_describe(b[2], b[3], b[0], b[1] - 1)}"
+        )
     return Spans(table[0], table[1], table[2])
 
 
@@ -274,20 +250,6 @@ def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -
         )
         raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
     return -1, _PAD_HASH_FEATURE
-
-
-def _with_pad(item: Item, content_hash: int, pad: int) -> Item:
-    """A copy of ``item`` with ``hash`` and ``pad_value`` set: its attributes copied
-    (what :meth:`Item.with_pad` gives, without a call to the dataclass' ``__init__``)."""
-    new = _NEW(type(item))
-    attrs = item.__dict__.copy()
-    attrs["hash"] = content_hash
-    attrs["pad_value"] = pad
-    new.__dict__ = attrs
-    return new
-
-
-_NEW = object.__new__
 
 
 def pad_value(modality: int, content_hash: int) -> int:
@@ -400,58 +362,49 @@ def _plan_runs(rs: RuleSet, items: list, modalities: list, table: tuple) -> RunP
     """
     merge = rs.merge
     split_video = rs.split_video
-    spans = table[0]
-    first = table[1]
-    n_spans = spans.shape[1]
-    run_table = np.empty((5, n_spans), np.int64)  # start, frames, rows, cols, t_off
-    rt = run_table
-    t_index: list = []
-    r = 0
-    ordered = True
+    span_start, span_stop = table[0][0].tolist(), table[0][1].tolist()
+    first = table[1].tolist()
+    starts: list[int] = []
+    frames: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    t_off: list[int] = []
+    t_index: list[int] = []
     for idx in range(len(items)):
         item = items[idx]
-        modality = modalities[idx]
-        if AUDIO_IN_VIDEO in item.side:
-            check_no_audio_in_video(idx, item)
-        flat = _grid_rows(idx, item, modality)
+        check_no_audio_in_video(idx, item)
+        flat = _grid_rows(idx, item, modalities[idx])
         if flat is None:
             continue
-        is_video = modality == 2
+        is_video = modalities[idx] == 2
         key = VIDEO_GRID if is_video else IMAGE_GRID
-        n_rows = len(flat) // 3
-        expected = 0
+        grid = _shown(flat)
         split = is_video and split_video  # one span per temporal frame of a row
-        for k in range(n_rows):
-            t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
+        for t, h, w in grid:
             if t <= 0 or h <= 0 or w <= 0:
-                raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {_shown(flat)}")
+                raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {grid}")
             if h % merge or w % merge:
                 raise InvalidRequest(
                     f"item {idx}: {key} h and w must be divisible by spatial_merge_size "
-                    f"{merge}, got {_shown(flat)}"
+                    f"{merge}, got {grid}"
                 )
             if not is_video and t != 1:
-                raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {_shown(flat)}")
-            expected += t if split else 1
+                raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {grid}")
+        expected = sum(row[0] for row in grid) if split else len(grid)
         row0 = first[idx]
         n_item_spans = first[idx + 1] - row0
         if n_item_spans != expected:
             unit = "temporal frame" if split else "grid row"
             raise InvalidRequest(
                 f"item {idx}: {n_item_spans} placeholder spans but {expected} expected "
-                f"(one per {unit}; {key}={_shown(flat)})"
+                f"(one per {unit}; {key}={grid})"
             )
-        seconds = _seconds_per_row(rs, idx, item, n_rows) if is_video else None
+        seconds = _seconds_per_row(rs, idx, item, len(grid)) if is_video else None
         s = 0
-        for k in range(n_rows):
-            t, h, w = flat[3 * k], flat[3 * k + 1], flat[3 * k + 2]
-            hh = h // merge
-            ww = w // merge
-            units = t if split else 1
-            unit_t = 1 if split else t
-            for _u in range(units):
-                a = spans[0, row0 + s]
-                b = spans[1, row0 + s] - 1
+        for k, (t, h, w) in enumerate(grid):
+            hh, ww = h // merge, w // merge
+            for unit_t in [1] * t if split else [t]:
+                a, b = span_start[row0 + s], span_stop[row0 + s] - 1
                 want = unit_t * hh * ww
                 if b - a + 1 != want:
                     raise InvalidRequest(
@@ -459,31 +412,26 @@ def _plan_runs(rs: RuleSet, items: list, modalities: list, table: tuple) -> RunP
                         f"grid row {k} {[t, h, w]} requires {want} "
                         f"(t*h*w/{merge * merge}" + (" per frame)" if split else ")")
                     )
-                if r and a < rt[0, r - 1]:
-                    ordered = False
-                rt[0, r] = a
-                rt[1, r] = unit_t
-                rt[2, r] = hh
-                rt[3, r] = ww
-                rt[4, r] = len(t_index)
+                starts.append(a)
+                frames.append(unit_t)
+                rows.append(hh)
+                cols.append(ww)
+                t_off.append(len(t_index))
                 if is_video and not split:
                     assert seconds is not None
                     ti = temporal_index(rs, unit_t, seconds[k])
-                    last = ti[len(ti) - 1]  # monotone: the last is the extreme
-                    if not 0 <= last < MAX_TEMPORAL_INDEX:
+                    if not 0 <= ti[-1] < MAX_TEMPORAL_INDEX:  # monotone: the last is extreme
                         raise InvalidRequest(
                             f"item {idx}: grid row {k} gives frame {unit_t - 1} the temporal "
-                            f"index {last}, outside [0, {MAX_TEMPORAL_INDEX}) (seconds per "
+                            f"index {ti[-1]}, outside [0, {MAX_TEMPORAL_INDEX}) (seconds per "
                             f"grid row {seconds[k]:g})"
                         )
                     t_index.extend(ti)
                 else:
                     t_index.extend([0] * unit_t)
-                r += 1
                 s += 1
-    runs = run_table[:, :r]
-    if not ordered:
-        runs = runs[:, np.argsort(runs[0], kind="stable")]
+    runs = np.array([starts, frames, rows, cols, t_off], np.int64).reshape(5, -1)
+    runs = runs[:, np.argsort(runs[0], kind="stable")]
     return RunPlan(runs[0], runs[1], runs[2], runs[3], runs[4], np.array(t_index, np.int64))
 
 
@@ -563,8 +511,7 @@ def plan_items(
     decode exemption, which needs no pad values).
     """
     n_items = len(items)
-    pads = np.empty(n_items, np.int64)
-    pv = pads
+    pads = []
     hows = []
     modalities = []
     offs = []
@@ -588,7 +535,7 @@ def plan_items(
         off = _offsets(item)
         assert off is not None
         pad, how = _pad_of(i, item, mi, need_pad, hashable)
-        pv[i] = pad
+        pads.append(pad)
         hows.append(how)
         modalities.append(mi)
         offs.append(off)
@@ -608,9 +555,9 @@ def plan_items(
         how = hows[i]
         item = items[i]
         if how == _PAD_FROM_HASH:
-            new_items.append(_with_pad(item, item.hash, int(pv[i])))
+            new_items.append(item.with_pad(item.hash, pads[i]))
         elif how == _PAD_HASH_FEATURE:
             new_items.append(None)
         else:
             new_items.append(item)
-    return ItemPlan(spans, runs, pads, new_items)
+    return ItemPlan(spans, runs, np.array(pads, np.int64), new_items)
