@@ -30,9 +30,10 @@ from .errors import (
     TooLarge,
     abort_from_exception,
 )
-from .hashing import feature_hash
+from .hashing import feature_hash, pad_value
 from .limits import Limits, items_over, tokens_over
 from .model import (
+    MODALITY_OF,
     Item,
     Materialized,
     MultimodalInputs,
@@ -398,7 +399,7 @@ def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> list[Item]:
             item = items[i]
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
-            pad = rules.pad_value(item.modality, content_hash)
+            pad = pad_value(MODALITY_OF[item.modality], content_hash)
             plan.pads[i] = pad
             new = item.with_pad(content_hash, pad)
         out.append(new)

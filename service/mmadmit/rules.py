@@ -22,7 +22,7 @@ import numpy as np
 
 from . import kernels
 from .errors import InvalidRequest, Unsupported
-from .hashing import PAD_BASE, PAD_SLOTS, UINT64_MAX
+from .hashing import UINT64_MAX, pad_interval, pad_value
 from .limits import Limits, check_shape, tensor_bytes_over
 from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor, TensorName
 from .mrope import RunPlan
@@ -219,18 +219,18 @@ def _want(placeholder: int | None) -> int:
 # ------------------------------------------------------------------ hash and pad value
 
 
-def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -> tuple:
+def _pad_of(i: int, item: Item, modality: Modality, need_pad: bool, hashable: bool) -> tuple:
     """Rule 5's hash and pad_value checks, and rule 6's pad value: ``(pad, how)``."""
     h = item.hash
     if h is not None and not 0 <= h <= UINT64_MAX:
         raise InvalidRequest(f"item {i}: hash {h} is not an unsigned 64-bit integer")
-    lo = PAD_BASE + (modality - 1) * PAD_SLOTS
     pad = item.pad_value
     if pad is not None:
-        if not lo <= pad <= lo + PAD_SLOTS - 1:
+        lo, hi = pad_interval(modality)
+        if not lo <= pad <= hi:
             raise InvalidRequest(
                 f"item {i}: pad_value {pad} is outside the "
-                f"{Modality(modality).name.lower()} interval [{lo}, {lo + PAD_SLOTS - 1}]"
+                f"{modality.name.lower()} interval [{lo}, {hi}]"
             )
         return pad, _PAD_SET
     if need_pad:
@@ -239,7 +239,7 @@ def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -
             "pad_value"
         )
     if h is not None:
-        return lo + h % PAD_SLOTS, _PAD_FROM_HASH
+        return pad_value(modality, h), _PAD_FROM_HASH
     if not hashable:
         return -1, _PAD_NONE
     if item.feature is None:
@@ -250,11 +250,6 @@ def _pad_of(i: int, item: Item, modality: int, need_pad: bool, hashable: bool) -
         )
         raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
     return -1, _PAD_HASH_FEATURE
-
-
-def pad_value(modality: int, content_hash: int) -> int:
-    """Rule 6: the pad value of a content hash."""
-    return PAD_BASE + (modality - 1) * PAD_SLOTS + content_hash % PAD_SLOTS
 
 
 # ------------------------------------------------------------------ grids and timing
@@ -534,7 +529,7 @@ def plan_items(
             raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
         off = _offsets(item)
         assert off is not None
-        pad, how = _pad_of(i, item, mi, need_pad, hashable)
+        pad, how = _pad_of(i, item, modality, need_pad, hashable)
         pads.append(pad)
         hows.append(how)
         modalities.append(mi)
