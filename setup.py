@@ -9,13 +9,13 @@ produced here, for both ``pip install .`` and PEP 660 ``pip install -e .``:
   ``clients/mmadmit_client/_proto/`` (gitignored), generated from ``protos/``
   by ``scripts/gen_protos.py``, whose :func:`setuptools_cmdclass` supplies the
   build commands (``clients/setup.py`` uses the same ones).
-* The optional C extensions (``_kernels``, ``_planner``, ``_pbwire``, from C
-  sources) and the modules written in Cython's pure-Python mode, listed in
+* The optional C extensions (``_kernels``, ``_pbwire``, from C sources) and
+  the modules written in Cython's pure-Python mode, listed in
   ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is (the
   reference, run interpreted) and is also compiled by Cython into a
-  separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``;
-  the generated C in ``build/cython/``); ``mmadmit.native`` picks one at run
-  time. ``optional=True`` for all: without a working compiler (or without
+  separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``,
+  ``mmadmit.rules`` -> ``mmadmit._rules_c``; the generated C in
+  ``build/cython/``); ``mmadmit.native`` picks one at run time. ``optional=True`` for all: without a working compiler (or without
   Cython) the install still succeeds and the pure-Python paths run. Editable
   installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
@@ -51,6 +51,7 @@ _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 # code compiled. One line per module.
 CYTHON_MODULES = [
     ("mmadmit._walk_c", "service/mmadmit/msgpack_walk.py"),
+    ("mmadmit._rules_c", "service/mmadmit/rules.py"),
 ]
 
 
@@ -78,13 +79,6 @@ setup(
         Extension(
             "mmadmit._kernels",
             sources=["service/mmadmit/_kernels.c"],
-            depends=["service/mmadmit/_native.h"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
-        Extension(
-            "mmadmit._planner",
-            sources=["service/mmadmit/_planner.c"],
             depends=["service/mmadmit/_native.h"],
             extra_compile_args=_COMPILE_ARGS,
             optional=True,

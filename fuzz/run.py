@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTENSIONS = ("_walk_c", "_pbwire", "_planner", "_kernels")  # _walk_c: msgpack_walk.py compiled
+# _walk_c, _rules_c: msgpack_walk.py and rules.py compiled by Cython
+EXTENSIONS = ("_walk_c", "_rules_c", "_pbwire", "_kernels")
 
 
 def load_sanitized(folder: str) -> list[str]:

@@ -49,6 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,7 +200,7 @@ def span_mismatch(req: Request) -> Request:
     assert first.offsets is not None
     offsets = first.offsets.copy()
     offsets[0, 1] -= 1
-    items[0] = dataclasses.replace(first, offsets=offsets)
+    items[0] = msgspec.structs.replace(first, offsets=offsets)
     out.mm = dataclasses.replace(out.mm, items=items)
     return out
 

@@ -57,8 +57,8 @@ FAMILY_CONFIG = {
 
 def forged_tensor(dtype: Any, shape: tuple[int, ...], data: memoryview) -> Any:
     """A :class:`mmadmit.model.Tensor` whose shape does not match its bytes, made by
-    going around its constructor (which refuses it): only to show that native code
-    handed one anyway (``_planner.c``'s own byte checks) still refuses it."""
+    going around its constructor (which refuses it): only to show that code handed
+    one anyway (the compiled rules, the C kernels) never reads past its bytes."""
     import msgspec
     from mmadmit.model import Tensor
 

@@ -32,7 +32,7 @@ ENC = msgspec.msgpack.Encoder()
 TAG = "TokenizedGenerateReqInput"
 IMG, VID = 248056, 248057  # Qwen3.5 image / video placeholders
 
-needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_planner not built")
+needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_rules_c not built")
 needs_kernels = pytest.mark.skipif(kernels._BUILT is None, reason="_kernels not built")
 
 
@@ -67,19 +67,17 @@ def _image_request(grid: Tensor, **mm: Any) -> Request:
 @needs_planner
 def test_forged_grid_shape_is_not_trusted_by_the_planner() -> None:
     """A grid whose shape claims 2**61 + 1 rows over 24 bytes: ``r * 3 * 8`` wrapped to 24,
-    the byte check passed and the row buffer was allocated 24 bytes for 3 * r values.
-    Such a tensor can no longer be built; the native planner still refuses one forged
-    around the constructor."""
+    the byte check passed and the (C) planner's row buffer was allocated 24 bytes for
+    3 * r values. Such a tensor can no longer be built; one forged around the
+    constructor is read by its bytes (one row), alike compiled and interpreted."""
     data = np.array([1, 4, 4], np.int64).data.cast("B")
     for rows in (2**61 + 1, 2**62 + 1, 2**63 - 1):
         with pytest.raises(InvalidRequest, match="24 data bytes"):
             Tensor(parse_dtype("int64"), (rows, 3), data)
         req = _image_request(forged_tensor(parse_dtype("int64"), (rows, 3), data))
         m = Materializer(load_profile("qwen3_5"), Limits(max_tensor_dim=2**63 - 1))
-        assert req.mm is not None and m._ctx is not None
-        ph = (IMG, VID, -1)
-        assert planner._BUILT.plan(req.mm.items, req.input_ids, m._ctx, *ph, False) is None
-        assert planner._BUILT.check_tensors(req.mm.items, m._ctx, 8, 2**62) is False
+        a, b = both_ways(m, req)
+        assert _summary(a) == _summary(b)
 
 
 @needs_planner
@@ -96,8 +94,9 @@ def test_forged_seconds_shape_is_not_trusted_by_the_planner() -> None:
     grid = Tensor.from_numpy(np.array([[2, 4, 4]], np.int64))
     item = Item(2, hash=3, offsets=np.array([[1, 8]], np.int64),
                 side={"video_grid_thw": grid, "second_per_grid_ts": secs})  # fmt: skip
-    assert m._ctx is not None
-    assert planner._BUILT.plan([item], ids, m._ctx, 151655, 151656, -1, False) is None
+    req = Request("r", ids, mm=MultimodalInputs(items=[item]))
+    a, b = both_ways(m, req)
+    assert _summary(a) == _summary(b)
 
 
 # ------------------------------------------------ 2. placeholder override outside int64
@@ -206,17 +205,27 @@ def test_mrope_fill_refuses_run_products_that_overflow() -> None:
         kernels._BUILT.mrope_fill(out, a(0), a(1), a(big), a(big), a(0), a(0))
 
 
-def test_temporal_index_beyond_bound_is_invalid_request_not_internal() -> None:
+@pytest.mark.parametrize(("frames", "seconds"), [(2, None), (400, 9e5)])
+def test_temporal_index_beyond_bound_is_invalid_request_not_internal(
+    frames: int, seconds: float | None
+) -> None:
     """A profile whose tokens_per_second puts a frame's temporal index beyond 2**40 (or
-    int64) aborts ``INVALID_REQUEST`` on both paths instead of overflowing."""
+    int64) aborts ``INVALID_REQUEST`` on both paths instead of overflowing; beyond
+    float32's range too (``(k * s) * tps`` rounds to infinity: the compiled rules
+    must not cast such a double to a C float, which C leaves undefined)."""
     profile = dataclasses.replace(load_profile("qwen2_5_vl"), tokens_per_second=1e30)
     m = Materializer(profile)
-    ids = np.array([1, *([151656] * 8), 2], np.int64)
-    grid = Tensor.from_numpy(np.array([[2, 4, 4]], np.int64))
-    item = Item(2, hash=3, offsets=np.array([[1, 8]], np.int64), side={"video_grid_thw": grid})
+    tokens = frames * 4
+    ids = np.array([1, *([151656] * tokens), 2], np.int64)
+    grid = Tensor.from_numpy(np.array([[frames, 4, 4]], np.int64))
+    side = {"video_grid_thw": grid}
+    if seconds is not None:
+        side["second_per_grid_ts"] = Tensor.from_numpy(np.array([seconds], np.float32))
+    item = Item(2, hash=3, offsets=np.array([[1, tokens]], np.int64), side=side)
     a, b = both_ways(m, Request("r", ids, mm=MultimodalInputs(items=[item])))
     assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST and a == b
     assert "temporal index" in a.message
+    assert ("index inf," in a.message) == (seconds is not None)
 
 
 # ------------------------------------------------ 4. item decoder, tensor arity

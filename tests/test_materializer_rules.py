@@ -7,15 +7,14 @@ import functools
 import hashlib
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from mmadmit.errors import Abort, AbortCode, InvalidRequest
-from mmadmit.hashing import PAD_BASE, PAD_SLOTS
 from mmadmit.materializer import Limits, Materializer
 from mmadmit.model import (
     Item,
     Materialized,
-    Modality,
     MultimodalInputs,
     Request,
     Rule,
@@ -24,6 +23,7 @@ from mmadmit.model import (
     TensorName,
 )
 from mmadmit.profile import ModelProfile, load_profile, profile_from_config
+from mmadmit.rules import PAD_BASE, PAD_SLOTS
 
 BASE = 1_000_000
 SLOTS = 715_494_549
@@ -275,11 +275,11 @@ def upstream_request(p: Prompt, **mm_kw: Any) -> Request:
     padded = original.copy()
     items = []
     for it in p.items:
-        tag = Modality(it.modality).pad_tag
+        tag = int(it.modality) - 1  # rule 6: image 0, video 1, audio 2
         pad = BASE + tag * SLOTS + (it.hash or 7) % SLOTS
         for s, e in it.offsets:
             padded[s : e + 1] = pad
-        items.append(dataclasses.replace(it, pad_value=pad))
+        items.append(msgspec.structs.replace(it, pad_value=pad))
     return Request(
         rid="up",
         input_ids=padded,
@@ -496,7 +496,7 @@ def test_rule4_upstream_keeps_everything_and_computes_positions() -> None:
     assert r.mm.items[0].hash is None  # nothing hashed
     # positions computed from the unpadded ids: same as a normal materialization
     plain = p.request()
-    plain.mm.items = [dataclasses.replace(it, hash=it.hash or 1) for it in plain.mm.items]
+    plain.mm.items = [msgspec.structs.replace(it, hash=it.hash or 1) for it in plain.mm.items]
     normal = ok(plain).request.mm
     np.testing.assert_array_equal(
         r.mm.mrope_positions.to_numpy(), normal.mrope_positions.to_numpy()
@@ -569,7 +569,7 @@ def test_rule4_non_mrope_passthrough() -> None:
 def test_rule4_item_without_pad_value_invalid() -> None:
     p = _upstream_prompt()
     req = upstream_request(p)
-    req.mm.items[1] = dataclasses.replace(req.mm.items[1], pad_value=None)
+    req.mm.items[1] = msgspec.structs.replace(req.mm.items[1], pad_value=None)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 1\b", "pad_value")
 
 
@@ -621,7 +621,7 @@ def test_rule4_upstream_validates_structure() -> None:
 
 def test_rule5_unknown_modality() -> None:
     req = simple_image_request()
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], modality=7)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], modality=7)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 0", "modality 7")
 
 
@@ -642,7 +642,7 @@ def test_rule5_video_on_llava_unsupported() -> None:
 @pytest.mark.parametrize("offsets", [None, np.zeros((0, 2), np.int64)])
 def test_rule5_empty_offsets(offsets: Any) -> None:
     req = simple_image_request()
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], offsets=offsets)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], offsets=offsets)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 0", "offsets")
 
 
@@ -654,7 +654,7 @@ def test_rule5_empty_offsets(offsets: Any) -> None:
 def test_rule5_bad_span(span: list[int]) -> None:
     req = simple_image_request()
     offs = np.asarray([span], np.int64)
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], offsets=offs)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], offsets=offs)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 0", r"span 0", rf"\[{span[0]}, {span[1]}\]")
 
 
@@ -664,7 +664,7 @@ def test_rule5_bad_second_span_named() -> None:
     req = p.request()
     offs = req.mm.items[0].offsets.copy()
     offs[1] = [offs[1, 0], len(p.ids) + 3]
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], offsets=offs)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], offsets=offs)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 0", r"span 1")
 
 
@@ -674,7 +674,7 @@ def test_rule5_overlapping_spans_across_items() -> None:
     p.image(4, 6)
     req = p.request()
     first = req.mm.items[0].offsets
-    req.mm.items[1] = dataclasses.replace(req.mm.items[1], offsets=first.copy())
+    req.mm.items[1] = msgspec.structs.replace(req.mm.items[1], offsets=first.copy())
     out = aborts(req, AbortCode.INVALID_REQUEST, "overlap")
     assert "item 0" in out.message and "item 1" in out.message
 
@@ -685,7 +685,7 @@ def test_rule5_overlapping_spans_within_item() -> None:
     req = p.request()
     offs = req.mm.items[0].offsets.copy()
     offs[1] = offs[0]
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], offsets=offs)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], offsets=offs)
     aborts(req, AbortCode.INVALID_REQUEST, "overlap", r"item 0")
 
 
@@ -894,7 +894,7 @@ def test_rule5_per_frame_span_length_mismatch_names_span() -> None:
     req = p.request()
     offs = req.mm.items[0].offsets.copy()
     offs[2, 1] -= 1
-    req.mm.items[0] = dataclasses.replace(req.mm.items[0], offsets=offs)
+    req.mm.items[0] = msgspec.structs.replace(req.mm.items[0], offsets=offs)
     aborts(req, AbortCode.INVALID_REQUEST, r"item 0", r"span 2", "per frame")
 
 

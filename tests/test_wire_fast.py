@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, load_vector, vector_names
 from mmadmit import intcodec as ic
-from mmadmit import wire
+from mmadmit import rules, wire
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized, MultimodalInputs, Request, Tensor
@@ -339,7 +339,7 @@ def test_splice_changes_only_hash_and_pad() -> None:
     items = req.mm.items
     items[0].hash, items[0].pad_value = 2**64 - 1, 7
     items[1].hash, items[1].pad_value = None, -(2**40)
-    items[2] = items[2].with_pad(123, 456)
+    items[2] = rules.with_pad(items[2], 123, 456)
     assert _frames(wire.encode_request(req), req) == _general_bytes(req)
     back = _reencode(req)
     assert [(it.hash, it.pad_value) for it in back.mm.items[:3]] == [

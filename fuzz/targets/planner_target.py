@@ -1,4 +1,5 @@
-"""The per-item planner (``_planner.c``) and the materializer, native against Python.
+"""Rules 5-6 (``rules.py``, compiled as ``_rules_c``) and the materializer, compiled
+against interpreted.
 
 A request is built from the input: a profile (Qwen2-VL, Qwen2.5-VL, Qwen3.5,
 Qwen3-Omni, a decode-side language-model-only Qwen3.5), text, and up to five
@@ -7,9 +8,10 @@ mostly well formed, then mutated with boundary values (forged tensor shapes,
 ints outside int64, wrong dtypes, overlapping or out-of-range spans, wild
 placeholder overrides, carried M-RoPE fields, an upstream-materialized form).
 ``Materializer.run`` with native code on and off must give the same outcome
-(materialized fields, or abort code and message), never ``INTERNAL``; the
-planner's entry points called directly on the same items must answer
-(``None``/a plan, a bool) and never raise.
+(materialized fields, or abort code and message), never ``INTERNAL``; and
+``plan_items`` called directly on the same items (with wild placeholder ids and
+either ``need_pad`` and ``hashable``), compiled and interpreted, must give the
+same plan or raise the same error with the same message.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import functools
 import struct
 
 import numpy as np
-from mmadmit import planner
+from mmadmit import planner, rules
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import load_profile
@@ -263,18 +265,32 @@ def _upstream(d: Data, pi: int, req: Request) -> None:
         it.pad_value = None if d.flag() else d.wild_int()
 
 
+def _plan(module: object, args: tuple) -> object:
+    """A plan's arrays and items, or the error it raised (type and message)."""
+    try:
+        p = module.plan_items(*args)  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - compared, never swallowed silently
+        return (type(exc), str(exc))
+    runs = (
+        None
+        if p.runs is None
+        else [getattr(p.runs, f).tolist() for f in rules.RunPlan.__struct_fields__]
+    )
+    items = [None if i is None else (i.hash, i.pad_value) for i in p.new_items]
+    spans = (p.spans.start.tolist(), p.spans.stop.tolist(), p.spans.owner.tolist())
+    return (spans, runs, p.pads.tolist(), items)
+
+
 def _direct(pi: int, req: Request, d: Data) -> None:
-    """The planner's entry points on the same items: they answer, never raise."""
+    """``plan_items`` compiled and interpreted on the same items: the same answer."""
     m = _materializer(pi)
-    if planner._BUILT is None or m._ctx is None or req.mm is None:
+    if planner._BUILT is None or req.mm is None or not isinstance(req.mm.items, list):
         return
-    items = req.mm.items
-    phs = [d.wild_int() if d.flag(20) else p for p in m._placeholders(req.mm)]
-    phs = [-1 if p is None else p for p in phs]
-    res = planner._BUILT.plan(items, req.input_ids, m._ctx, *phs, d.flag())
-    assert res is None or isinstance(res, tuple)
-    ok = planner._BUILT.check_tensors(items, m._ctx, 8, 2**29)
-    assert isinstance(ok, bool)
+    phs = tuple(d.wild_int() if d.flag(20) else p for p in m._placeholders(req.mm))
+    ids = np.asarray(req.input_ids, np.int64)
+    args = (m._rules, req.mm.items, ids, phs, d.flag(), d.flag(80))
+    compiled, interpreted = _plan(planner._BUILT, args), _plan(rules, args)
+    assert compiled == interpreted, (compiled, interpreted)
 
 
 def one(data: bytes) -> None:

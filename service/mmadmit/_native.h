@@ -1,5 +1,5 @@
 /*
- * Shared by mmadmit's C extensions (_kernels.c, _planner.c): the
+ * Shared by mmadmit's C extensions (_kernels.c): the
  * int64 buffer check, the SIMD clone marker and the conditional GIL release.
  */
 #ifndef MMADMIT_NATIVE_H

@@ -60,7 +60,10 @@ def first_mismatch(
 ) -> int:
     """First span ``k`` holding a token other than ``expected[k]``; -1 when none."""
     if _kernels is not None:
-        return int(_kernels.spans_check(_i64(ids), _i64(starts), _i64(stops), _i64(expected)))
+        try:  # the C takes C-contiguous int64 buffers (what the rules pass) and checks them
+            return int(_kernels.spans_check(ids, starts, stops, expected))
+        except (TypeError, ValueError, BufferError):  # another dtype, a strided view
+            return int(_kernels.spans_check(_i64(ids), _i64(starts), _i64(stops), _i64(expected)))
     bad = np.zeros(len(starts), np.bool_)
     for ph in np.unique(expected).tolist():
         # per placeholder id, a prefix count must grow by exactly the span length

@@ -30,7 +30,7 @@ from .errors import (
     TooLarge,
     abort_from_exception,
 )
-from .hashing import feature_hash, pad_value
+from .hashing import feature_hash
 from .limits import Limits, items_over, tokens_over
 from .model import (
     MODALITY_OF,
@@ -128,8 +128,6 @@ class Materializer:
         self.profile = profile
         self.limits = limits or Limits()
         self._rules = rules.RuleSet(profile)
-        # the native pass of rules 5 and 6 (M-RoPE families; None: mmadmit.rules only)
-        self._ctx = planner.make_ctx(profile) if profile.uses_mrope else None
 
     # ------------------------------------------------------------------ entry points
 
@@ -286,16 +284,7 @@ class Materializer:
             return
         if len(mm.items) > lim.max_items:
             raise items_over(len(mm.items), lim.max_items)
-        if (
-            self._ctx is not None
-            and mm.mrope_positions is None
-            and mm.mrope_position_delta is None
-            and planner.tensors_ok(
-                mm.items, self._ctx, lim.max_tensor_rank, lim.max_tensor_bytes, lim.max_tensor_dim
-            )
-        ):
-            return  # the native pass vouches for every item tensor (no feature_shm)
-        rules.tensors_within(mm, lim)
+        planner.tensors_within(mm, lim)
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
@@ -320,7 +309,7 @@ class Materializer:
         if differs.size == 0:
             return
         if spans is None:  # not validated yet (decode exemption): they must be usable here
-            spans = rules.spans_of(list(items), len(ids))
+            spans = planner.spans_of(list(items), len(ids))
         owner = _owner_at(spans, differs)
         pads = np.asarray(
             [-1 if it.pad_value is None else it.pad_value for it in items] + [-2], np.int64
@@ -369,14 +358,10 @@ class Materializer:
         need_pad: bool,
         hashable: bool = True,
     ) -> rules.ItemPlan:
-        """Rules 5 and 6 over the items: the native pass when it vouches for them, else
-        :func:`mmadmit.rules.plan_items` (which alone refuses and words why)."""
+        """Rules 5 and 6 over the items (:func:`mmadmit.rules.plan_items`, compiled when
+        it is built)."""
         placeholders = self._placeholders(mm)
-        if self._ctx is not None and hashable:
-            fast = planner.fast_plan(items, original, self._ctx, placeholders, need_pad=need_pad)
-            if fast is not None:
-                return fast
-        return rules.plan_items(self._rules, items, original, placeholders, need_pad, hashable)
+        return planner.plan_items(self._rules, items, original, placeholders, need_pad, hashable)
 
     def _placeholders(self, mm: MultimodalInputs) -> tuple[int | None, int | None, int | None]:
         """Image, video and audio placeholder ids: the request's overrides, else the profile's."""
@@ -399,9 +384,9 @@ def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> list[Item]:
             item = items[i]
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
-            pad = pad_value(MODALITY_OF[item.modality], content_hash)
+            pad = rules.pad_value(MODALITY_OF[item.modality], content_hash)
             plan.pads[i] = pad
-            new = item.with_pad(content_hash, pad)
+            new = rules.with_pad(item, content_hash, pad)
         out.append(new)
     return out
 

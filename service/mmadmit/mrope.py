@@ -21,17 +21,16 @@ displacement, so ``delta = shift``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 
 
-@dataclass(frozen=True)
-class RunPlan:
+class RunPlan(msgspec.Struct, frozen=True, eq=False, gc=False):
     """The runs of one prompt, as parallel int64 arrays sorted by start.
 
     ``t_index`` holds every run's temporal indices back to back; run ``k`` owns
-    ``t_index[t_off[k] : t_off[k] + frames[k]]``.
+    ``t_index[t_off[k] : t_off[k] + frames[k]]``. A frozen ``msgspec.Struct``: one
+    is built for every M-RoPE request, and its constructor runs in C.
     """
 
     start: np.ndarray

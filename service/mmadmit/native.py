@@ -1,9 +1,10 @@
 """One switch for every optional C extension: native accelerators on or off.
 
 mmadmit parses untrusted network bytes in four optional native extensions
-(``_walk_c``, Cython's build of ``msgpack_walk.py``; ``_pbwire``, ``_planner``,
-``_kernels``, from C). Each has a pure Python/numpy fallback that is the
-reference (for ``_walk_c``, its own source run by Python): same results, same
+(``_walk_c`` and ``_rules_c``, Cython's builds of ``msgpack_walk.py`` and
+``rules.py``; ``_pbwire`` and ``_kernels``, from C). Each has a pure
+Python/numpy fallback that is the reference (for the Cython builds, their own
+source run by Python): same results, same
 aborts (tests and the fuzz targets under ``fuzz/`` compare them). An operator who
 will not run native code on untrusted input turns them off with
 ``--native off`` (``MMADMIT_NATIVE=0``); ``serve`` and ``materialize`` call

@@ -4,34 +4,57 @@
 placeholders, hash and pad value ranges, and for the M-RoPE families the
 grids, timing tensors and span lengths), then derives what the materializer
 needs: the spans sorted by start, the M-RoPE run plan, and each item's pad
-value (rule 6) from its supplied hash. It either returns that
-(:class:`ItemPlan`) or raises the abort, worded here and nowhere else.
+value (rule 6, :func:`pad_value`) from its supplied hash. It either returns
+that (:class:`ItemPlan`) or raises the abort, worded here and nowhere else.
 
-The materializer asks :mod:`mmadmit.planner`'s native pass first; it answers
-only "valid, here is the plan" or "not sure", never an abort, and on "not
-sure" (or with native code off) this module decides. ``tests/test_planner.py``
-and the ``planner`` fuzz target hold the two to the same outcome. Per-token
-loops are :mod:`mmadmit.kernels`'; the loops here are per item, span and grid
-row. (Compiled by Cython in pure-Python mode, this file measured 1.5-1.75x the
-native pass's materialize time, so the native pass stays; README, "Native code".)
+One file, two builds (Cython's pure-Python mode, like :mod:`mmadmit.msgpack_walk`).
+This file runs as plain Python, and ``setup.py`` also compiles it into
+``mmadmit._rules_c`` when Cython and a compiler are present at install time;
+:mod:`mmadmit.planner` picks the compiled module unless native code is
+switched off (``--native off``). ``tests/test_planner.py`` and the ``planner``
+fuzz target run both on valid and on mutated requests and demand the same
+outcome, message included. The ``cython.*`` annotations type locals for the
+compiled build (C integers, typed memoryviews on int64 tables); interpreted
+they do nothing. ``cython.compiled`` is tested in one place, :func:`_round32`.
+
+The work is laid out for the compiled build: everything per span or grid row
+runs in loops over C integers on a few int64 tables allocated once per
+request, and Python objects are touched once per item (its fields, its grid
+and timing tensors). C integers never overflow here: every count and product
+is bounded by ``len(input_ids)`` before it is formed (a product that would
+pass that bound is refused first), and a grid value outside int64 is refused.
+Per-token loops stay in :mod:`mmadmit.kernels`.
 """
 
+from __future__ import annotations
+
+import math
 import struct
 
+import cython
+import msgspec
 import numpy as np
 
 from . import kernels
+from .dtypes import parse_dtype
 from .errors import InvalidRequest, Unsupported
-from .hashing import UINT64_MAX, pad_interval, pad_value
 from .limits import Limits, check_shape, tensor_bytes_over
 from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor, TensorName
 from .mrope import RunPlan
 from .profile import Family, ModelProfile
 
+i64 = cython.typedef(cython.longlong)
+ssize = cython.typedef(cython.Py_ssize_t)
+
 IMAGE_GRID = "image_grid_thw"
 VIDEO_GRID = "video_grid_thw"
 GRID_KEYS = {Modality.IMAGE: IMAGE_GRID, Modality.VIDEO: VIDEO_GRID}
 AUDIO_IN_VIDEO = "use_audio_in_video"
+
+# Rule 6: pad values, by modality tag (image 0, video 1, audio 2).
+PAD_BASE = 1_000_000
+PAD_SLOTS = (2**31 - 1 - PAD_BASE + 1) // 3  # 715_494_549
+UINT64_MAX = 2**64 - 1
 
 # Timing side tensors, in lookup order per family (MATERIALIZE.md table).
 _QWEN25_TIME_KEYS = ("second_per_grid_ts", "video_second_per_grid")
@@ -47,6 +70,16 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _I64 = np.dtype(np.int64)
 _F32 = struct.Struct("<f")
+_F32_INF_FROM = cython.declare(cython.double, 2.0**128 - 2.0**103)  # rounds to float32 inf
+_replace = msgspec.structs.replace
+_MODALITY_OF = cython.declare(dict, MODALITY_OF)
+_DT_INT64 = parse_dtype("int64")
+_DT_FLOAT32 = parse_dtype("float32")
+
+# time_mode of a RuleSet: how a video frame's temporal index is computed
+_TIME_FRAME = 0  # the frame number (Qwen2-VL)
+_TIME_QWEN25 = 1  # trunc((k * s) * tokens_per_second)
+_TIME_OMNI = 2  # trunc(k * (s * position_id_per_seconds))
 
 # how an item gets its pad value (ItemPlan.new_items)
 _PAD_SET = 0  # carried pad_value: the item as it is
@@ -54,14 +87,57 @@ _PAD_FROM_HASH = 1  # a copy with hash and pad_value set
 _PAD_HASH_FEATURE = 2  # None: the materializer hashes the feature
 _PAD_NONE = 3  # no pad value needed (the decode exemption): the item as it is
 
+# rows of plan_items' per-item table
+_COL_MOD = 0
+_COL_PAD = 1
+_COL_HOW = 2
+_COL_WANT = 3
+
+
+def pad_interval(modality: int) -> tuple[int, int]:
+    """Inclusive interval of a modality's pad values (1 image, 2 video, 3 audio)."""
+    lo = PAD_BASE + (int(modality) - 1) * PAD_SLOTS
+    return lo, lo + PAD_SLOTS - 1
+
+
+@cython.ccall
+def with_pad(item: Item, content_hash: object, pad: i64) -> Item:
+    """Rule 6 applied to an item: a copy with ``hash`` and ``pad_value`` set (a request
+    is never modified). The copy shares every other field with ``item``."""
+    return _replace(item, hash=content_hash, pad_value=pad)
+
+
+_BASE = cython.declare(i64, PAD_BASE)
+_SLOTS = cython.declare(i64, PAD_SLOTS)
+
+
+@cython.ccall
+def pad_value(modality: cython.int, content_hash: cython.ulonglong) -> i64:
+    """Rule 6: the pad value of a content hash (``modality`` 1 image, 2 video, 3 audio)."""
+    return _BASE + (modality - 1) * _SLOTS + cython.cast(i64, content_hash % _SLOTS)
+
 
 def f32(x: float) -> float:
     """Round a double to float32, as numpy's float32 arithmetic does (nearest-even).
 
     Products of two float32 values are exact in a double, so rounding the double
-    product reproduces a float32 multiplication bit for bit.
+    product reproduces a float32 multiplication bit for bit. Beyond float32's
+    range the result is an infinity (NaN stays NaN), as in float32 arithmetic.
     """
+    if not -_F32_INF_FROM < x < _F32_INF_FROM:
+        return x if x != x else math.copysign(math.inf, x)
     return float(_F32.unpack(_F32.pack(x))[0])
+
+
+@cython.cfunc
+@cython.inline
+@cython.exceptval(check=False)
+def _round32(x: cython.double) -> cython.double:
+    """:func:`f32` without the calls where the build has C floats (the same conversion;
+    a double beyond float32's range is left to :func:`f32`: C leaves that cast undefined)."""
+    if cython.compiled and -_F32_INF_FROM < x < _F32_INF_FROM:
+        return cython.cast(cython.float, x)
+    return f32(x)
 
 
 def time_keys(profile: ModelProfile) -> tuple[str, ...]:
@@ -75,12 +151,14 @@ class RuleSet:
     def __init__(self, profile: ModelProfile) -> None:
         family = profile.family
         self.profile = profile
-        self.supported = frozenset(int(m) for m in Modality if profile.supports(m))
+        self.supported = sum(1 << int(m) for m in Modality if profile.supports(m))  # bit mask
         self.model_name = profile.model_type or family.value
         self.uses_mrope = profile.uses_mrope
         self.merge = profile.spatial_merge_size
         self.split_video = family.video_run_per_frame
-        self.family = family
+        self.time_mode = {Family.QWEN2_5_VL: _TIME_QWEN25, Family.QWEN3_OMNI: _TIME_OMNI}.get(
+            family, _TIME_FRAME
+        )
         self.time_keys = time_keys(profile)
         default = (profile.seconds_per_chunk or 2.0) if family is Family.QWEN3_OMNI else 1.0
         self.default_seconds = f32(default)
@@ -127,54 +205,80 @@ def _describe(owner: int, k: int, start: int, end: int) -> str:
     return f"item {owner}: span {k} [{start}, {end}]"
 
 
-def _offsets(item: Item) -> np.ndarray | None:
-    """The item's spans as an int64 ``[k, 2]`` array (rows ``[start, end]``)."""
-    off = item.offsets
-    if off is None or (type(off) is np.ndarray and off.dtype == _I64 and off.ndim == 2):
-        return off
+@cython.cfunc
+def _offsets(off: object) -> np.ndarray:
+    """An item's spans as an int64 ``[k, 2]`` array (rows ``[start, end]``)."""
+    if type(off) is np.ndarray:
+        dt = off.dtype
+        if (dt is _I64 or dt == _I64) and off.ndim == 2 and off.shape[1] == 2:
+            return off
     return np.asarray(off, dtype=np.int64).reshape(-1, 2)
 
 
-def _span_table(offs: list, n: int, wants: list | None) -> tuple:
-    """Every span in item order, checked inside ``input_ids``: ``(table, first)``.
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _span_table(offs: list, n: i64, wants: np.ndarray) -> np.ndarray:
+    """Every span in item order, checked inside ``input_ids``: a ``[5, S]`` int64 table
+    with rows start, stop (exclusive), owner item, index in its item, and the owner's
+    placeholder id (``wants``: int64, one per item). The first span out of bounds,
+    in item order, is the one reported."""
+    try:  # one copy of C-contiguous arrays (what the codecs make): 4x faster than concatenate
+        pairs = np.frombuffer(b"".join(offs), np.int64).reshape(-1, 2)
+    except (BufferError, TypeError, ValueError):  # a non-contiguous view
+        pairs = np.concatenate(offs) if offs else np.zeros((0, 2), np.int64)
+    total: ssize = len(pairs)
+    table = np.empty((5, total), np.int64)
+    pv: cython.const[i64][:, :] = pairs
+    tv: i64[:, ::1] = table
+    wv: i64[::1] = wants
+    pos: ssize = 0
+    i: ssize
+    k: ssize
+    a: i64
+    b: i64
+    for i in range(len(offs)):
+        for k in range(len(offs[i])):
+            a = pv[pos, 0]
+            b = pv[pos, 1]
+            if a < 0 or a > b or b >= n:
+                raise InvalidRequest(
+                    f"{_describe(i, k, a, b)} is not a valid inclusive range inside "
+                    f"input_ids (0 <= start <= end < {n})"
+                )
+            tv[0, pos] = a
+            tv[1, pos] = b + 1
+            tv[2, pos] = i
+            tv[3, pos] = k
+            tv[4, pos] = wv[i]
+            pos += 1
+    return table
 
-    ``table`` rows: start, stop (exclusive), owner item, index in its item, and the
-    owner's placeholder id (when ``wants`` gives one per item, else -1);
-    ``first[i]`` is the column of item ``i``'s first span. The first span out of
-    bounds, in item order, is the one reported.
-    """
-    counts = [0 if o is None else len(o) for o in offs]
-    present = [o for o in offs if o is not None and len(o)]
-    pairs = np.concatenate(present) if present else np.zeros((0, 2), np.int64)
-    first = np.zeros(len(offs) + 1, np.int64)
-    np.cumsum(counts, out=first[1:])
-    owner = np.repeat(np.arange(len(offs), dtype=np.int64), counts)
-    kin = np.arange(len(pairs), dtype=np.int64) - first[owner]
-    start, end = pairs[:, 0], pairs[:, 1]
-    bad = (start < 0) | (start > end) | (end >= n)
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise InvalidRequest(
-            f"{_describe(int(owner[k]), int(kin[k]), int(start[k]), int(end[k]))} is not a "
-            f"valid inclusive range inside input_ids (0 <= start <= end < {n})"
-        )
-    want = np.asarray(wants, np.int64)[owner] if wants is not None else np.full_like(owner, -1)
-    return np.stack([start, end + 1, owner, kin, want]), first
 
-
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def _sorted_disjoint(table: np.ndarray) -> Spans:
     """The spans sorted by start; overlapping ones are refused."""
-    if table.shape[1] > 1 and (table[0, 1:] < table[0, :-1]).any():
-        table = table[:, np.argsort(table[0], kind="stable")]
-    clash = table[0, 1:] < table[1, :-1]
-    if clash.any():
-        k = int(np.argmax(clash)) + 1
-        a, b = table[:, k].tolist(), table[:, k - 1].tolist()
-        raise InvalidRequest(
-            f"{_describe(a[2], a[3], a[0], a[1] - 1)} overlaps "
-            f"{_describe(b[2], b[3], b[0], b[1] - 1)}"
-        )
+    tv: i64[:, ::1] = table
+    total: ssize = tv.shape[1]
+    k: ssize
+    for k in range(1, total):
+        if tv[0, k] < tv[0, k - 1]:
+            table = np.ascontiguousarray(table[:, np.argsort(table[0], kind="stable")])
+            tv = table
+            break
+    for k in range(1, total):
+        if tv[0, k] < tv[1, k - 1]:
+            raise InvalidRequest(
+                f"{_describe(tv[2, k], tv[3, k], tv[0, k], tv[1, k] - 1)} overlaps "
+                f"{_describe(tv[2, k - 1], tv[3, k - 1], tv[0, k - 1], tv[1, k - 1] - 1)}"
+            )
     return Spans(table[0], table[1], table[2])
+
+
+def _unchecked_table(items: list, n: int) -> np.ndarray:
+    """:func:`_span_table` of items whose offsets may be missing (they contribute none)."""
+    offs = [_offsets(() if it.offsets is None else it.offsets) for it in items]
+    return _span_table(offs, n, np.full(len(items), -1, np.int64))
 
 
 def spans_of(items: list, n: int) -> Spans:
@@ -183,26 +287,24 @@ def spans_of(items: list, n: int) -> Spans:
     Items without offsets contribute none (the caller decides whether that is
     allowed). Errors name the item and its span.
     """
-    table, _ = _span_table([_offsets(it) for it in items], n, None)
-    return _sorted_disjoint(table)
+    return _sorted_disjoint(_unchecked_table(items, n))
 
 
 def _check_placeholders(
-    ids: np.ndarray, table: tuple, modalities: list, placeholders: tuple
+    ids: np.ndarray, table: np.ndarray, modalities: np.ndarray, placeholders: tuple
 ) -> None:
     """Every token of a span is its modality's placeholder (spans in item order: the
     first one that is not is reported)."""
-    start, stop, owner, kin, want = table[0]
-    k = kernels.first_mismatch(ids, start, stop, want)
+    k = kernels.first_mismatch(ids, table[0], table[1], table[4])
     if k < 0:
         return
-    a, b = int(start[k]), int(stop[k])
-    off = int(np.flatnonzero(ids[a:b] != want[k])[0])
-    who = int(owner[k])
-    shown = placeholders[modalities[who] - 1]
+    a, b, who, kin, want = (int(x) for x in table[:, k])
+    off = int(np.flatnonzero(ids[a:b] != want)[0])
+    modality = int(modalities[who])
+    shown = placeholders[modality - 1]
     raise InvalidRequest(
-        f"{_describe(who, int(kin[k]), a, b - 1)} holds token {int(ids[a + off])} at "
-        f"{a + off}; every token in a {Modality(modalities[who]).name.lower()} span must be "
+        f"{_describe(who, kin, a, b - 1)} holds token {int(ids[a + off])} at "
+        f"{a + off}; every token in a {Modality(modality).name.lower()} span must be "
         f"the placeholder {-1 if shown is None else shown}"
     )
 
@@ -214,42 +316,6 @@ def _want(placeholder: int | None) -> int:
     if placeholder is None or not _INT64_MIN <= placeholder <= _INT64_MAX:
         return -1
     return placeholder
-
-
-# ------------------------------------------------------------------ hash and pad value
-
-
-def _pad_of(i: int, item: Item, modality: Modality, need_pad: bool, hashable: bool) -> tuple:
-    """Rule 5's hash and pad_value checks, and rule 6's pad value: ``(pad, how)``."""
-    h = item.hash
-    if h is not None and not 0 <= h <= UINT64_MAX:
-        raise InvalidRequest(f"item {i}: hash {h} is not an unsigned 64-bit integer")
-    pad = item.pad_value
-    if pad is not None:
-        lo, hi = pad_interval(modality)
-        if not lo <= pad <= hi:
-            raise InvalidRequest(
-                f"item {i}: pad_value {pad} is outside the "
-                f"{modality.name.lower()} interval [{lo}, {hi}]"
-            )
-        return pad, _PAD_SET
-    if need_pad:
-        raise InvalidRequest(
-            f"item {i}: input_ids_unpadded is set (materialized upstream) but the item has no "
-            "pad_value"
-        )
-    if h is not None:
-        return pad_value(modality, h), _PAD_FROM_HASH
-    if not hashable:
-        return -1, _PAD_NONE
-    if item.feature is None:
-        why = (
-            "a shared-memory feature cannot be hashed without reading the segment"
-            if item.feature_shm is not None
-            else "it has no feature to hash"
-        )
-        raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
-    return -1, _PAD_HASH_FEATURE
 
 
 # ------------------------------------------------------------------ grids and timing
@@ -269,9 +335,9 @@ def check_no_audio_in_video(idx: int, item: Item) -> None:
         )
 
 
-def _grid_rows(idx: int, item: Item, modality: int) -> list | None:
-    """The item's grid values ``[t, h, w, t, h, w, ...]`` after the key checks (None: audio)."""
-    side = item.side
+@cython.cfunc
+def _grid_tensor(idx: ssize, side: dict, modality: i64) -> object:
+    """The item's grid tensor after the key, dtype and shape checks (None: audio)."""
     if modality == 3:
         for key in (IMAGE_GRID, VIDEO_GRID):
             if key in side:
@@ -291,22 +357,36 @@ def _grid_rows(idx: int, item: Item, modality: int) -> list | None:
     dtype = tensor.dtype
     if not dtype.is_integer:
         raise InvalidRequest(f"item {idx}: {key} must be an integer tensor, got dtype {dtype.name}")
-    shape = tensor.shape
-    if not (shape == (3,) or (len(shape) == 2 and shape[1] == 3 and shape[0] > 0)):
+    shape: tuple = tensor.shape
+    rank: ssize = len(shape)
+    if not ((rank == 1 and shape[0] == 3) or (rank == 2 and shape[1] == 3 and shape[0] > 0)):
         raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(shape)}")
-    if dtype.name == "int64" and tensor.data.nbytes % 8 == 0:
-        return tensor.data.cast("q").tolist()
-    return tensor.to_numpy().reshape(-1).tolist()
+    return tensor
 
 
-def _shown(flat: list) -> list:
+@cython.cfunc
+def _grid_values(idx: ssize, key: str, tensor: Tensor) -> memoryview:
+    """The grid's values ``t, h, w, t, h, w, ...`` as int64 (the wire's dtype: no copy)."""
+    if tensor.dtype is _DT_INT64:
+        return tensor.data.cast("q")
+    values = tensor.to_numpy().reshape(-1)
+    if values.dtype.kind == "u" and values.size and int(values.max()) > _INT64_MAX:
+        raise InvalidRequest(f"item {idx}: {key} values must fit in int64, got {_shown(tensor)}")
+    return memoryview(np.ascontiguousarray(values, np.int64))
+
+
+def _shown(tensor: Tensor) -> list:
+    """A grid as an error message shows it: its rows."""
+    flat = tensor.to_numpy().reshape(-1).tolist()
     return [flat[k : k + 3] for k in range(0, len(flat), 3)]
 
 
-def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
-    """float32 seconds per grid row for a video item (one value broadcast or one per row)."""
-    for key in rs.time_keys:
-        tensor = item.side.get(key)
+@cython.cfunc
+def _seconds_per_row(keys: tuple, idx: ssize, side: dict, rows: ssize) -> object:
+    """float32 seconds per grid row of a video item: one value (every row) or one per
+    row, from the first of ``keys`` it carries; None: none (the family's default)."""
+    for key in keys:
+        tensor = side.get(key)
         if tensor is None:
             continue
         if (
@@ -315,17 +395,14 @@ def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
             or tensor.dtype.numpy is None
         ):
             raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
-        values: list
-        if tensor.dtype.name == "float32" and tensor.data.nbytes % 4 == 0:
-            values = tensor.data.cast("f").tolist()
+        if tensor.dtype is _DT_FLOAT32:
+            values = tensor.data.cast("f")
         else:
-            values = tensor.to_numpy().astype(np.float32).reshape(-1).tolist()
-        if len(values) == 1:
-            values = values * rows
-        if len(values) != rows:
+            values = memoryview(tensor.to_numpy().astype(np.float32).reshape(-1))
+        count = len(values)
+        if count != 1 and count != rows:
             raise InvalidRequest(
-                f"item {idx}: {key} holds {len(values)} values; "
-                f"expected 1 or one per grid row ({rows})"
+                f"item {idx}: {key} holds {count} values; expected 1 or one per grid row ({rows})"
             )
         for v in values:
             if not 0 <= v < MAX_SECONDS_PER_ROW:  # also rejects NaN
@@ -334,108 +411,206 @@ def _seconds_per_row(rs: RuleSet, idx: int, item: Item, rows: int) -> list:
                     f"(below {MAX_SECONDS_PER_ROW:g})"
                 )
         return values
-    return [rs.default_seconds] * rows
+    return None
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _time(mode: cython.int, k: i64, seconds: cython.double, rate: cython.double) -> cython.double:
+    """Frame ``k``'s temporal index of a video run (MATERIALIZE.md table) before its
+    truncation: float32 math; ``rate``: the profile's tokens_per_second or
+    position_id_per_seconds. The caller bounds it before making it an int."""
+    if mode == _TIME_QWEN25:  # trunc((k * s) * tokens_per_second)
+        return _round32(_round32(k * seconds) * rate)
+    if mode == _TIME_OMNI:  # trunc(k * (s * position_id_per_seconds))
+        return _round32(k * _round32(seconds * rate))
+    return k
 
 
 def temporal_index(rs: RuleSet, frames: int, seconds: float) -> list:
     """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
-    family = rs.family
-    if family is Family.QWEN2_5_VL:  # trunc((k * s) * tokens_per_second)
-        tps = rs.tps
-        return [int(f32(f32(k * seconds) * tps)) for k in range(frames)]
-    if family is Family.QWEN3_OMNI:  # trunc(k * (s * position_id_per_seconds))
-        step = f32(seconds * rs.pps)
-        return [int(f32(k * step)) for k in range(frames)]
-    return list(range(frames))  # Qwen2-VL (per-frame families never get here)
+    rate = rs.pps if rs.time_mode == _TIME_OMNI else rs.tps
+    return [int(_time(rs.time_mode, k, seconds, rate)) for k in range(frames)]
 
 
-def _plan_runs(rs: RuleSet, items: list, modalities: list, table: tuple) -> RunPlan:
+def _shown_index(x: float) -> object:
+    """A temporal index as a message shows it: truncated, as it would be used."""
+    return int(x) if math.isfinite(x) else x
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _plan_runs(
+    rs: RuleSet, items: list, modalities: np.ndarray, table: np.ndarray, n: i64
+) -> RunPlan:
     """Match every item's spans to its grid rows and return the runs in prompt order.
 
     Spans are already valid (bounds, disjointness, placeholder ids); this checks
     the grids and that each span's length equals its row's merged patch count.
+    ``table``: :func:`_span_table`'s, in item order; ``n``: ``len(input_ids)``,
+    which bounds every span (so every product formed here).
     """
-    merge = rs.merge
-    split_video = rs.split_video
-    span_start, span_stop = table[0][0].tolist(), table[0][1].tolist()
-    first = table[1].tolist()
-    starts: list[int] = []
-    frames: list[int] = []
-    rows: list[int] = []
-    cols: list[int] = []
-    t_off: list[int] = []
-    t_index: list[int] = []
+    merge: i64 = rs.merge
+    split_video: cython.bint = rs.split_video
+    mode: cython.int = rs.time_mode
+    rate: cython.double = rs.pps if mode == _TIME_OMNI else rs.tps
+    default_seconds: cython.double = rs.default_seconds
+    keys: tuple = rs.time_keys
+    mv: i64[::1] = modalities
+    tv: i64[:, ::1] = table
+    n_spans: ssize = tv.shape[1]
+    runs = np.empty((5, n_spans), np.int64)
+    rv: i64[:, ::1] = runs
+    t_index = np.empty(2 * n_spans + 16, np.int64)  # grown when a video needs more
+    xv: i64[::1] = t_index
+    n_t: ssize = 0  # temporal indices so far
+    r: ssize = 0  # runs so far
+    s0: ssize = 0  # the item's first span in the table
+    idx: ssize
+    k: ssize
+    f: i64
+    t: i64
+    h: i64
+    w: i64
+    hh: i64
+    ww: i64
+    a: i64
+    length: i64
+    want: i64
+    expected: i64
+    units: i64
+    unit_t: i64
+    last: cython.double
+    sec: cython.double
+    ordered: cython.bint = True
     for idx in range(len(items)):
+        s_item: ssize = s0
+        while s0 < n_spans and tv[2, s0] == idx:
+            s0 += 1
+        n_item_spans: ssize = s0 - s_item
         item = items[idx]
-        check_no_audio_in_video(idx, item)
-        flat = _grid_rows(idx, item, modalities[idx])
-        if flat is None:
+        side: dict = _side(item)
+        if AUDIO_IN_VIDEO in side:
+            check_no_audio_in_video(idx, item)
+        tensor = _grid_tensor(idx, side, mv[idx])
+        if tensor is None:
             continue
-        is_video = modalities[idx] == 2
+        is_video: cython.bint = mv[idx] == 2
         key = VIDEO_GRID if is_video else IMAGE_GRID
-        grid = _shown(flat)
-        split = is_video and split_video  # one span per temporal frame of a row
-        for t, h, w in grid:
+        g = _grid_values(idx, key, tensor)
+        n_rows: ssize = len(g) // 3
+        split: cython.bint = is_video and split_video  # one span per temporal frame of a row
+        expected = 0
+        for k in range(n_rows):
+            t = g[3 * k]
+            h = g[3 * k + 1]
+            w = g[3 * k + 2]
             if t <= 0 or h <= 0 or w <= 0:
-                raise InvalidRequest(f"item {idx}: {key} rows must be positive, got {grid}")
+                raise InvalidRequest(
+                    f"item {idx}: {key} rows must be positive, got {_shown(tensor)}"
+                )
             if h % merge or w % merge:
                 raise InvalidRequest(
                     f"item {idx}: {key} h and w must be divisible by spatial_merge_size "
-                    f"{merge}, got {grid}"
+                    f"{merge}, got {_shown(tensor)}"
                 )
             if not is_video and t != 1:
-                raise InvalidRequest(f"item {idx}: {key} rows must have t == 1, got {grid}")
-        expected = sum(row[0] for row in grid) if split else len(grid)
-        row0 = first[idx]
-        n_item_spans = first[idx + 1] - row0
+                raise InvalidRequest(
+                    f"item {idx}: {key} rows must have t == 1, got {_shown(tensor)}"
+                )
+            if expected <= n:  # beyond n it cannot match: no larger sum is formed
+                expected += min(t, n + 1) if split else 1
         if n_item_spans != expected:
+            rows = _shown(tensor)
             unit = "temporal frame" if split else "grid row"
+            exact = sum(row[0] for row in rows) if split else len(rows)
             raise InvalidRequest(
-                f"item {idx}: {n_item_spans} placeholder spans but {expected} expected "
-                f"(one per {unit}; {key}={grid})"
+                f"item {idx}: {n_item_spans} placeholder spans but {exact} expected "
+                f"(one per {unit}; {key}={rows})"
             )
-        seconds = _seconds_per_row(rs, idx, item, len(grid)) if is_video else None
-        s = 0
-        for k, (t, h, w) in enumerate(grid):
-            hh, ww = h // merge, w // merge
-            for unit_t in [1] * t if split else [t]:
-                a, b = span_start[row0 + s], span_stop[row0 + s] - 1
-                want = unit_t * hh * ww
-                if b - a + 1 != want:
+        seconds = _seconds_per_row(keys, idx, side, n_rows) if is_video else None
+        s: ssize = 0
+        for k in range(n_rows):
+            if n_rows > 1:  # one row: t, h, w hold it
+                t = g[3 * k]
+                h = g[3 * k + 1]
+                w = g[3 * k + 2]
+            hh = h // merge
+            ww = w // merge
+            units = t if split else 1
+            unit_t = 1 if split else t
+            for _ in range(units):
+                a = tv[0, s_item + s]
+                length = tv[1, s_item + s] - a
+                # want = unit_t * hh * ww, formed only while it can equal a span (<= n)
+                want = -1
+                if hh <= n // unit_t and ww <= n // (unit_t * hh):
+                    want = unit_t * hh * ww
+                if length != want:
+                    row = [int(x) for x in g[3 * k : 3 * k + 3]]
+                    exact = unit_t * (row[1] // merge) * (row[2] // merge)
                     raise InvalidRequest(
-                        f"item {idx}: span {s} [{a}, {b}] holds {b - a + 1} tokens; "
-                        f"grid row {k} {[t, h, w]} requires {want} "
+                        f"item {idx}: span {s} [{a}, {a + length - 1}] holds {length} tokens; "
+                        f"grid row {k} {row} requires {exact} "
                         f"(t*h*w/{merge * merge}" + (" per frame)" if split else ")")
                     )
-                starts.append(a)
-                frames.append(unit_t)
-                rows.append(hh)
-                cols.append(ww)
-                t_off.append(len(t_index))
+                if r and a < rv[0, r - 1]:
+                    ordered = False
+                rv[0, r] = a
+                rv[1, r] = unit_t
+                rv[2, r] = hh
+                rv[3, r] = ww
+                rv[4, r] = n_t
+                if n_t + unit_t > xv.shape[0]:
+                    t_index = _grown(t_index, n_t + unit_t)
+                    xv = t_index
                 if is_video and not split:
-                    assert seconds is not None
-                    ti = temporal_index(rs, unit_t, seconds[k])
-                    if not 0 <= ti[-1] < MAX_TEMPORAL_INDEX:  # monotone: the last is extreme
+                    sec = (
+                        default_seconds
+                        if seconds is None
+                        else seconds[0 if len(seconds) == 1 else k]
+                    )
+                    last = _time(mode, unit_t - 1, sec, rate)  # monotone: the extreme
+                    if not 0 <= last < MAX_TEMPORAL_INDEX:  # also NaN
                         raise InvalidRequest(
                             f"item {idx}: grid row {k} gives frame {unit_t - 1} the temporal "
-                            f"index {ti[-1]}, outside [0, {MAX_TEMPORAL_INDEX}) (seconds per "
-                            f"grid row {seconds[k]:g})"
+                            f"index {_shown_index(last)}, outside [0, {MAX_TEMPORAL_INDEX}) "
+                            f"(seconds per grid row {sec:g})"
                         )
-                    t_index.extend(ti)
+                    for f in range(unit_t):
+                        xv[n_t + f] = cython.cast(i64, _time(mode, f, sec, rate))
                 else:
-                    t_index.extend([0] * unit_t)
+                    for f in range(unit_t):
+                        xv[n_t + f] = 0
+                n_t += unit_t
+                r += 1
                 s += 1
-    runs = np.array([starts, frames, rows, cols, t_off], np.int64).reshape(5, -1)
-    runs = runs[:, np.argsort(runs[0], kind="stable")]
-    return RunPlan(runs[0], runs[1], runs[2], runs[3], runs[4], np.array(t_index, np.int64))
+    runs = runs[:, :r]
+    if not ordered:
+        runs = runs[:, np.argsort(runs[0], kind="stable")]
+    return RunPlan(runs[0], runs[1], runs[2], runs[3], runs[4], t_index[:n_t])
+
+
+def _grown(buf: np.ndarray, need: int) -> np.ndarray:
+    out = np.empty(max(need, 2 * len(buf)), np.int64)
+    out[: len(buf)] = buf
+    return out
+
+
+def _side(item: Item) -> dict:
+    """An item's side tensors as a dict (what every codec builds; a mapping is copied)."""
+    side = item.side
+    return side if type(side) is dict else dict(side)
 
 
 def plan_runs(profile: ModelProfile, items: list) -> RunPlan:
     """The grid checks and run plan alone, for items whose spans are known valid
     (tests and tools; the materializer calls :func:`plan_items`)."""
     items = list(items)
-    table = _span_table([_offsets(it) for it in items], 2**62, None)
-    return _plan_runs(RuleSet(profile), items, [int(it.modality) for it in items], table)
+    n = 2**62
+    table = _unchecked_table(items, n)
+    modalities = np.array([int(it.modality) for it in items], np.int64)
+    return _plan_runs(RuleSet(profile), items, modalities, table, n)
 
 
 # ------------------------------------------------------------------ tensor limits
@@ -490,13 +665,15 @@ def tensors_within(mm: MultimodalInputs, limits: Limits) -> None:
 # ------------------------------------------------------------------ entry point
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def plan_items(
     rs: RuleSet,
     items: list,
     ids: np.ndarray,
     placeholders: tuple,
-    need_pad: bool,
-    hashable: bool = True,
+    need_pad: cython.bint,
+    hashable: cython.bint = True,
 ) -> ItemPlan:
     """Rules 5 and 6 over ``items``; ``ids`` are the original (unpadded) ids and
     ``placeholders`` the image, video and audio placeholder ids (None: no such id).
@@ -505,54 +682,84 @@ def plan_items(
     an item without hash nor pad value needs a feature to hash (False for the
     decode exemption, which needs no pad values).
     """
-    n_items = len(items)
-    pads = []
-    hows = []
-    modalities = []
-    offs = []
+    n_items: ssize = len(items)
+    info = np.empty((4, n_items), np.int64)
+    iv: i64[:, ::1] = info
     wants = [_want(p) for p in placeholders]
-    item_wants = []
-    supported = rs.supported
+    offs: list = []
+    supported: cython.int = rs.supported
+    i: ssize
+    mi: cython.int
     for i in range(n_items):
         item = items[i]
         m = item.modality
-        modality = MODALITY_OF.get(m)
+        modality = _MODALITY_OF.get(m)
         if modality is None:
             raise InvalidRequest(f"item {i}: unknown modality {m} (1 image, 2 video, 3 audio)")
-        mi = int(modality)
-        if mi not in supported:
+        mi = modality
+        if not (supported >> mi) & 1:
             raise InvalidRequest(
                 f"item {i}: the model ({rs.model_name}) takes no {modality.name.lower()} input"
             )
         off = item.offsets
         if off is None or len(off) == 0:
             raise InvalidRequest(f"item {i}: offsets must be a non-empty list of [start, end]")
-        off = _offsets(item)
-        assert off is not None
-        pad, how = _pad_of(i, item, modality, need_pad, hashable)
-        pads.append(pad)
-        hows.append(how)
-        modalities.append(mi)
-        offs.append(off)
-        item_wants.append(wants[mi - 1])
-    table = _span_table(offs, len(ids), item_wants)
-    spans = _sorted_disjoint(table[0])
+        offs.append(_offsets(off))
+        iv[_COL_MOD, i] = mi
+        iv[_COL_WANT, i] = wants[mi - 1]
+        # rule 5's hash and pad_value checks, and rule 6's pad value
+        h = item.hash
+        if h is not None and not 0 <= h <= UINT64_MAX:
+            raise InvalidRequest(f"item {i}: hash {h} is not an unsigned 64-bit integer")
+        pad = item.pad_value
+        if pad is not None:
+            lo, hi = pad_interval(mi)
+            if not lo <= pad <= hi:
+                raise InvalidRequest(
+                    f"item {i}: pad_value {pad} is outside the "
+                    f"{modality.name.lower()} interval [{lo}, {hi}]"
+                )
+            iv[_COL_PAD, i] = pad
+            iv[_COL_HOW, i] = _PAD_SET
+        elif need_pad:
+            raise InvalidRequest(
+                f"item {i}: input_ids_unpadded is set (materialized upstream) but the item has "
+                "no pad_value"
+            )
+        elif h is not None:
+            iv[_COL_PAD, i] = pad_value(mi, h)
+            iv[_COL_HOW, i] = _PAD_FROM_HASH
+        elif not hashable:
+            iv[_COL_PAD, i] = -1
+            iv[_COL_HOW, i] = _PAD_NONE
+        elif item.feature is None:
+            why = (
+                "a shared-memory feature cannot be hashed without reading the segment"
+                if item.feature_shm is not None
+                else "it has no feature to hash"
+            )
+            raise InvalidRequest(f"item {i}: no pad_value and no content hash, and {why}")
+        else:
+            iv[_COL_PAD, i] = -1
+            iv[_COL_HOW, i] = _PAD_HASH_FEATURE
+    n: i64 = len(ids)
+    table = _span_table(offs, n, info[_COL_WANT])
+    spans = _sorted_disjoint(table)
     if n_items:
-        _check_placeholders(ids, table, modalities, placeholders)
+        _check_placeholders(ids, table, info[_COL_MOD], placeholders)
     if rs.uses_mrope:
-        runs = _plan_runs(rs, items, modalities, table)
+        runs = _plan_runs(rs, items, info[_COL_MOD], table, n)
     else:
         runs = None
         for i in range(n_items):
             check_no_audio_in_video(i, items[i])
     new_items: list = []
     for i in range(n_items):
-        how = hows[i]
         item = items[i]
-        if how == _PAD_FROM_HASH:
-            new_items.append(item.with_pad(item.hash, pads[i]))
-        elif how == _PAD_HASH_FEATURE:
+        if iv[_COL_HOW, i] == _PAD_FROM_HASH:
+            new_items.append(with_pad(item, item.hash, int(iv[_COL_PAD, i])))
+        elif iv[_COL_HOW, i] == _PAD_HASH_FEATURE:
             new_items.append(None)
         else:
             new_items.append(item)
-    return ItemPlan(spans, runs, np.array(pads, np.int64), new_items)
+    return ItemPlan(spans, runs, info[_COL_PAD], new_items)
