@@ -77,21 +77,23 @@ _DT_INT64 = parse_dtype("int64")
 _DT_FLOAT32 = parse_dtype("float32")
 
 # time_mode of a RuleSet: how a video frame's temporal index is computed
-_TIME_FRAME = 0  # the frame number (Qwen2-VL)
-_TIME_QWEN25 = 1  # trunc((k * s) * tokens_per_second)
-_TIME_OMNI = 2  # trunc(k * (s * position_id_per_seconds))
+_TIME_FRAME = cython.declare(cython.int, 0)  # the frame number (Qwen2-VL)
+_TIME_QWEN25 = cython.declare(cython.int, 1)  # trunc((k * s) * tokens_per_second)
+_TIME_OMNI = cython.declare(cython.int, 2)  # trunc(k * (s * position_id_per_seconds))
 
 # how an item gets its pad value (ItemPlan.new_items)
-_PAD_SET = 0  # carried pad_value: the item as it is
-_PAD_FROM_HASH = 1  # a copy with hash and pad_value set
-_PAD_HASH_FEATURE = 2  # None: the materializer hashes the feature
-_PAD_NONE = 3  # no pad value needed (the decode exemption): the item as it is
+_PAD_SET = cython.declare(cython.int, 0)  # carried pad_value: the item as it is
+_PAD_FROM_HASH = cython.declare(cython.int, 1)  # a copy with hash and pad_value set
+_PAD_HASH_FEATURE = cython.declare(cython.int, 2)  # None: the materializer hashes the feature
+_PAD_NONE = cython.declare(
+    cython.int, 3
+)  # no pad value needed (the decode exemption): the item as it is
 
 # rows of plan_items' per-item table
-_COL_MOD = 0
-_COL_PAD = 1
-_COL_HOW = 2
-_COL_WANT = 3
+_COL_MOD = cython.declare(cython.int, 0)
+_COL_PAD = cython.declare(cython.int, 1)
+_COL_HOW = cython.declare(cython.int, 2)
+_COL_WANT = cython.declare(cython.int, 3)
 
 
 def pad_interval(modality: int) -> tuple[int, int]:
