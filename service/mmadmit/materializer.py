@@ -47,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 Outcome = Materialized | Abort
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
 
 class ArrayOps(Protocol):
     """The array work of a materialization; CPU (numpy) or a CUDA stream."""
@@ -339,7 +337,7 @@ class Materializer:
             else _scalar_of(mm.mrope_position_delta, "mrope_position_delta")
         )
         scalar = mm.mrope_position_delta_scalar
-        if scalar is not None and not _INT64_MIN <= scalar <= _INT64_MAX:
+        if scalar is not None and not rules.INT64_MIN <= scalar <= rules.INT64_MAX:
             # any msgpack int on the wire; it is stored as an int64 tensor
             raise InvalidRequest(f"mrope_position_delta_scalar {scalar} is outside int64")
         if tensor_delta is not None and scalar is not None and tensor_delta != scalar:

@@ -66,8 +66,8 @@ MAX_SECONDS_PER_ROW = 1e6  # far beyond any video; keeps float32 products finite
 # any video, and low enough that positions never overflow int64.
 MAX_TEMPORAL_INDEX = 2**40
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 _I64 = np.dtype(np.int64)
 _F32 = struct.Struct("<f")
 _F32_INF_FROM = cython.declare(cython.double, 2.0**128 - 2.0**103)  # rounds to float32 inf
@@ -315,7 +315,7 @@ def _want(placeholder: int | None) -> int:
     """A placeholder id as the span check compares it: a request's override may be any
     msgpack int, and one outside int64 (like a missing id) matches no token (-1: ids
     were checked to be in [0, vocab))."""
-    if placeholder is None or not _INT64_MIN <= placeholder <= _INT64_MAX:
+    if placeholder is None or not INT64_MIN <= placeholder <= INT64_MAX:
         return -1
     return placeholder
 
@@ -372,7 +372,7 @@ def _grid_values(idx: ssize, key: str, tensor: Tensor) -> memoryview:
     if tensor.dtype is _DT_INT64:
         return tensor.data.cast("q")
     values = tensor.to_numpy().reshape(-1)
-    if values.dtype.kind == "u" and values.size and int(values.max()) > _INT64_MAX:
+    if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
         raise InvalidRequest(f"item {idx}: {key} values must fit in int64, got {_shown(tensor)}")
     return memoryview(np.ascontiguousarray(values, np.int64))
 
