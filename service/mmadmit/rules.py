@@ -48,7 +48,6 @@ ssize = cython.typedef(cython.Py_ssize_t)
 
 IMAGE_GRID = "image_grid_thw"
 VIDEO_GRID = "video_grid_thw"
-GRID_KEYS = {Modality.IMAGE: IMAGE_GRID, Modality.VIDEO: VIDEO_GRID}
 AUDIO_IN_VIDEO = "use_audio_in_video"
 
 # Rule 6: pad values, by modality tag (image 0, video 1, audio 2).
@@ -96,9 +95,21 @@ _COL_HOW = cython.declare(cython.int, 2)
 _COL_WANT = cython.declare(cython.int, 3)
 
 
+_BASE = cython.declare(i64, PAD_BASE)
+_SLOTS = cython.declare(i64, PAD_SLOTS)
+
+
+@cython.cfunc
+@cython.inline
+@cython.exceptval(check=False)
+def _pad_lo(modality: cython.int) -> i64:
+    """The first pad value of a modality (1 image, 2 video, 3 audio): rule 6's tag."""
+    return _BASE + (modality - 1) * _SLOTS
+
+
 def pad_interval(modality: int) -> tuple[int, int]:
     """Inclusive interval of a modality's pad values (1 image, 2 video, 3 audio)."""
-    lo = PAD_BASE + (int(modality) - 1) * PAD_SLOTS
+    lo = _pad_lo(modality)
     return lo, lo + PAD_SLOTS - 1
 
 
@@ -109,14 +120,10 @@ def with_pad(item: Item, content_hash: object, pad: i64) -> Item:
     return _replace(item, hash=content_hash, pad_value=pad)
 
 
-_BASE = cython.declare(i64, PAD_BASE)
-_SLOTS = cython.declare(i64, PAD_SLOTS)
-
-
 @cython.ccall
 def pad_value(modality: cython.int, content_hash: cython.ulonglong) -> i64:
     """Rule 6: the pad value of a content hash (``modality`` 1 image, 2 video, 3 audio)."""
-    return _BASE + (modality - 1) * _SLOTS + cython.cast(i64, content_hash % _SLOTS)
+    return _pad_lo(modality) + cython.cast(i64, content_hash % _SLOTS)
 
 
 def f32(x: float) -> float:
@@ -142,11 +149,6 @@ def _round32(x: cython.double) -> cython.double:
     return f32(x)
 
 
-def time_keys(profile: ModelProfile) -> tuple[str, ...]:
-    """The side keys holding a video's seconds per grid row, in lookup order."""
-    return _OMNI_TIME_KEYS if profile.family is Family.QWEN3_OMNI else _QWEN25_TIME_KEYS
-
-
 class RuleSet:
     """A profile's constants of rules 5 and 6, computed once per materializer."""
 
@@ -161,8 +163,10 @@ class RuleSet:
         self.time_mode = {Family.QWEN2_5_VL: _TIME_QWEN25, Family.QWEN3_OMNI: _TIME_OMNI}.get(
             family, _TIME_FRAME
         )
-        self.time_keys = time_keys(profile)
-        default = (profile.seconds_per_chunk or 2.0) if family is Family.QWEN3_OMNI else 1.0
+        # the side keys holding a video's seconds per grid row, in lookup order
+        omni = family is Family.QWEN3_OMNI
+        self.time_keys = _OMNI_TIME_KEYS if omni else _QWEN25_TIME_KEYS
+        default = (profile.seconds_per_chunk or 2.0) if omni else 1.0
         self.default_seconds = f32(default)
         self.tps = f32(float(profile.tokens_per_second or 0.0))
         self.pps = f32(float(profile.position_id_per_seconds or 0.0))
@@ -427,12 +431,6 @@ def _time(mode: cython.int, k: i64, seconds: cython.double, rate: cython.double)
     if mode == _TIME_OMNI:  # trunc(k * (s * position_id_per_seconds))
         return _round32(k * _round32(seconds * rate))
     return k
-
-
-def temporal_index(rs: RuleSet, frames: int, seconds: float) -> list:
-    """Temporal index of each frame of a video run (MATERIALIZE.md table), float32 math."""
-    rate = rs.pps if rs.time_mode == _TIME_OMNI else rs.tps
-    return [int(_time(rs.time_mode, k, seconds, rate)) for k in range(frames)]
 
 
 def _shown_index(x: float) -> object:
