@@ -182,6 +182,8 @@ class ZmqTransport(AsyncTransport):
                 self.connected = False
                 self._connected_event.clear()
             elif kind & _HANDSHAKE_FAILED:
+                # A mismatch or refusal ends the session (libzmq does not retry it);
+                # a connection reset mid-handshake (NO_DETAIL) is retried.
                 self.handshake_error = self._describe_failure(kind, value)
                 logger.debug("%s: %s", self.target, self.handshake_error)
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -200,10 +202,13 @@ class ZmqTransport(AsyncTransport):
                     else "security mechanism mismatch: the server does not speak CURVE"
                 )
             return f"ZMTP handshake failed (protocol error {value:#x})"
+        # NO_DETAIL: the connection failed mid-handshake (``value`` is the errno),
+        # e.g. a CURVE server reset it before this side read the mismatch.
+        why = f": {os.strerror(value)}" if value > 0 else ""
         return (
-            "the CURVE handshake failed (is the server's public key right?)"
+            f"the CURVE handshake failed{why} (is the server's public key right?)"
             if curve
-            else "the ZMTP handshake failed (does the server require CURVE?)"
+            else f"the ZMTP handshake failed{why} (if the server speaks CURVE, give its public key)"
         )
 
     def _unavailable_detail(self) -> str:
