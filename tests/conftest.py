@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -152,6 +153,18 @@ def native_mode(request: pytest.FixtureRequest) -> Any:
         yield on
     finally:
         native.set_enabled(True)
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on: bound, then released.
+
+    A plain socket, never listening, closed synchronously: unlike a ZMQ socket
+    (whose close completes later in libzmq's I/O thread) it cannot accept a
+    connection made just after this returns.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def http_get(address: str, path: str = "/metrics", method: str = "GET") -> tuple[int, str]:

@@ -53,6 +53,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from conftest import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESETS = REPO_ROOT / "service" / "mmadmit" / "presets"
 
@@ -580,13 +582,6 @@ def smg_binary() -> str | None:
 def have_smg() -> bool:
     """Whether the real SMG gateway can be launched here."""
     return smg_binary() is not None
-
-
-def free_port() -> int:
-    """An ephemeral loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_free(port: int) -> bool:

@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -48,7 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
-from conftest import REPO_ROOT, Vector, config_for_family, load_vector, vector_names
+from conftest import REPO_ROOT, Vector, config_for_family, free_port, load_vector, vector_names
 from mmadmit import wire
 from mmadmit.config import build_config
 from mmadmit.model import Request
@@ -131,13 +130,6 @@ async def cli_many(*commands: tuple[str, ...], parallel: int = 4) -> list[Run]:
             return await cli(*args)
 
     return list(await asyncio.gather(*(one(c) for c in commands)))
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- servers
@@ -429,7 +421,7 @@ async def test_exit_codes_unusable_and_unreachable(servers: Servers, tmp_path: P
     garbage.write_bytes(pack_frames([b"\x00", b"\xc1"]))
     g = servers.target("qwen3_5", "grpc")
     z = servers.target("qwen3_5", "zmq")
-    dead = closed_port()
+    dead = free_port()
     ex = str(EXAMPLE)
     # over ZMQ a captured message goes out as it is: the service answers it
     aborted = await cli("admit", z, str(garbage), "--json")
@@ -598,7 +590,7 @@ async def test_bench_plot_without_matplotlib(tmp_path: Path) -> None:
         "from mmadmit_client.cli import main; sys.exit(main())",
     ]
     run = await cli(
-        "bench", f"grpc://127.0.0.1:{closed_port()}", str(EXAMPLE), "--requests", "1",
+        "bench", f"grpc://127.0.0.1:{free_port()}", str(EXAMPLE), "--requests", "1",
         "--plot", str(tmp_path / "x.png"), argv0=argv0,
     )  # fmt: skip
     assert run.rc == 2, run

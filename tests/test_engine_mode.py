@@ -50,7 +50,6 @@ import dataclasses
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -70,6 +69,7 @@ import zmq.asyncio
 from conftest import (
     CONFIGS,
     TESTS_DIR,
+    free_port,
     grown,
     http_get,
     load_vector,
@@ -286,12 +286,6 @@ async def start_all(
 async def ready(mm: Proc) -> dict[str, str]:
     m = await mm.line(READY_RE)
     return dict(zip(("grpc", "zmq", "metrics", "engine"), m.groups(), strict=True))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def health(address: str) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from client_helpers import grpc_admit, grpc_client, zmq_admit, zmq_client
-from conftest import CONFIGS, Sockets, requests_total
+from conftest import CONFIGS, Sockets, free_port, requests_total
 from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit_client import Materialized, Outcome, RequestTimeout, ServerUnavailable, ZmqTransport
@@ -90,12 +89,6 @@ def zmq_transport(client: Any) -> ZmqTransport:
     transport = client.transport
     assert isinstance(transport, ZmqTransport)
     return transport
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- forward downstream

@@ -365,7 +365,7 @@ async def test_a_connection_reset_mid_handshake_is_named_with_its_errno(pki: Pki
             conn.close()  # linger 0: RST, not FIN
 
     resetter = asyncio.create_task(reset_all())
-    endpoint = "tcp://127.0.0.1:%d" % listener.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     try:
         for keys, hint in (({}, "if the server speaks CURVE"), (_curve(pki, None), "public key")):
             async with Client(ZmqTransport(endpoint, timeout_s=1.0, **keys)) as client:

@@ -52,6 +52,7 @@ from conftest import (
     Sockets,
     Vector,
     config_for_family,
+    free_port,
     load_vector,
     until,
     vector_names,
@@ -794,8 +795,7 @@ async def test_reply_to_gone_peer_is_retried_then_undeliverable(
 async def test_forward_back_pressure_stops_intake_and_drops_nothing(
     service: Factory, zctx: Sockets, inline: int
 ) -> None:
-    probe, address = await pull_at(zctx)  # reserve a port, then free it: nobody listens
-    probe.close(linger=0)
+    address = f"tcp://127.0.0.1:{free_port()}"  # nobody listens there yet
     v = load_vector(SMALL)
     svc = await service(
         "qwen3_5", forward=address, max_pending_forwards=3, inline_max_tokens=inline
@@ -825,8 +825,7 @@ async def test_forward_back_pressure_stops_intake_and_drops_nothing(
 
 @needs_vectors
 async def test_forward_stop_counts_undelivered(service: Factory, zctx: Sockets) -> None:
-    probe, address = await pull_at(zctx)
-    probe.close(linger=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
     svc = await service("qwen3_5", forward=address)
     sock = dealer(zctx, svc.endpoint)
     for i in range(2):
