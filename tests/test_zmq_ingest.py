@@ -65,6 +65,7 @@ from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
 from mmadmit.zmq_ingest import ZmqIngest
 from mmadmit.zmq_output import Forward, Reply
+from mmadmit.zsock import CutMessage, recv_now, send_now
 from mmadmit_client import (
     Aborted,
     BlockingClient,
@@ -833,6 +834,49 @@ async def test_forward_stop_counts_undelivered(service: Factory, zctx: Sockets) 
     await until(lambda: svc.ingest.stats.materialized == 2)
     await svc.ingest.stop(0.2)
     assert svc.ingest.stats.undeliverable == 2 and svc.ingest.stats.forwarded == 0
+
+
+# --------------------------------------------------------------------------- raw send / recv
+
+
+def test_send_now_and_recv_now_move_whole_messages() -> None:
+    """zsock's sends and receives past pyzmq's Python layer keep its contract: a
+    message arrives whole, a part that is no buffer is refused before any part
+    leaves (never a half-sent message), a long one is cut at ``max_frames`` with
+    the rest counted, and nothing waiting is zmq.Again."""
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind("inproc://raw-send-recv")
+        push.connect("inproc://raw-send-recv")
+        with pytest.raises(zmq.Again):
+            recv_now(pull)
+        big = np.arange(20_000, dtype=np.int64)  # over pyzmq's copy threshold: zero-copy
+        parts = [b"\x00", b"", memoryview(b"mid"), zmq.Frame(b"frame"), big]
+        send_now(push, parts)
+        with pytest.raises(TypeError):
+            send_now(push, [b"a", b"b", object()])
+        send_now(push, [b"after"])
+        assert pull.poll(5000)
+        got = recv_now(pull)
+        assert [f.bytes for f in got[:4]] == [b"\x00", b"", b"mid", b"frame"]
+        assert np.array_equal(np.frombuffer(got[4].buffer, np.int64), big)
+        assert [f.bytes for f in recv_now(pull)] == [b"after"]  # nothing of the refused one
+        send_now(push, [b"%d" % i for i in range(7)])
+        assert pull.poll(5000)
+        cut = recv_now(pull, max_frames=3)
+        assert isinstance(cut, CutMessage) and [f.bytes for f in cut] == [b"0", b"1", b"2"]
+        assert (cut.total_frames, cut.total_bytes) == (7, 7)
+        send_now(push, [b"x", b"y", b"z"])
+        assert pull.poll(5000)
+        exact = recv_now(pull, max_frames=3)
+        assert not isinstance(exact, CutMessage) and [f.bytes for f in exact] == [b"x", b"y", b"z"]
+        with pytest.raises(zmq.Again):
+            recv_now(pull)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 # --------------------------------------------------------------------------- zero-copy

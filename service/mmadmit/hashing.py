@@ -14,4 +14,3 @@ import hashlib
 def feature_hash(data: memoryview | bytes) -> int:
     """BLAKE2b, 8-byte digest, over the raw bytes, read as a big-endian unsigned int."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
