@@ -57,6 +57,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 from mmadmit_client.wire import (
     EXT_TENSOR_DATA,
     F_INPUT_IDS,
@@ -148,6 +149,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 _Ext = msgspec.msgpack.Ext
+_Frame = zmq.Frame  # what the ingest receives: its .buffer is already a flat byte view
 _ENC = msgspec.msgpack.Encoder()
 _NIL = msgspec.Raw(_ENC.encode(None))
 
@@ -289,7 +291,9 @@ class WireMessage:
 
 
 def _as_buffer(frame: Any) -> memoryview:
-    # zmq.Frame exposes .buffer; bytes / memoryview work directly.
+    if type(frame) is _Frame:
+        return frame.buffer  # already a flat byte view
+    # another zmq.Frame type exposes .buffer; bytes / memoryview work directly.
     buf = getattr(frame, "buffer", frame)
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -720,7 +724,7 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     except AdmissionError as exc:  # InvalidRequest, TooLarge
         raise WireError(exc.message, recover_rid(buf), exc.code) from exc
     try:
-        aux = [_as_buffer(f) for f in aux_frames]
+        aux = [f.buffer if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
         reader = _TensorReader(aux, limits)
         for i, raw in enumerate(elems):
             if i in (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM):
