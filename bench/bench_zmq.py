@@ -213,8 +213,12 @@ async def _serve_mmadmit(workers: int, inline: bool, model: str) -> None:
     profile = config.load_profile()
     telemetry = Telemetry(profile.family.value)  # metrics as `mmadmit serve` keeps them
     pool = build_pool(config, profile, telemetry=telemetry)
-    ingest = ZmqIngest(
-        pool, listen="tcp://127.0.0.1:0", max_message_bytes=1 << 30, telemetry=telemetry
+    ingest = ZmqIngest(  # the configuration's limits, as `mmadmit serve` passes them
+        pool,
+        listen="tcp://127.0.0.1:0",
+        max_message_bytes=1 << 30,
+        limits=config.limits,
+        telemetry=telemetry,
     )
     endpoint = await ingest.start()
     print("READY", endpoint, flush=True)
