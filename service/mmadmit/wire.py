@@ -293,7 +293,7 @@ class WireMessage:
 def _as_buffer(frame: Any) -> memoryview:
     if type(frame) is _Frame:
         return frame.buffer  # already a flat byte view
-    # another zmq.Frame type exposes .buffer; bytes / memoryview work directly.
+    # a zmq.Frame subclass exposes .buffer; bytes / memoryview work directly.
     buf = getattr(frame, "buffer", frame)
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -724,7 +724,7 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     except AdmissionError as exc:  # InvalidRequest, TooLarge
         raise WireError(exc.message, recover_rid(buf), exc.code) from exc
     try:
-        aux = [f.buffer if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
+        aux = [_as_buffer(f) for f in aux_frames]
         reader = _TensorReader(aux, limits)
         for i, raw in enumerate(elems):
             if i in (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM):
