@@ -81,8 +81,8 @@ _POLLIN = int(zmq.POLLIN)  # a plain int: enum.Flag arithmetic costs a microseco
 # pyzmq's compiled send and recv, called past its Python layer: that layer costs
 # more than the frames on a message of many (an enum ``SNDMORE | flags`` per sent
 # frame, an enum-checked ``getsockopt(RCVMORE)`` per received one: 140 -> 65 us
-# and 115 -> 47 us for a 36-frame reply). Plain sockets only (asyncio ones
-# override send and recv).
+# and 115 -> 47 us for a 36-frame reply). Always NOBLOCK; OrderedSender's slow
+# path keeps the asyncio socket's awaited send_multipart.
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _NOBLOCK = int(zmq.NOBLOCK)
