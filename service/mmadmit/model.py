@@ -11,7 +11,6 @@ them and carries them over unchanged.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -84,20 +83,21 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     limits: Limits | None = None
 
     def __post_init__(self) -> None:
-        dtype, shape, data, name, limits = self.dtype, self.shape, self.data, self.name, self.limits
+        dtype, shape, data, limits = self.dtype, self.shape, self.data, self.limits
         if type(dtype) is not DType:
             found = _DTYPES.get(dtype) if type(dtype) is str else None
-            dtype = found if found is not None else _dtype_named(dtype, _label(name))
+            dtype = found if found is not None else _dtype_named(dtype, _label(self.name))
             _force(self, "dtype", dtype)
         if type(shape) is not tuple:
             if not isinstance(shape, (list, tuple)):
-                raise _bad_shape(_label(name), shape)
+                raise _bad_shape(_label(self.name), shape)
             shape = tuple(shape)
             _force(self, "shape", shape)
-        for d in shape:
+        nbytes = dtype.itemsize
+        for d in shape:  # the element count, each dimension checked on the way
             if type(d) is not int or d < 0:
-                raise _bad_shape(_label(name), shape)
-        nbytes = math.prod(shape) * dtype.itemsize
+                raise _bad_shape(_label(self.name), shape)
+            nbytes *= d
         if limits is not None and (
             nbytes > limits.max_tensor_bytes
             or len(shape) > limits.max_tensor_rank
@@ -108,20 +108,17 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
                 and max(shape) > limits.max_tensor_dim
             )
         ):
-            name = _label(name)
+            name = _label(self.name)
             check_shape(name, shape, limits)  # rank and dimensions first
             raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
-        if (
-            type(data) is not memoryview
-            or data.ndim != 1
-            or data.format != "B"
-            or not data.c_contiguous
+        if type(data) is not memoryview or not (
+            data.ndim == 1 and data.c_contiguous and data.format == "B"
         ):
-            data = _byte_view(data, name)
+            data = _byte_view(data, self.name)
             _force(self, "data", data)
         if data.nbytes != nbytes:
             raise InvalidRequest(
-                f"{_label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
+                f"{_label(self.name)}: {data.nbytes} data bytes but shape {list(shape)} of "
                 f"{dtype.name} needs {nbytes}"
             )
 
