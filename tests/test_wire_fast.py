@@ -68,7 +68,16 @@ def mode(name: str) -> Iterator[None]:
                 lambda extra, values: msgspec.Raw(ic.encode_int_array(values)),
             )
         if name == "fallback":
-            for impl in ("_split", "_spans", "_rows", "_decode", "_encode", "_len", "_check"):
+            for impl in (
+                "_split",
+                "_spans",
+                "_rows",
+                "_decode",
+                "_encode",
+                "_len",
+                "_check",
+                "_items",
+            ):
                 mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
         yield
 
@@ -697,3 +706,246 @@ def test_item_refusals_name_the_item_and_what_in_it(
         wire.decode_message([b"\x00", ENC.encode(top), *aux])
     assert info.value.message.startswith(message), info.value.message
     assert info.value.code is AbortCode[code] and info.value.rid == "rid-v"
+
+
+# ------------------------------------------------ the items' fast walk (build_items)
+
+
+def _fast_form_payload() -> tuple[bytes, list[bytes]]:
+    """Items all of the form the walk builds: tensors in aux frames and inline, ints in
+    every width, a uint64 hash, nil and empty side maps, offsets of every shape."""
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, 12, vs, *([img] * 16), ve, 13, vs, *([img] * 4), ve]
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 8, 8], np.int64).tobytes())]
+    small = ["int64", [1, 3], Ext(3, np.array([1, 2, 2], np.int64).tobytes())]
+    items = [
+        [1, None, None, [[3, 18]], ["float32", [64, 2], 1], None, {"image_grid_thw": grid}]
+        + [None] * 3,
+        [1, 2**64 - 1, -5, [[23, 26]], ["bfloat16", [2], Ext(3, b"abcd")], None, {}] + [None] * 3,
+        [
+            2,
+            70000,
+            2**40,
+            None,
+            None,
+            None,
+            {"video_grid_thw": small, "x": ["int8", [0], Ext(3, b"")]},
+        ]
+        + [None] * 3,
+        [3, 1, 2, [], ["uint8", [512], 1], None, None, None, None, None],
+    ]
+    mm = [items, img, 248057, None, None, None, None]
+    return _ids_payload(msgpack.packb(ids), mm=mm), [bytes(512)]
+
+
+def _items_view(payload: bytes) -> memoryview:
+    buf = memoryview(payload)
+    elems, _ = wire._split_view(buf, "payload")
+    return memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
+
+
+def _built(walk: Any, view: memoryview, aux: list[Any]) -> Any:
+    from mmadmit.model import Item
+
+    limits = wire.DEFAULT_LIMITS
+    got = walk.build_items(view, view, aux, limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
+    if got is None:
+        return None
+    items, features, others = got
+    return _items_form(items), sorted(set(features)), sorted(set(others))
+
+
+def _reference(view: memoryview, aux: list[Any]) -> Any:
+    reader = wire._TensorReader(aux)
+    try:
+        items = wire._decode_items_reference(view, reader)
+    except (wire.InvalidRequest, wire.TooLarge):
+        return None
+    return _items_form(items), sorted(reader.features), sorted(reader.others)
+
+
+def _items_form(items: list[Any]) -> list[Any]:
+    def t(x: Any) -> Any:
+        return None if x is None else (x.dtype.name, x.shape, bytes(x.data), x.name, x.limits)
+
+    out = []
+    for it in items:
+        s = it.extra
+        out.append(
+            (
+                type(it.modality), it.modality, it.hash, it.pad_value, it.offsets, t(it.feature),
+                it.feature_shm, {k: t(v) for k, v in it.side.items()},
+                (s.buf, s.aux, s.start, s.end, s.count, s.off1, s.off3, s.modality),
+                t(s.feature), {k: t(v) for k, v in s.side.items()}, s.side is wire._NO_SIDE,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _walks() -> list[Any]:
+    from mmadmit import msgpack_walk
+
+    walks = [msgpack_walk]
+    if ic._BUILT is not None:
+        walks.append(ic._BUILT)
+    return walks
+
+
+def test_build_items_takes_the_common_form_as_the_reference_builds_it() -> None:
+    payload, aux = _fast_form_payload()
+    view = _items_view(payload)
+    expected = _reference(view, aux)
+    assert expected is not None
+    for walk in _walks():
+        assert _built(walk, view, aux) == expected, walk.__name__
+    with mode("codec"):
+        assert wire.decode_message([b"\x00", payload, *aux]).request is not None
+
+
+@needs_vectors
+@pytest.mark.parametrize("name", NAMES or ["-"])
+def test_build_items_on_vectors(name: str) -> None:
+    frames = load_vector(name).frames
+    elems, _ = wire._split_view(memoryview(bytes(frames[1])), "payload")
+    if len(elems) <= wire.F_MM or wire._is_nil(elems[wire.F_MM]):
+        return  # a text request: no items
+    view = memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
+    aux = [memoryview(bytes(f)) for f in frames[2:]]
+    expected = _reference(view, aux)
+    for walk in _walks():
+        got = _built(walk, view, aux)
+        assert got is None or got == expected, walk.__name__
+    if ic._BUILT is not None:  # the engine's own items are all of the form the walk takes
+        assert _built(ic._BUILT, view, aux) == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_omni_moe"])
+def test_build_items_on_generated_requests(family: str) -> None:
+    for n, with_hash in ((8192, True), (32768, False)):
+        req = workloads.build_request(workloads.profile_for(family), n, with_hash=with_hash)
+        frames = workloads.frames_of(req)
+        view = _items_view(bytes(frames[1]))
+        aux = [memoryview(bytes(f)) for f in frames[2:]]
+        expected = _reference(view, aux)
+        assert expected is not None
+        for walk in _walks():
+            assert _built(walk, view, aux) == expected, (walk.__name__, n)
+
+
+def test_build_items_on_mutated_bytes_never_differs_from_the_reference() -> None:
+    """Every byte of the items replaced by telling values, then random multi-byte
+    mutations: both builds agree, and whatever they build the reference builds the
+    same (anything else they hand to the reference: None)."""
+    payload, aux = _fast_form_payload()
+    view = _items_view(payload)
+    base = bytes(view)
+    cases = []
+    for pos in range(len(base)):
+        for value in (0x00, 0x01, 0x03, 0x7F, 0x80, 0x91, 0x93, 0xA0, 0xC0, 0xC1, 0xC3,
+                      0xCC, 0xCF, 0xD0, 0xD4, 0xD7, 0xD9, 0xDC, 0xDE, 0xFF):  # fmt: skip
+            if base[pos] != value:
+                cases.append(base[:pos] + bytes([value]) + base[pos + 1 :])
+    rng = np.random.default_rng(18)
+    for _ in range(1500):
+        bad = bytearray(base)
+        for _ in range(int(rng.integers(1, 4))):
+            bad[int(rng.integers(0, len(bad)))] = int(rng.integers(0, 256))
+        cases.append(bytes(bad))
+    walks = _walks()
+    taken = 0
+    for bad in cases:
+        v = memoryview(bad)
+        results = [_built(walk, v, aux) for walk in walks]
+        assert results[1:] == results[:1] * (len(walks) - 1), bad.hex()
+        if results[0] is not None:
+            taken += 1
+            assert results[0] == _reference(v, aux), bad.hex()
+    assert taken > 50  # the mutations also hit values the walk still takes (ints, sizes)
+
+
+def _form_item(**change: Any) -> list[Any]:
+    fields = [f.name for f in msgspec.structs.fields(wire._LooseItem)]
+    item: list[Any] = [1, 5, None, [[3, 18]], ["float32", [64, 2], 1], None, {}, None, None, None]
+    for key, value in change.items():
+        item[fields.index(key)] = value
+    return item
+
+
+GRID = ["int64", [1, 3], Ext(3, np.array([1, 8, 8], np.int64).tobytes())]
+OUTSIDE_THE_FORM = {
+    "nine_elements": _form_item()[:9],
+    "eleven_elements": [*_form_item(), None],
+    "feature_shm": _form_item(feature=None, feature_shm={"shm_name": "x"}),
+    "flag_side_value": _form_item(model_specific_data={"use_audio_in_video": True}),
+    "pickle_feature": _form_item(feature=["float32", [64, 2], PK]),
+    "pickle_side": _form_item(model_specific_data={"g": ["int64", [1, 3], CPK]}),
+    "aux_index_0": _form_item(feature=["float32", [64, 2], 0]),
+    "aux_index_past_end": _form_item(feature=["float32", [64, 2], 2]),
+    "negative_dim": _form_item(feature=["float32", [-64, 2], 1]),
+    "bytes_mismatch": _form_item(feature=["float32", [64, 3], 1]),
+    "unknown_dtype": _form_item(feature=["float33", [64, 2], 1]),
+    "four_part_tensor": _form_item(feature=["float32", [64, 2], 1, None]),
+    "float_dim": _form_item(feature=["float32", [64.0, 2], 1]),
+    "str_modality": _form_item(modality="image"),
+    "bool_hash": _form_item(hash=True),
+    "encoded": _form_item(encoded=1),
+    "handshake": _form_item(encode_handshake={"h": 1}),
+    "int_key": _form_item(model_specific_data={1: GRID}),
+    # the same key twice (the first in an aux frame): the reference keeps the last only
+    "repeated_key": _form_item(
+        model_specific_data=msgspec.Raw(
+            b"\x82"
+            + msgpack.packb("g")
+            + msgpack.packb(["uint8", [512], 1])
+            + msgpack.packb("g")
+            + ENC.encode(GRID)
+        )
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTSIDE_THE_FORM))
+def test_items_outside_the_form_go_to_the_reference(case: str) -> None:
+    """The walk hands every other item to the reference (None), which decodes or words
+    it: the codec's outcome is the reference's, fast path on or off."""
+    vs, ve, img = 248053, 248054, 248056
+    ids = [11, 12, vs, *([img] * 16), ve, 13]
+    mm = [[_form_item(), OUTSIDE_THE_FORM[case]], img, 248057, None, None, None, None]
+    payload, aux = _ids_payload(msgpack.packb(ids), mm=mm), [bytes(512)]
+    view = _items_view(payload)
+    for walk in _walks():
+        assert _built(walk, view, aux) is None, walk.__name__
+    outcomes = []
+    for name in MODES:
+        with mode(name):
+            try:
+                req = wire.decode_message([b"\x00", payload, *aux]).request
+            except wire.WireError as exc:
+                outcomes.append(("error", exc.message))
+            else:
+                assert req is not None
+                outcomes.append(("ok", snapshot(req)))
+    assert outcomes[1:] == outcomes[:1] * (len(MODES) - 1)
+
+
+def test_native_off_decodes_items_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmadmit import native
+
+    payload, aux = _fast_form_payload()
+    calls: list[int] = []
+    reference = wire._decode_items_reference
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return reference(*args)
+
+    monkeypatch.setattr(wire, "_decode_items_reference", counted)
+    try:
+        native.set_enabled(False)
+        off = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
+        assert calls == [1]
+    finally:
+        native.set_enabled(True)
+    on = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
+    assert on == off
+    assert calls == ([1] if ic._BUILT is not None else [1, 1])

@@ -12,8 +12,11 @@ match), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 (or offsets chosen freely) with chosen limits, ``array_spans`` and ``int_rows``
-at offsets taken from the spans (or chosen freely). Results, error types and
-error texts must all match (one source words every error).
+at offsets taken from the spans (or chosen freely), and ``build_items`` on
+the bytes or on an items array built item by item from them. Results, error
+types and error texts must all match (one source words every error); what
+``build_items`` builds must be what wire.py's reference item decoder builds
+from the same bytes (it hands everything else to the reference: None).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 from mmadmit import intcodec as ic
+from mmadmit import msgpack_walk, wire
+from mmadmit.errors import AdmissionError
+from mmadmit.model import Item, Tensor
 
 from ._common import outcome, same
 from ._data import Data
@@ -149,12 +155,114 @@ def _structured(d: Data) -> bytes:
     return bytes(out)
 
 
+_AUX = [memoryview(bytes(range(256)) * 2), memoryview(b"\x01" * 24)]  # 512 and 24 bytes
+_ITEM_DTYPES = ("float32", "bfloat16", "int64", "uint8", "int8")
+
+
+def _or(d: Data, usual: object, *others: object) -> object:
+    """``usual`` mostly (the form build_items takes), now and then one of ``others``."""
+    return usual if d.flag(95) else d.pick(others)
+
+
+def _tensor_value(d: Data) -> object:
+    """A tensor on the aux frames above (512 and 24 bytes) or inline, mostly consistent."""
+    dtype = d.pick(_ITEM_DTYPES)
+    size = {"float32": 4, "bfloat16": 2, "int64": 8}.get(dtype, 1)
+    if d.flag(60):
+        frame = d.int_in(1, 2)
+        data: object = _or(d, frame, 0, -1, 3, 2**63)
+        nbytes = 512 if frame == 1 else 24
+    else:
+        nbytes = d.pick((0, 1, 8, 24, 40))
+        data = msgpack.ExtType(_or(d, 3, 1, 2, 9), d.take(nbytes))
+    dims = [nbytes // size] if d.flag(50) else [1, nbytes // size]
+    dims = _or(d, dims, [-1], [2**40, 0], [1.5], [], [nbytes])
+    value = [_or(d, dtype, "float33", "", 5), dims, data]
+    return _or(d, value, [*value, None], value[:2], "x")
+
+
+def _items_array(d: Data) -> bytes:
+    """An mm_items array built item by item: mostly the form build_items takes, with
+    every element now and then of another type or length."""
+    items = []
+    for _ in range(d.int_in(0, 4)):
+        side = {}
+        for _ in range(d.int_in(0, 2)):
+            key = d.pick(("image_grid_thw", "video_grid_thw", "g", ""))
+            side[key] = _or(d, _tensor_value(d), True, 1, "x", None)
+        item = [
+            _or(d, d.pick((1, 2, 3, 2**63)), -1, "image", None),
+            _or(d, d.pick((None, 0, 5, 2**64 - 1, -(2**63))), True, "h", 1.5),
+            _or(d, d.pick((None, 7, -3, 2**33)), "p", [1]),
+            _or(d, d.pick((None, [], [[3, 18]], [[0, 1], [2, 3]])), [1, 2], "x"),
+            _or(d, _tensor_value(d) if d.flag(70) else None, {"t": 1}, 1),
+            _or(d, None, {"shm_name": "x"}, 1),
+            _or(d, side if side or d.flag(50) else None, [], 1),
+            _or(d, None, 1, [None]),
+            _or(d, None, 1),
+            _or(d, None, {"h": 1}),
+        ]
+        if d.flag(5):
+            item = item[: d.int_in(0, 11)]
+        elif d.flag(5):
+            item.append(None)
+        items.append(item)
+    raw = bytearray(msgpack.packb(items))
+    for _ in range(d.int_in(0, 2) if d.flag(25) else 0):  # a byte or two replaced
+        raw[d.uint(2) % len(raw)] = d.u8()
+    return bytes(raw)
+
+
+def _built(walk: object, buf: memoryview) -> object:
+    got = walk.build_items(  # type: ignore[attr-defined]
+        buf, buf, _AUX, wire.DEFAULT_LIMITS, Tensor, Item, wire._ItemSrc, wire._NO_SIDE
+    )
+    if got is None:
+        return None
+    items, features, others = got
+    return [_item_form(it) for it in items], sorted(set(features)), sorted(set(others))
+
+
+def _item_form(it: Item) -> object:
+    def t(x: object) -> object:
+        if not isinstance(x, Tensor):
+            return x
+        return (x.dtype.name, x.shape, bytes(x.data), x.name, x.limits is wire.DEFAULT_LIMITS)
+
+    s = it.extra
+    return (
+        type(it.modality), it.modality, it.hash, it.pad_value, t(it.feature), it.feature_shm,
+        {k: t(v) for k, v in it.side.items()},
+        (s.start, s.end, s.count, s.off1, s.off3, s.modality, t(s.feature)),
+        {k: t(v) for k, v in s.side.items()}, s.side is wire._NO_SIDE,
+    )  # fmt: skip
+
+
+def _items(buf: memoryview) -> None:
+    a = _built(ic._BUILT, buf)
+    b = _built(msgpack_walk, buf)
+    assert a == b, f"build_items: native and interpreted disagree:\n  {a!r}\n  {b!r}"
+    if a is None:
+        return
+    reader = wire._TensorReader(list(_AUX))
+    try:
+        items = wire._decode_items_reference(buf, reader)
+    except AdmissionError as exc:
+        raise AssertionError(f"build_items built what the reference refuses: {exc}") from exc
+    ref = [_item_form(it) for it in items], sorted(reader.features), sorted(reader.others)
+    assert a == ref, f"build_items against the reference:\n  {a!r}\n  {ref!r}"
+
+
 def one(data: bytes) -> None:
     if ic._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    op = d.u8() % 8
-    if op == 6:
+    op = d.u8() % 10
+    if op == 8:
+        _items(memoryview(_items_array(d)))
+    elif op == 9:
+        _items(memoryview(d.rest()))
+    elif op == 6:
         _structure(d)
     elif op == 7:
         _split_bounded(d)

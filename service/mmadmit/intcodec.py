@@ -65,6 +65,7 @@ __all__ = [
     "IntArrayTooLong",
     "array_len",
     "array_spans",
+    "build_items",
     "check_int_arrays",
     "check_structure",
     "decode_int_array",
@@ -179,6 +180,18 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
     Raises ``ValueError`` for any other value or an offset outside ``raw``.
     """
     return _rows_impl(_as_bytes(raw), list(starts), width)
+
+
+def build_items(raw: Any, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+    """The items of the msgpack array ``raw``, built by the compiled walk of
+    :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``), or None:
+    an item outside the form it takes, or the walker interpreted or not built.
+
+    Interpreted, the walk is a Python loop over bytes, slower than the
+    reference it would shortcut (wire.py's ``msgspec`` item decoder), so it
+    runs compiled only; the tests run both builds against the reference.
+    """
+    return _items_impl(_as_bytes(raw), *args)
 
 
 # --------------------------------------------------------------------------
@@ -306,6 +319,16 @@ def _ints_by_msgspec(buf: memoryview) -> npt.NDArray[np.int64] | None:
         return None  # OverflowError: a uint64 above INT64_MAX
 
 
+def _items_native(buf: memoryview, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+    assert _BUILT is not None
+    built: tuple[list[Any], list[int], list[int]] | None = _BUILT.build_items(buf, *args)
+    return built
+
+
+def _items_py(buf: memoryview, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+    return None  # interpreted: the reference item decoder is the faster one
+
+
 def _decode_py(buf: memoryview) -> npt.NDArray[np.int64]:
     count = msgpack_walk.array_len(buf)  # a forged count refused before msgspec allocates
     out = _ints_by_msgspec(buf)
@@ -392,13 +415,14 @@ _spans_impl = _spans_py
 _rows_impl = _rows_py
 _len_impl = _len_py
 _check_impl = _check_py
+_items_impl = _items_py
 
 
 def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl
+    global _len_impl, _check_impl, _items_impl
     HAVE_NATIVE = on and _BUILT is not None
     if HAVE_NATIVE:
         _decode_impl = _decode_native
@@ -408,6 +432,7 @@ def _use_native(on: bool) -> bool:
         _rows_impl = _rows_native
         _len_impl = _len_native
         _check_impl = _check_native
+        _items_impl = _items_native
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
@@ -416,6 +441,7 @@ def _use_native(on: bool) -> bool:
         _rows_impl = _rows_py
         _len_impl = _len_py
         _check_impl = _check_py
+        _items_impl = _items_py
     return HAVE_NATIVE
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "IntArrayTooLong",
     "array_len",
     "array_spans",
+    "build_items",
     "check_structure",
     "decode",
     "encode",
@@ -984,3 +985,296 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
                 )
             o += width
     return table, bounds
+
+
+# --------------------------------------------------------------------------
+# Multimodal items: one walk that builds them (the codec's fast path).
+#
+# wire.py's item decoder (msgspec, then one Python object tree per item) is the
+# reference and words every refusal. build_items takes the common form only:
+# items of exactly 10 elements whose feature_shm, encoded, encoded_deepstack
+# and encode_handshake are nil, whose feature and every model_specific_data
+# value are tensors ``[str, [int, ...], int | ext 3]``; for anything else
+# (a longer or shorter item, a flag among the side values, a pickle, a
+# malformed byte, a tensor Tensor refuses...) it returns None and the caller
+# runs the reference on the same bytes. What it builds is what the reference
+# builds from the same item (tests/test_wire_items.py compares them).
+
+_ITEM_ELEMS = cython.declare(ssize, 10)
+
+
+@cython.cfunc
+def _bytes_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> bytes:
+    """``bytes(p[at:at + m])`` (the caller has checked they are there); compiled,
+    straight from the buffer, without a memoryview slice in between."""
+    out: bytes = b""
+    if m == 0:
+        pass
+    elif cython.compiled:
+        out = cython.cast(cython.p_char, cython.address(p[at]))[:m]
+    else:
+        out = bytes(p[at : at + m])
+    return out
+
+
+@cython.cfunc
+def _text_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> str:
+    """``p[at:at + m]`` decoded as UTF-8 (UnicodeDecodeError if it is not)."""
+    out: str = ""
+    if m == 0:
+        pass
+    elif cython.compiled:
+        out = cython.cast(cython.p_char, cython.address(p[at]))[:m].decode("utf-8")
+    else:
+        out = bytes(p[at : at + m]).decode("utf-8")
+    return out
+
+
+@cython.cfunc
+def _int_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(value, end)`` of the msgpack int at ``p[pos]``, None if it is not one."""
+    if pos >= n:
+        return None
+    b: cython.uint = p[pos]
+    w: ssize = _int_width(b)
+    if w < 0 or n - pos < 1 + w:
+        return None
+    u: u64 = _load(p, pos + 1, w) if w else 0
+    if b == 0xCF:
+        return u, pos + 9  # uint64: the value as it is (a hash may need all 64 bits)
+    return _int_value(b, u), pos + 1 + w
+
+
+@cython.cfunc
+def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(text, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked), None otherwise."""
+    if pos >= n:
+        return None
+    b: cython.uint = p[pos]
+    h: ssize
+    m: ssize
+    if 0xA0 <= b <= 0xBF:
+        h, m = 1, b & 0x1F
+    elif 0xD9 <= b <= 0xDB:
+        h = 1 + (1 << (b - 0xD9))
+        if n - pos < h:
+            return None
+        m = cython.cast(ssize, _load(p, pos + 1, h - 1))
+    else:
+        return None
+    if m > n - pos - h:
+        return None
+    return _text_at(p, pos + h, m), pos + h + m
+
+
+@cython.cfunc
+def _tensor_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(dtype, shape, data, end)`` of a tensor ``[str, [int, ...], int | ext 3]`` at
+    ``p[pos]`` (``data`` an aux index or the inline bytes), None for any other value."""
+    count: ssize
+    h: ssize
+    _k: ssize
+    if pos >= n:
+        return None
+    count, h = _array_head(p, n, pos)
+    if count != 3:
+        return None
+    got = _str_obj(p, n, pos + h)
+    if got is None:
+        return None
+    dtype, pos = got
+    if pos >= n:
+        return None
+    count, h = _array_head(p, n, pos)
+    if count < 0 or count > n - pos - h:
+        return None
+    pos += h
+    dims: list = []
+    for _k in range(count):
+        got = _int_obj(p, n, pos)
+        if got is None:
+            return None
+        dims.append(got[0])
+        pos = got[1]
+    if pos >= n:
+        return None
+    b: cython.uint = p[pos]
+    size: ssize
+    at: ssize
+    if 0xD4 <= b <= 0xD8:  # fixext 1..16: code, then the bytes
+        size, at = 1 << (b - 0xD4), pos + 2
+    elif 0xC7 <= b <= 0xC9:  # ext 8/16/32: length, code, bytes
+        h = 1 << (b - 0xC7)
+        if n - pos < 2 + h:
+            return None
+        size, at = cython.cast(ssize, _load(p, pos + 1, h)), pos + 2 + h
+    else:
+        got = _int_obj(p, n, pos)
+        if got is None:
+            return None
+        return dtype, tuple(dims), got[0], got[1]
+    if at > n or size > n - at or p[at - 1] != 3:  # ext code 3: tensor data
+        return None
+    return dtype, tuple(dims), _bytes_at(p, at, size), at + size
+
+
+@cython.cfunc
+def _nil(p: cython.const[u8][::1], n: ssize, pos: ssize) -> cython.bint:
+    return pos < n and p[pos] == 0xC0
+
+
+def build_items(
+    p: cython.const[u8][::1],
+    view: object,
+    aux: list,
+    limits: object,
+    tensor: object,
+    item: object,
+    source: object,
+    no_side: object,
+) -> tuple | None:
+    """The items of the mm_items array filling ``p``, built, or None (see above).
+
+    ``(items, feature_aux, other_aux)``: per item ``item(modality, hash,
+    pad_value, None, feature, None, side, source(view, aux, start, end, 10,
+    start of element 1, start of element 3, modality, feature, side copy or
+    no_side))``, its tensors ``tensor(dtype, shape, data, (index, key),
+    limits)`` on ``aux[index - 1]`` or the inline bytes; the aux indices
+    features and side tensors refer to. Offsets are the caller's (element 3 is
+    only skipped). Any exception while building, Tensor's refusals included,
+    gives None: the reference words it."""
+    try:
+        return _build_items(p, view, aux, limits, tensor, item, source, no_side)
+    except Exception:  # noqa: BLE001 - the reference decoder words every refusal
+        return None
+
+
+def _build_items(
+    p: cython.const[u8][::1],
+    view: object,
+    aux: list,
+    limits: object,
+    tensor: object,
+    item: object,
+    source: object,
+    no_side: object,
+) -> tuple | None:
+    n: ssize = p.shape[0]
+    count: ssize
+    h: ssize
+    pos: ssize
+    i: ssize
+    k: ssize
+    _k: ssize
+    start: ssize
+    off1: ssize
+    off3: ssize
+    entries: ssize
+    n_aux: ssize = len(aux)
+    if n < 1:
+        return None
+    count, h = _array_head(p, n, 0)
+    if count < 0 or count > n - h:
+        return None
+    pos = h
+    items: list = []
+    features: list = []
+    others: list = []
+    for i in range(count):
+        start = pos
+        if pos >= n:
+            return None
+        k, h = _array_head(p, n, pos)
+        if k != _ITEM_ELEMS:
+            return None
+        got = _int_obj(p, n, pos + h)  # 0 modality
+        if got is None:
+            return None
+        modality, pos = got
+        off1 = pos
+        hash_ = None  # 1 hash
+        if _nil(p, n, pos):
+            pos += 1
+        else:
+            got = _int_obj(p, n, pos)
+            if got is None:
+                return None
+            hash_, pos = got
+        pad = None  # 2 pad_value
+        if _nil(p, n, pos):
+            pos += 1
+        else:
+            got = _int_obj(p, n, pos)
+            if got is None:
+                return None
+            pad, pos = got
+        off3 = pos
+        pos = _skip(p, n, pos, 1, i)  # 3 offsets: the caller's (int_rows)
+        feature = None  # 4 feature
+        if _nil(p, n, pos):
+            pos += 1
+        else:
+            got = _tensor_obj(p, n, pos)
+            if got is None:
+                return None
+            dtype, shape, data, pos = got
+            if type(data) is int:
+                if not 0 < data <= n_aux:
+                    return None
+                features.append(data)
+                data = aux[data - 1]
+            else:
+                data = memoryview(data)
+            feature = tensor(dtype, shape, data, (i, "feature"), limits)
+        if not _nil(p, n, pos):  # 5 feature_shm
+            return None
+        pos += 1
+        side: dict = {}  # 6 model_specific_data
+        if not _nil(p, n, pos):
+            if pos >= n:
+                return None
+            b: cython.uint = p[pos]
+            if 0x80 <= b <= 0x8F:
+                entries, pos = b & 0x0F, pos + 1
+            elif b == 0xDE or b == 0xDF:
+                h = 3 if b == 0xDE else 5
+                if n - pos < h:
+                    return None
+                entries, pos = cython.cast(ssize, _load(p, pos + 1, h - 1)), pos + h
+            else:
+                return None
+            if entries > n - pos:
+                return None
+            for _k in range(entries):
+                got = _str_obj(p, n, pos)
+                if got is None:
+                    return None
+                key, pos = got
+                if key in side:  # a repeated key: the reference keeps the last only
+                    return None
+                got = _tensor_obj(p, n, pos)
+                if got is None:  # a flag or any other value: the reference's
+                    return None
+                dtype, shape, data, pos = got
+                if type(data) is int:
+                    if not 0 < data <= n_aux:
+                        return None
+                    others.append(data)
+                    data = aux[data - 1]
+                else:
+                    data = memoryview(data)
+                side[key] = tensor(dtype, shape, data, (i, key), limits)
+        else:
+            pos += 1
+        for _k in range(3):  # 7 encoded, 8 encoded_deepstack, 9 encode_handshake
+            if not _nil(p, n, pos):
+                return None
+            pos += 1
+        src = source(
+            view, aux, start, pos, _ITEM_ELEMS, off1, off3, modality, feature,
+            side.copy() if side else no_side,
+        )  # fmt: skip
+        items.append(item(modality, hash_, pad, None, feature, None, side, src))
+    if pos != n:
+        return None
+    return items, features, others

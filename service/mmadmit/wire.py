@@ -84,6 +84,7 @@ from .intcodec import (
     IntArrayTooLong,
     array_len,
     array_spans,
+    build_items,
     check_structure,
     decode_int_array,
     encode_int_array,
@@ -318,8 +319,13 @@ class _TensorReader:
 
     def __init__(self, aux: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> None:
         self.aux = aux
-        self.used: dict[int, str] = {}
+        self.features: set[int] = set()  # aux indices a feature refers to
+        self.others: set[int] = set()  # aux indices any other tensor refers to
         self.limits = limits
+
+    def feature_only(self) -> set[int]:
+        """The aux indices that only features refer to (blanked when features are dropped)."""
+        return self.features - self.others
 
     def build(self, dtype: Any, shape: Any, data: Any, name: Any, role: str) -> Tensor:
         """The one place a received tensor is made: its data resolved (inline bytes or an
@@ -333,14 +339,13 @@ class _TensorReader:
                     f"has {len(aux)} aux frame(s)"
                 )
             buf: Any = aux[data - 1]
-            prev = self.used.get(data)
-            self.used[data] = role if prev is None or prev == role else "shared"
+            (self.features if role == "feature" else self.others).add(data)
         elif type(data) is _Ext:
             if data.code != EXT_TENSOR_DATA:  # pickle or an unknown ext code
                 raise InvalidRequest(f"{TensorName(*name)}: {ext_refusal(data.code)}")
-            buf = data.data
+            buf = memoryview(data.data)  # bytes: the byte view Tensor keeps
         elif type(data) is _InlineData:
-            buf = data.data
+            buf = memoryview(data.data)
         else:
             raise InvalidRequest(
                 f"{TensorName(*name)}: data must be ext type 3 or an aux frame index"
@@ -475,8 +480,23 @@ def _check_items(view: memoryview, reader: _TensorReader) -> None:
 
 
 def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
-    """Every item of ``mm_items`` (the one item decode path; see :class:`_WireItem`)."""
+    """Every item of ``mm_items``: built by the compiled walk when every item has
+    the common form (:func:`mmadmit.msgpack_walk.build_items`), else by the
+    reference decoder (:class:`_WireItem`), which words every refusal."""
     _check_items(view, reader)
+    built = build_items(view, view, reader.aux, reader.limits, Tensor, Item, _ItemSrc, _NO_SIDE)
+    if built is None:
+        items = _decode_items_reference(view, reader)
+    else:
+        items, features, others = built
+        reader.features.update(features)
+        reader.others.update(others)
+    _set_offsets(view, items)
+    return items
+
+
+def _decode_items_reference(view: memoryview, reader: _TensorReader) -> list[Item]:
+    """The reference item decode (one typed ``msgspec`` call, see :class:`_WireItem`)."""
     try:
         spans = array_spans(view)
     except ValueError as exc:
@@ -489,7 +509,6 @@ def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
     build = reader.build
     decode_tensor = _TENSOR.decode
     items: list[Item] = []
-    with_offsets: list[Item] = []  # items that have element 3, offsets
     for i, w, start, end, count, off1, off3 in zip(
         range(len(wire_items)),
         wire_items,
@@ -529,10 +548,14 @@ def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
             feature,
             side.copy() if side else _NO_SIDE,
         )
-        item = Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src)
-        if count > 3:
-            with_offsets.append(item)
-        items.append(item)
+        items.append(Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src))
+    return items
+
+
+def _set_offsets(view: memoryview, items: list[Item]) -> None:
+    """Each item's offsets: every item's [start, end] rows decoded in one table, each
+    item given its slice (a view); None where element 3 is nil or missing."""
+    with_offsets = [it for it in items if it.extra.count > 3]  # items that have element 3
     if with_offsets:
         # every item's [start, end] rows in one array; each item gets its slice (a view)
         starts = [it.extra.off3 for it in with_offsets]
@@ -544,7 +567,6 @@ def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
         for item, a, b in zip(with_offsets, bounds[0::2], bounds[1::2], strict=True):
             if a >= 0:  # nil: None
                 item.offsets = table[a:b]
-    return items
 
 
 # ------------------------------------------------------------ error wording (items)
@@ -756,7 +778,7 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     extra = WireExtra(
         raw=elems,
         aux=aux,
-        feature_aux={k for k, role in reader.used.items() if role == "feature"},
+        feature_aux=reader.feature_only(),
         ints=decoded,
         sources=list(aux_frames),
     )
