@@ -976,7 +976,21 @@ def encode_request(
     for i, (view, source) in enumerate(zip(extra.aux, extra.sources, strict=False)):
         if frames[i] is view:  # still the received frame (not blanked): send its object
             frames[i] = source
-    return [_ENC.encode(out), *frames]
+    return [_joined(out), *frames]
+
+
+_Raw = msgspec.Raw
+
+
+def _joined(elems: list[Any]) -> bytes:
+    """``_ENC.encode(elems)`` for an array whose large elements are raw bytes: each small
+    one encoded on its own, everything copied once into a buffer of the final size
+    (the encoder grows its buffer as it goes, copying a payload of token arrays
+    over again)."""
+    pieces: list[Any] = [_array_header(len(elems))]
+    for v in elems:
+        pieces.append(v if type(v) is _Raw else _ENC.encode(v))
+    return b"".join(pieces)
 
 
 def minimal_abort_payload(rid: str, abort: Abort) -> bytes:
