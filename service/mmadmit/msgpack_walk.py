@@ -1123,6 +1123,36 @@ def _nil(p: cython.const[u8][::1], n: ssize, pos: ssize) -> cython.bint:
     return pos < n and p[pos] == 0xC0
 
 
+@cython.cfunc
+def _opt_int_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(value, end)`` of nil (None) or an int at ``p[pos]``, None for anything else."""
+    if _nil(p, n, pos):
+        return None, pos + 1
+    return _int_obj(p, n, pos)
+
+
+@cython.cfunc
+def _built_tensor(
+    p: cython.const[u8][::1], n: ssize, pos: ssize, env: tuple, name: tuple, roles: list
+) -> tuple:
+    """``(tensor, end)``: the tensor at ``p[pos]`` built on its aux frame (its index
+    added to ``roles``) or its inline bytes, by ``env``'s constructor; None if it is
+    not a tensor or refers to no aux frame (Tensor's own refusals raise)."""
+    aux: list = env[0]
+    got = _tensor_obj(p, n, pos)
+    if got is None:
+        return None
+    dtype, shape, data, end = got
+    if type(data) is int:
+        if not 0 < data <= len(aux):
+            return None
+        roles.append(data)
+        data = aux[data - 1]
+    else:
+        data = memoryview(data)
+    return env[2](dtype, shape, data, name, env[1]), end
+
+
 def build_items(
     p: cython.const[u8][::1],
     view: object,
@@ -1144,21 +1174,13 @@ def build_items(
     only skipped). Any exception while building, Tensor's refusals included,
     gives None: the reference words it."""
     try:
-        return _build_items(p, view, aux, limits, tensor, item, source, no_side)
+        return _build_items(p, view, (aux, limits, tensor, item, source, no_side))
     except Exception:  # noqa: BLE001 - the reference decoder words every refusal
         return None
 
 
-def _build_items(
-    p: cython.const[u8][::1],
-    view: object,
-    aux: list,
-    limits: object,
-    tensor: object,
-    item: object,
-    source: object,
-    no_side: object,
-) -> tuple | None:
+def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | None:
+    """:func:`build_items`; ``env`` its arguments from ``aux`` on, in order."""
     n: ssize = p.shape[0]
     count: ssize
     h: ssize
@@ -1170,7 +1192,7 @@ def _build_items(
     off1: ssize
     off3: ssize
     entries: ssize
-    n_aux: ssize = len(aux)
+    b: cython.uint
     if n < 1:
         return None
     count, h = _array_head(p, n, 0)
@@ -1192,48 +1214,34 @@ def _build_items(
             return None
         modality, pos = got
         off1 = pos
-        hash_ = None  # 1 hash
-        if _nil(p, n, pos):
-            pos += 1
-        else:
-            got = _int_obj(p, n, pos)
-            if got is None:
-                return None
-            hash_, pos = got
-        pad = None  # 2 pad_value
-        if _nil(p, n, pos):
-            pos += 1
-        else:
-            got = _int_obj(p, n, pos)
-            if got is None:
-                return None
-            pad, pos = got
+        got = _opt_int_obj(p, n, pos)  # 1 hash
+        if got is None:
+            return None
+        hash_, pos = got
+        got = _opt_int_obj(p, n, pos)  # 2 pad_value
+        if got is None:
+            return None
+        pad, pos = got
         off3 = pos
         pos = _skip(p, n, pos, 1, i)  # 3 offsets: the caller's (int_rows)
         feature = None  # 4 feature
         if _nil(p, n, pos):
             pos += 1
         else:
-            got = _tensor_obj(p, n, pos)
+            got = _built_tensor(p, n, pos, env, (i, "feature"), features)
             if got is None:
                 return None
-            dtype, shape, data, pos = got
-            if type(data) is int:
-                if not 0 < data <= n_aux:
-                    return None
-                features.append(data)
-                data = aux[data - 1]
-            else:
-                data = memoryview(data)
-            feature = tensor(dtype, shape, data, (i, "feature"), limits)
+            feature, pos = got
         if not _nil(p, n, pos):  # 5 feature_shm
             return None
         pos += 1
         side: dict = {}  # 6 model_specific_data
-        if not _nil(p, n, pos):
+        if _nil(p, n, pos):
+            pos += 1
+        else:
             if pos >= n:
                 return None
-            b: cython.uint = p[pos]
+            b = p[pos]
             if 0x80 <= b <= 0x8F:
                 entries, pos = b & 0x0F, pos + 1
             elif b == 0xDE or b == 0xDF:
@@ -1252,29 +1260,19 @@ def _build_items(
                 key, pos = got
                 if key in side:  # a repeated key: the reference keeps the last only
                     return None
-                got = _tensor_obj(p, n, pos)
+                got = _built_tensor(p, n, pos, env, (i, key), others)
                 if got is None:  # a flag or any other value: the reference's
                     return None
-                dtype, shape, data, pos = got
-                if type(data) is int:
-                    if not 0 < data <= n_aux:
-                        return None
-                    others.append(data)
-                    data = aux[data - 1]
-                else:
-                    data = memoryview(data)
-                side[key] = tensor(dtype, shape, data, (i, key), limits)
-        else:
-            pos += 1
+                side[key], pos = got
         for _k in range(3):  # 7 encoded, 8 encoded_deepstack, 9 encode_handshake
             if not _nil(p, n, pos):
                 return None
             pos += 1
-        src = source(
-            view, aux, start, pos, _ITEM_ELEMS, off1, off3, modality, feature,
-            side.copy() if side else no_side,
+        src = env[4](
+            view, env[0], start, pos, _ITEM_ELEMS, off1, off3, modality, feature,
+            side.copy() if side else env[5],
         )  # fmt: skip
-        items.append(item(modality, hash_, pad, None, feature, None, side, src))
+        items.append(env[3](modality, hash_, pad, None, feature, None, side, src))
     if pos != n:
         return None
     return items, features, others
