@@ -37,7 +37,7 @@ from mmadmit import intcodec as ic
 from mmadmit import rules, wire
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.materializer import Materializer
-from mmadmit.model import Materialized, MultimodalInputs, Request, Tensor
+from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
 from prompt_gen import gen_prompt
 
@@ -745,8 +745,6 @@ def _items_view(payload: bytes) -> memoryview:
 
 
 def _built(walk: Any, view: memoryview, aux: list[Any]) -> Any:
-    from mmadmit.model import Item
-
     limits = wire.DEFAULT_LIMITS
     got = walk.build_items(view, view, aux, limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
     if got is None:

@@ -998,7 +998,7 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
 # (a longer or shorter item, a flag among the side values, a pickle, a
 # malformed byte, a tensor Tensor refuses...) it returns None and the caller
 # runs the reference on the same bytes. What it builds is what the reference
-# builds from the same item (tests/test_wire_items.py compares them).
+# builds from the same item (tests/test_wire_fast.py compares them).
 
 _ITEM_ELEMS = cython.declare(ssize, 10)
 
@@ -1014,19 +1014,6 @@ def _bytes_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> bytes:
         out = cython.cast(cython.p_char, cython.address(p[at]))[:m]
     else:
         out = bytes(p[at : at + m])
-    return out
-
-
-@cython.cfunc
-def _text_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> str:
-    """``p[at:at + m]`` decoded as UTF-8 (UnicodeDecodeError if it is not)."""
-    out: str = ""
-    if m == 0:
-        pass
-    elif cython.compiled:
-        out = cython.cast(cython.p_char, cython.address(p[at]))[:m].decode("utf-8")
-    else:
-        out = bytes(p[at : at + m]).decode("utf-8")
     return out
 
 
@@ -1064,7 +1051,7 @@ def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
         return None
     if m > n - pos - h:
         return None
-    return _text_at(p, pos + h, m), pos + h + m
+    return _bytes_at(p, pos + h, m).decode("utf-8"), pos + h + m
 
 
 @cython.cfunc
