@@ -354,9 +354,10 @@ def main() -> None:
         run = asyncio.run
 
     if args.serve is not None:
-        from mmadmit.runtime import tune_allocator
+        from mmadmit.runtime import tune_allocator, tune_gc
 
         tune_allocator()  # as `mmadmit serve` does at start-up
+        tune_gc()
         run(serve(args.model, args.serve, args.workers))
         return
 

@@ -32,7 +32,7 @@ from mmadmit import intcodec, wire  # noqa: E402
 from mmadmit.hashing import feature_hash  # noqa: E402
 from mmadmit.materializer import Materializer  # noqa: E402
 from mmadmit.model import Materialized  # noqa: E402
-from mmadmit.runtime import tune_allocator  # noqa: E402
+from mmadmit.runtime import tune_allocator, tune_gc  # noqa: E402
 from workloads import build_request, frames_of, media_share, profile_for  # noqa: E402
 
 
@@ -94,6 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     tune_allocator()  # as `mmadmit serve` does at start-up
+    tune_gc()
     print(
         f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs, "
         "baseline and measured region sampled alternately; "

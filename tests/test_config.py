@@ -128,3 +128,45 @@ def test_arena_cap_holds_under_concurrent_threads(arena_max: int, most: int) -> 
 
     assert 1 <= arenas(arena_max) <= most
     assert arenas(0) > 2  # the control: uncapped, the same threads take more
+
+
+_GC_PROBE = """
+import gc, sys
+sys.path.insert(0, sys.argv[2])  # bench/: its workloads
+import workloads
+from mmadmit import wire
+from mmadmit.config import build_config
+from mmadmit.materializer import Materializer
+from mmadmit.runtime import tune_gc
+config = build_config({"model": "qwen3_omni_moe", "device": "cpu"})
+materializer = Materializer(config.load_profile(), config.limits)
+req = workloads.build_request(workloads.profile_for("qwen3_omni_moe"), 131072, with_hash=True)
+frames = [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+if sys.argv[1] == "tuned":
+    print(*tune_gc(), gc.get_freeze_count() > 0, file=sys.stderr)
+runs = []
+gc.callbacks.append(lambda phase, info: runs.append(info) if phase == "start" else None)
+for _ in range(5):
+    outcome = materializer.run(wire.decode_message(frames, config.limits).request)
+    assert wire.encode_materialized(outcome)[0] == bytes([wire.STATUS_MATERIALIZED])
+print(len(runs))
+"""
+
+
+def test_gc_tuning_keeps_collections_out_of_large_requests() -> None:
+    """``mmadmit serve``'s tune_gc: five Qwen3-Omni 128K requests (128 items each)
+    decoded, materialized and encoded set off no collection; CPython's own
+    thresholds (the control) collect during them."""
+    from conftest import REPO_ROOT
+
+    def collections(mode: str) -> tuple[int, str]:
+        out = subprocess.run(
+            [sys.executable, "-c", _GC_PROBE, mode, str(REPO_ROOT / "bench")],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return int(out.stdout), out.stderr.strip()
+
+    tuned, thresholds = collections("tuned")
+    assert thresholds.split() == ["20000", "10", "10", "True"]
+    assert tuned == 0
+    assert collections("default")[0] > 0

@@ -59,7 +59,7 @@ from .materializer import CPU_OPS, ArrayOps, Materializer
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
-from .runtime import tune_allocator
+from .runtime import tune_allocator, tune_gc
 from .telemetry import StatsCollector, Telemetry, disable_created_metrics
 
 logger = logging.getLogger("mmadmit.server")
@@ -489,6 +489,7 @@ def run(config: ServeConfig) -> int:
     # No `*_created` timestamp series beside every counter and histogram: they double
     # the exposition and Prometheus does not need them (process-wide switch).
     disable_created_metrics()
+    tune_gc()  # after the imports: what they made is frozen, never scanned again
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
