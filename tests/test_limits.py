@@ -123,13 +123,15 @@ def _random_value(rng: random.Random, depth: int) -> Any:
 
 
 def _both(buf: bytes, offsets: list[int], skip: tuple[int, ...], depth: int, length: int) -> Any:
-    """(native result, Python result); a ValueError is the result ``"ValueError"``."""
+    """(native result, Python result), each with the odd elements it named; a
+    ValueError is the result ``"ValueError"``."""
     out = []
     for impl in (intcodec._check_native, intcodec._check_py):
+        odd: list[int] = []
         try:
-            out.append(impl(memoryview(buf), list(offsets), skip, depth, length))
+            out.append((impl(memoryview(buf), list(offsets), skip, depth, length, odd), odd))
         except ValueError:
-            out.append("ValueError")
+            out.append(("ValueError", odd))
     return tuple(out)
 
 
@@ -145,7 +147,7 @@ def test_structure_walk_native_and_python_agree_on_random_and_mutated_input() ->
         for depth, length in ((1, 0), (2, 3), (3, 16), (4, 15), (32, 65_536), (1024, 2**40)):
             native, python = _both(buf, offsets, skip, depth, length)
             assert native == python, (value, skip, depth, length)
-            breaches[None if native is None else native[0]] += 1
+            breaches[None if native[0] is None else native[0][0]] += 1
         # mutated bytes inside the elements, offsets kept: the same verdict or both refuse
         for _ in range(4):
             bad = bytearray(buf)
@@ -171,6 +173,34 @@ def test_structure_walk_boundaries() -> None:
         check(buf, [offsets[0], offsets[2]], (), 4, 5)
     with pytest.raises(ValueError, match="max_depth"):
         check(buf, offsets, (), 0, 5)
+
+
+def test_structure_walk_names_the_elements_a_decode_must_check() -> None:
+    """check_structure's ``odd``: the walked elements holding a str, a map or an ext
+    anywhere, or arrays nested deeper than PLAIN_DEPTH; the rest only ever decode."""
+    from mmadmit.msgpack_walk import PLAIN_DEPTH
+
+    ext = msgspec.msgpack.Ext(3, b"ab")
+    value = [
+        None, True, -5, 2**64 - 1, 1.5, b"x", [1, [2.0, None, b""]],  # 0-6 plain
+        "s", {"a": 1}, [[{"k": 1}]], ext, [1, [ext]], ["x" * 40],  # 7-12 odd
+        nested(PLAIN_DEPTH), nested(PLAIN_DEPTH + 1), [],  # 13 plain, 14 odd, 15 plain
+    ]  # fmt: skip
+    buf = ENC.encode(value)
+    offsets, _ = intcodec.split_array(buf)
+    for skip, want in (((), [7, 8, 9, 10, 11, 12, 14]), ((8, 14), [7, 9, 10, 11, 12])):
+        for impl in (intcodec._check_native, intcodec._check_py):
+            if impl is intcodec._check_native and not intcodec._BUILT:
+                continue
+            odd: list[int] = []
+            assert impl(memoryview(buf), offsets, skip, 1024, 100, odd) is None
+            assert odd == want
+    for i in range(len(value)):  # what is not odd decodes, whatever it holds
+        if i not in (7, 8, 9, 10, 11, 12, 14):
+            msgspec.msgpack.decode(buf[offsets[i] : offsets[i + 1]])
+    odd = []  # up to a breach: element 9 nests too deep for 3
+    assert intcodec.check_structure(buf, offsets, (), 3, 100, odd) == (3, 9, 4)
+    assert odd == [7, 8, 9]
 
 
 def test_bounded_split_refuses_from_the_header() -> None:
@@ -223,6 +253,43 @@ def test_container_length() -> None:
     )
     err = refused(add(text_payload(e13=[[0] * 300])), Limits(max_msgpack_len=299))
     assert "element 13: an array of 300 elements" in err.message
+
+
+# values of pass-through elements: the decode refuses some (an unknown or pickle ext,
+# a str of bad UTF-8, a map keyed by an array), the walk alone none
+_PASS_VALUES: list[Any] = [
+    None, False, 7, -(2**63), 2**64 - 1, 0.25, b"bin", [1, [None, 2.5]], nested(20), "ok",
+    {"temperature": 0.5, "stop": ["a"]}, msgspec.msgpack.Ext(2, b"x"),
+    msgspec.msgpack.Ext(wire.EXT_TENSOR_DATA, b"\x00" * 4), [msgspec.msgpack.Ext(1, b"p")],
+    msgspec.Raw(b"\xa2\xff\xfe"), msgspec.Raw(b"\x91\xa1\xc3"),
+    msgspec.Raw(b"\x81\x91\x01\x02"), msgspec.Raw(b"\x81\xa1k\xd4\x05\x00"),
+]  # fmt: skip
+
+
+def test_pass_through_elements_refused_as_decoding_each_one_would() -> None:
+    """Only the elements the walk names odd are decoded (the rest cannot be refused):
+    the outcome is the one decoding every pass-through element in order gives."""
+    rng = random.Random(7)
+    positions = [2, 3, *range(5, 21)]
+    refusals = 0
+    for _ in range(300):
+        chosen = {i: rng.choice(_PASS_VALUES) for i in rng.sample(positions, rng.randint(1, 5))}
+        payload = text_payload(**{f"e{i}": v for i, v in chosen.items()})
+        expected = None
+        for i in sorted(chosen):
+            raw = msgspec.Raw(ENC.encode(chosen[i]))
+            try:
+                wire._value(raw, f"element {i}")
+            except wire.InvalidRequest as exc:
+                expected = exc.message
+                break
+        if expected is None:
+            assert decode(add(payload)).request is not None, chosen
+        else:
+            refusals += 1
+            err = refused(add(payload), DEFAULT_LIMITS)
+            assert (err.code, err.message, err.rid) == (AbortCode.INVALID_REQUEST, expected, "r")
+    assert 50 < refusals < 250, refusals
 
 
 def test_depth() -> None:

@@ -97,9 +97,13 @@ def _structure(d: Data) -> None:
             offsets, _ = ic._split_native(buf, ())
         except ValueError:
             return
-    a = outcome(ic._check_native, buf, offsets, skip, depth, length)
-    b = outcome(ic._check_py, buf, offsets, skip, depth, length)
-    same(a, b, f"check_structure(depth={depth}, len={length}, skip={skip})")
+    odd_a: list[int] = []
+    odd_b: list[int] = []
+    a = outcome(ic._check_native, buf, offsets, skip, depth, length, odd_a)
+    b = outcome(ic._check_py, buf, offsets, skip, depth, length, odd_b)
+    what = f"check_structure(depth={depth}, len={length}, skip={skip})"
+    same(a, b, what)
+    assert odd_a == odd_b, f"{what}: odd elements {odd_a} native, {odd_b} fallback"
 
 
 def _spans(d: Data) -> None:

@@ -118,7 +118,12 @@ def array_len(raw: Any) -> int:
 
 
 def check_structure(
-    raw: Any, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+    raw: Any,
+    offsets: list[int],
+    skip: tuple[int, ...],
+    max_depth: int,
+    max_len: int,
+    odd: list[int] | None = None,
 ) -> tuple[int, int, int] | None:
     """Walk the elements of ``raw`` at :func:`split_array`'s ``offsets`` against limits.
 
@@ -130,8 +135,15 @@ def check_structure(
     with the depth reached; ``element`` the index holding it. The walk reads
     headers only and allocates nothing. ``ValueError`` for offsets that do not
     split ``raw`` into single values.
+
+    ``odd``, a list, gets the walked elements (up to a breach) that hold a
+    str, a map or an ext anywhere, or nest arrays deeper than
+    ``msgpack_walk.PLAIN_DEPTH``: the ones whose decoding can refuse them.
+    The others (nil, bools, ints, floats, bins, arrays of them) always decode.
     """
-    return _check_impl(_as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len)
+    return _check_impl(
+        _as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len, [] if odd is None else odd
+    )
 
 
 def split_array(
@@ -285,11 +297,16 @@ def _len_native(buf: memoryview) -> int:
 
 
 def _check_native(
-    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+    buf: memoryview,
+    offsets: list[int],
+    skip: tuple[int, ...],
+    max_depth: int,
+    max_len: int,
+    odd: list[int] | None = None,
 ) -> tuple[int, int, int] | None:
     assert _BUILT is not None
     breach: tuple[int, int, int] | None = _BUILT.check_structure(
-        buf, offsets, skip, max_depth, max_len
+        buf, offsets, skip, max_depth, max_len, odd
     )
     return breach
 
@@ -388,10 +405,15 @@ def _len_py(buf: memoryview) -> int:
 
 
 def _check_py(
-    buf: memoryview, offsets: list[int], skip: tuple[int, ...], max_depth: int, max_len: int
+    buf: memoryview,
+    offsets: list[int],
+    skip: tuple[int, ...],
+    max_depth: int,
+    max_len: int,
+    odd: list[int] | None = None,
 ) -> tuple[int, int, int] | None:
     breach: tuple[int, int, int] | None = msgpack_walk.check_structure(
-        buf, offsets, skip, max_depth, max_len
+        buf, offsets, skip, max_depth, max_len, odd
     )
     return breach
 

@@ -79,6 +79,10 @@ u64 = cython.typedef(cython.ulonglong)
 # the deepest nesting check_structure follows; _walk_limits's stack is sized by the
 # literal 1024 (Cython wants one), so it is checked against the setting here
 assert MAX_DEPTH == 1024, MAX_DEPTH
+# check_structure's odd elements: an array nested deeper than this inside an
+# element is decoded by its caller anyway (msgspec's recursion limit words it).
+PLAIN_DEPTH = 64
+_PLAIN_DEPTH = cython.declare(cython.int, PLAIN_DEPTH)
 MAX_ARRAY_COUNT = 0xFFFFFFFF  # array32: the most elements encode writes
 _GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the GIL
 _INT = "msgpack int array: "
@@ -838,11 +842,14 @@ def _walk_limits(
     max_depth: cython.int,
     max_len: u64,
     breach: list,
+    odd: list,
 ) -> ssize:
     """Walk the one value at ``p[pos]`` (inside the top array: depth 1) against the
     limits; where it ends, or -1 with the breach appended to ``breach``
     (ValueError if malformed). One counter per open container, and no container
-    deeper than ``max_depth`` is ever opened."""
+    deeper than ``max_depth`` is ever opened. ``element`` is appended to ``odd``
+    (once) if the value holds a str, a map or an ext, or nests deeper than
+    ``PLAIN_DEPTH`` (see :func:`check_structure`)."""
     pending = cython.declare(ssize[1024])  # values left in each open level: MAX_DEPTH
     top: cython.int = 0  # level 0: the value itself
     b: cython.uint
@@ -850,6 +857,7 @@ def _walk_limits(
     children: ssize
     container: cython.int
     entries: ssize
+    plain: cython.bint = True
     pending[0] = 1
     while True:
         while pending[top] == 0:
@@ -863,6 +871,16 @@ def _walk_limits(
         if b <= 0x7F or b >= 0xE0:  # fixint
             pos += 1
             continue
+        if plain and (
+            b <= 0x8F  # fixmap
+            or 0xA0 <= b <= 0xBF  # fixstr
+            or 0xC7 <= b <= 0xC9  # ext
+            or 0xD4 <= b <= 0xDB  # fixext, str
+            or b >= 0xDE  # map16, map32
+            or top >= _PLAIN_DEPTH
+        ):
+            plain = False
+            odd.append(element)
         size, children, container = _head(p, end, pos)
         if size < 0:
             raise _split_error(container, element, p, end, pos, children)
@@ -884,14 +902,27 @@ def _walk_limits(
 
 
 def check_structure(
-    p: cython.const[u8][::1], offsets: list, skip: tuple, max_depth: int, max_len: int
+    p: cython.const[u8][::1],
+    offsets: list,
+    skip: tuple,
+    max_depth: int,
+    max_len: int,
+    odd: list | None = None,
 ) -> tuple | None:
     """Walk the elements at :func:`split`'s ``offsets`` not in ``skip`` against a
     nesting depth (the array itself: 1) and a container length limit.
 
     None, or the first breach ``(kind, element, value)``: kind 1 (array) or 2
     (map) with its length, 3 (depth) with the depth reached. ValueError for
-    limits out of range and for offsets that do not split ``p`` into values."""
+    limits out of range and for offsets that do not split ``p`` into values.
+
+    ``odd`` (a list) gets, in order, every walked element, up to a breach, that
+    is not made of nil, bools, ints, floats, bins and arrays of them nesting at
+    most ``PLAIN_DEPTH`` levels: the values whose decoding can refuse them (an
+    ext, a str's UTF-8, a map's keys, msgspec's recursion), which a caller
+    decodes for that check; the others always decode."""
+    if odd is None:
+        odd = []
     if not 1 <= max_depth <= MAX_DEPTH or max_len < 0:
         raise ValueError(f"check_structure: max_depth must be 1..{MAX_DEPTH}, max_len >= 0")
     if len(skip) > 8:
@@ -910,7 +941,7 @@ def check_structure(
             raise ValueError(f"check_structure: element {i} spans {start}..{end} of {n} bytes")
         if i in skip:
             continue
-        pos = _walk_limits(p, end, start, i, depth, limit, breach)
+        pos = _walk_limits(p, end, start, i, depth, limit, breach, odd)
         if pos < 0:
             return tuple(breach)
         if pos != end:

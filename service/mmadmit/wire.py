@@ -121,6 +121,8 @@ _ITEM_FIELDS = ITEM_FIELDS
 _MM_DEFAULTS: dict[int, Any] = {}
 _ITEM_DEFAULTS: dict[int, Any] = {6: {}}
 _INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
+# payload elements decoded by decode_request itself (the others only checked)
+_DECODED_ELEMENTS = frozenset((0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM))
 
 
 class WireError(InvalidRequest):
@@ -165,7 +167,11 @@ def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw
 
 
 def _split_view(
-    buf: memoryview, what: str, int_fields: tuple[int, ...] = (), limits: Limits | None = None
+    buf: memoryview,
+    what: str,
+    int_fields: tuple[int, ...] = (),
+    limits: Limits | None = None,
+    odd: list[int] | None = None,
 ) -> tuple[list[msgspec.Raw], list[np.ndarray | None]]:
     """The elements of the payload array in ``buf`` (views) and the int arrays asked for.
 
@@ -175,7 +181,8 @@ def _split_view(
 
     With ``limits``: the array's own length (its header, before the split),
     each ``int_fields`` array's length (``max_tokens``, from its header) and
-    every other element's structure (:func:`_check_elements`).
+    every other element's structure (:func:`_check_elements`), which appends
+    to ``odd`` the elements only a decode can check (a str, map or ext inside).
     """
     if limits is not None:
         _check_length(buf, what, limits)
@@ -186,7 +193,7 @@ def _split_view(
     except ValueError as exc:
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
     if limits is not None:
-        _check_elements(buf, offsets, int_fields, limits)
+        _check_elements(buf, offsets, int_fields, limits, odd)
     return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints
 
 
@@ -221,12 +228,17 @@ def _tokens_too_long(exc: IntArrayTooLong) -> TooLarge:
 
 
 def _check_elements(
-    buf: memoryview, offsets: list[int], skip: tuple[int, ...], limits: Limits
+    buf: memoryview,
+    offsets: list[int],
+    skip: tuple[int, ...],
+    limits: Limits,
+    odd: list[int] | None = None,
 ) -> None:
-    """Container lengths and nesting depth of every element not in ``skip`` (headers only)."""
+    """Container lengths and nesting depth of every element not in ``skip`` (headers
+    only); ``odd`` gets those holding a str, a map or an ext (see check_structure)."""
     try:
         breach = check_structure(
-            buf, offsets, skip, limits.max_msgpack_depth, limits.max_msgpack_len
+            buf, offsets, skip, limits.max_msgpack_depth, limits.max_msgpack_len, odd
         )
     except ValueError as exc:  # pragma: no cover - the split has checked the structure
         raise InvalidRequest(f"undecodable msgpack ({exc})") from exc
@@ -733,8 +745,9 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong
     (its ``code`` TOO_LARGE for a breach of ``limits``, else INVALID_REQUEST)."""
     buf = _as_buffer(payload)
+    odd: list[int] = []  # the elements whose decoding can refuse them
     try:
-        elems, ints = _split_view(buf, "the payload", _INT_FIELDS, limits)
+        elems, ints = _split_view(buf, "the payload", _INT_FIELDS, limits, odd)
         if not elems:
             raise InvalidRequest("the payload is an empty array")
         tag = _value(elems[0], "tag")
@@ -748,10 +761,9 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     try:
         aux = [_as_buffer(f) for f in aux_frames]
         reader = _TensorReader(aux, limits)
-        for i, raw in enumerate(elems):
-            if i in (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM):
-                continue
-            _value(raw, f"element {i}")  # no pickle / unknown ext anywhere
+        for i in odd:  # the others are nil, bools, numbers, bins and arrays of them
+            if i not in _DECODED_ELEMENTS:
+                _value(elems[i], f"element {i}")  # no pickle / unknown ext anywhere
         if len(elems) <= F_INPUT_IDS:
             raise InvalidRequest("the payload has no input_ids")
         # decoded by the split; None: not an int array, decoded again for the error
