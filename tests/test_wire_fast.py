@@ -10,7 +10,8 @@ refused. Three modes:
 
 * ``codec``: the codec as it runs;
 * ``encoded``: splicing and verbatim token arrays off (every item and token
-  array encoded from the decoded model);
+  array encoded from the decoded model, the payload assembled from its
+  element list instead of slices of the received payload);
 * ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (no C
   extension), the shortcuts on.
 
@@ -67,6 +68,7 @@ def mode(name: str) -> Iterator[None]:
                 "_int_array",
                 lambda extra, values: msgspec.Raw(ic.encode_int_array(values)),
             )
+            mp.setattr(wire, "_spliced", _spliced_by_elements)
         if name == "fallback":
             for impl in (
                 "_split",
@@ -80,6 +82,15 @@ def mode(name: str) -> Iterator[None]:
             ):
                 mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
         yield
+
+
+def _spliced_by_elements(buf: memoryview, offsets: list[int], written: tuple[Any, ...]) -> bytes:
+    """The payload as one element each, the written ones replaced (what ``_spliced``
+    makes with runs of slices)."""
+    out: list[Any] = [msgspec.Raw(buf[a:b]) for a, b in zip(offsets, offsets[1:], strict=False)]
+    for i, value in zip(wire._WRITTEN, written, strict=True):
+        out[i] = value
+    return wire._joined(out)
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -740,7 +751,7 @@ def _fast_form_payload() -> tuple[bytes, list[bytes]]:
 
 def _items_view(payload: bytes) -> memoryview:
     buf = memoryview(payload)
-    elems, _ = wire._split_view(buf, "payload")
+    elems, _, _ = wire._split_view(buf, "payload")
     return memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
 
 
@@ -804,7 +815,7 @@ def test_build_items_takes_the_common_form_as_the_reference_builds_it() -> None:
 @pytest.mark.parametrize("name", NAMES or ["-"])
 def test_build_items_on_vectors(name: str) -> None:
     frames = load_vector(name).frames
-    elems, _ = wire._split_view(memoryview(bytes(frames[1])), "payload")
+    elems, _, _ = wire._split_view(memoryview(bytes(frames[1])), "payload")
     if len(elems) <= wire.F_MM or wire._is_nil(elems[wire.F_MM]):
         return  # a text request: no items
     view = memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])

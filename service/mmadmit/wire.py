@@ -172,8 +172,9 @@ def _split_view(
     int_fields: tuple[int, ...] = (),
     limits: Limits | None = None,
     odd: list[int] | None = None,
-) -> tuple[list[msgspec.Raw], list[np.ndarray | None]]:
-    """The elements of the payload array in ``buf`` (views) and the int arrays asked for.
+) -> tuple[list[msgspec.Raw], list[np.ndarray | None], list[int]]:
+    """The elements of the payload array in ``buf`` (views), the int arrays asked for
+    and the elements' offsets (element ``i`` is ``buf[offsets[i]:offsets[i + 1]]``).
 
     One walk (:func:`mmadmit.intcodec.split_array`), whatever the payload's
     size; an int array it did not decode is None (the caller decodes it, for
@@ -194,7 +195,7 @@ def _split_view(
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
     if limits is not None:
         _check_elements(buf, offsets, int_fields, limits, odd)
-    return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints
+    return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints, offsets
 
 
 _FIELD_NAMES = {
@@ -285,6 +286,9 @@ class WireExtra:
 
     ``ints``: each token array decoded from the wire with its received bytes;
     a request that still holds that very array object re-emits those bytes.
+    ``payload`` and ``offsets``: the received payload and its elements' offsets
+    (``raw[i]`` is ``payload[offsets[i]:offsets[i + 1]]``), which re-emit the
+    elements the encoder does not write as slices of it (None: built otherwise).
     """
 
     raw: list[msgspec.Raw]
@@ -292,6 +296,8 @@ class WireExtra:
     feature_aux: set[int] = field(default_factory=set)  # aux indices used by features only
     ints: list[tuple[np.ndarray, msgspec.Raw]] = field(default_factory=list)
     sources: list[Any] = field(default_factory=list)  # the objects ``aux`` views came in
+    payload: memoryview | None = None
+    offsets: list[int] | None = None
 
 
 @dataclass
@@ -747,7 +753,7 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     buf = _as_buffer(payload)
     odd: list[int] = []  # the elements whose decoding can refuse them
     try:
-        elems, ints = _split_view(buf, "the payload", _INT_FIELDS, limits, odd)
+        elems, ints, offsets = _split_view(buf, "the payload", _INT_FIELDS, limits, odd)
         if not elems:
             raise InvalidRequest("the payload is an empty array")
         tag = _value(elems[0], "tag")
@@ -793,6 +799,8 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
         feature_aux=reader.feature_only(),
         ints=decoded,
         sources=list(aux_frames),
+        payload=buf,
+        offsets=offsets,
     )
     return Request(
         rid=rid,
@@ -971,27 +979,51 @@ def encode_request(
         # Features are removed; blank their frames so other indices stay valid.
         aux = [b"" if (i + 1) in extra.feature_aux else f for i, f in enumerate(aux)]
     writer = _FrameWriter(aux)
-    out: list[Any] = [_raw_at(raw, i, _FIELD_DEFAULTS) for i in range(max(N_FIELDS, len(raw)))]
-    out[0] = TAG
-    out[F_RID] = req.rid
-    out[F_INPUT_IDS] = _int_array(extra, req.input_ids)
-    if not raw:
-        out[F_SAMPLING] = []
-    out[F_UNPADDED] = (
-        None if req.input_ids_unpadded is None else _int_array(extra, req.input_ids_unpadded)
+    written = (  # in _WRITTEN's order
+        TAG,
+        req.rid,
+        _int_array(extra, req.input_ids),
+        None if req.input_ids_unpadded is None else _int_array(extra, req.input_ids_unpadded),
+        None if req.mm is None else _encode_mm(req.mm, writer, drop_features, extra.aux),
+        validation_error if validation_error is not None else req.validation_error,
     )
-    out[F_MM] = None if req.mm is None else _encode_mm(req.mm, writer, drop_features, extra.aux)
-    out[F_VALIDATION_ERROR] = (
-        validation_error if validation_error is not None else req.validation_error
-    )
+    if extra.offsets is not None and extra.payload is not None and len(raw) >= N_FIELDS:
+        payload = _spliced(extra.payload, extra.offsets, written)
+    else:
+        out: list[Any] = [_raw_at(raw, i, _FIELD_DEFAULTS) for i in range(max(N_FIELDS, len(raw)))]
+        if not raw:
+            out[F_SAMPLING] = []
+        for i, value in zip(_WRITTEN, written, strict=True):
+            out[i] = value
+        payload = _joined(out)
     frames = writer.frames
     for i, (view, source) in enumerate(zip(extra.aux, extra.sources, strict=False)):
         if frames[i] is view:  # still the received frame (not blanked): send its object
             frames[i] = source
-    return [_joined(out), *frames]
+    return [payload, *frames]
 
 
 _Raw = msgspec.Raw
+# The payload elements encode_request writes, in order; a received payload's other
+# elements are re-emitted as its bytes (consecutive ones as one slice).
+_WRITTEN = (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM, F_VALIDATION_ERROR)
+assert list(_WRITTEN) == sorted(set(_WRITTEN)) and _WRITTEN[-1] < N_FIELDS
+
+
+def _spliced(buf: memoryview, offsets: list[int], written: tuple[Any, ...]) -> bytes:
+    """The payload of ``len(offsets) - 1`` elements: ``written`` at ``_WRITTEN`` (raw
+    bytes as they are, other values encoded), every other element ``buf``'s."""
+    n = len(offsets) - 1
+    pieces: list[Any] = [_array_header(n)]
+    at = 0  # the first element not emitted yet
+    for i, value in zip(_WRITTEN, written, strict=True):
+        if at < i:
+            pieces.append(buf[offsets[at] : offsets[i]])
+        pieces.append(value if type(value) is _Raw else _ENC.encode(value))
+        at = i + 1
+    if at < n:
+        pieces.append(buf[offsets[at] : offsets[n]])
+    return b"".join(pieces)
 
 
 def _joined(elems: list[Any]) -> bytes:
