@@ -747,6 +747,28 @@ def _trailing(p: cython.const[u8][::1], pos: ssize) -> ValueError:
     return ValueError(f"msgpack: {n - pos} trailing bytes after the array (at offset {pos})")
 
 
+@cython.cfunc
+def _index_mask(indices: tuple) -> u64:
+    """Bit ``i`` set for each index ``0 <= i < 63`` in ``indices``; bit 63 set when
+    ``indices`` holds any other value (then :func:`_in_mask` asks the tuple)."""
+    mask: u64 = 0
+    for x in indices:
+        if type(x) is int and 0 <= x < 63:
+            mask |= cython.cast(u64, 1) << cython.cast(cython.int, x)
+        else:
+            mask |= cython.cast(u64, 1) << 63
+    return mask
+
+
+@cython.cfunc
+@cython.inline
+def _in_mask(mask: u64, i: ssize, indices: tuple) -> cython.bint:
+    """Whether element ``i`` is in ``indices`` (``mask`` its :func:`_index_mask`)."""
+    if not mask >> 63:  # every index is below 63
+        return i < 63 and (mask >> i) & 1 != 0
+    return i in indices
+
+
 def split(
     p: cython.const[u8][::1], int_fields: tuple, max_ints: ssize, decode: cython.bint = True
 ) -> tuple:
@@ -774,9 +796,10 @@ def split(
     end: ssize
     value: u64
     out: i64[::1]
+    picked: u64 = _index_mask(int_fields)
     for i in range(count):
         offsets.append(pos)
-        if i in int_fields:
+        if _in_mask(picked, i, int_fields):
             k = int_fields.index(i)
             m = _array_at(p, n, pos, i)
             if 0 <= max_ints < m:
@@ -935,11 +958,12 @@ def check_structure(
     end: ssize
     pos: ssize
     breach: list = []
+    skipped: u64 = _index_mask(skip)
     for i in range(len(offsets) - 1):
         start, end = offsets[i], offsets[i + 1]
         if start < 0 or end < start or end > n:
             raise ValueError(f"check_structure: element {i} spans {start}..{end} of {n} bytes")
-        if i in skip:
+        if _in_mask(skipped, i, skip):
             continue
         pos = _walk_limits(p, end, start, i, depth, limit, breach, odd)
         if pos < 0:
