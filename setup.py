@@ -14,15 +14,18 @@ produced here, for both ``pip install .`` and PEP 660 ``pip install -e .``:
   ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is (the
   reference, run interpreted) and is also compiled by Cython into a
   separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``,
-  ``mmadmit.rules`` -> ``mmadmit._rules_c``; the generated C in
-  ``build/cython/``); ``mmadmit.native`` picks one at run time. ``optional=True`` for all: without a working compiler (or without
-  Cython) the install still succeeds and the pure-Python paths run. Editable
+  ``mmadmit.rules`` -> ``mmadmit._rules_c``, ``mmadmit.tensorcheck`` ->
+  ``mmadmit._tensorcheck_c``; the generated C in ``build/cython/``);
+  ``mmadmit.native`` picks one at run time. ``optional=True`` for all: without
+  a working compiler (or without Cython) the install still succeeds and the
+  pure-Python paths run. Editable
   installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +33,7 @@ from types import ModuleType
 from setuptools import Extension, setup
 
 ROOT = Path(__file__).resolve().parent
+_LOGGER = logging.getLogger("mmadmit.setup")
 GEN_PROTOS = ROOT / "scripts" / "gen_protos.py"
 
 
@@ -52,6 +56,7 @@ _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 CYTHON_MODULES = [
     ("mmadmit._walk_c", "service/mmadmit/msgpack_walk.py"),
     ("mmadmit._rules_c", "service/mmadmit/rules.py"),
+    ("mmadmit._tensorcheck_c", "service/mmadmit/tensorcheck.py"),
 ]
 
 

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Build the C extensions, and the C that Cython generates from the pure-Python
 # modules setup.py compiles (CYTHON_MODULES: msgpack_walk.py -> _walk_c, rules.py ->
-# _rules_c), with
+# _rules_c, tensorcheck.py -> _tensorcheck_c), with
 # AddressSanitizer and UndefinedBehaviorSanitizer into build/fuzz/mmadmit/
 # (never over the regular build in service/mmadmit/).
 # fuzz/run.py loads them from there when MMADMIT_FUZZ_EXT_DIR names that folder

@@ -143,7 +143,7 @@ def native_mode(request: pytest.FixtureRequest) -> Any:
     in the test get the same setting (their config's ``native``; see
     ``test_admission_both_transports.running``).
     """
-    from mmadmit import intcodec, kernels, native, pbwire, planner  # noqa: F401 (register)
+    from mmadmit import intcodec, kernels, model, native, pbwire, planner  # noqa: F401 (register)
 
     on = request.param == "native"
     if on and not any(native.built().values()):

@@ -5,18 +5,22 @@ the tensor is built, and a built tensor cannot be changed; every limit breach
 is worded by :mod:`mmadmit.limits` (the messages here are compared with what
 its functions say). The transports build every received tensor this way:
 ``test_wire.py``, ``test_limits.py`` and ``test_grpc_api.py`` hold them to it
-over the ZMQ and gRPC wires.
+over the ZMQ and gRPC wires. The checks are :mod:`mmadmit.tensorcheck`, compiled
+unless native code is off: every test runs both ways, and the two builds give the
+same outcome, message included, on random and mutated tensors.
 
 Run with: python -m pytest tests/test_tensor.py -q
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
 import pytest
 from mmadmit import limits as lim
+from mmadmit import model, tensorcheck
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import AbortCode, InvalidRequest, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
@@ -24,6 +28,8 @@ from mmadmit.model import Tensor, TensorName
 
 F32 = parse_dtype("float32")
 NAME = TensorName(3, "feature")
+
+pytestmark = pytest.mark.usefixtures("native_mode")
 
 
 def test_a_consistent_tensor_is_a_view_on_its_buffer() -> None:
@@ -143,3 +149,86 @@ def test_numpy_constructors_are_consistent() -> None:
     assert t.shape == (2, 2) and t.to_numpy().tolist() == [[0, 2], [3, 5]]
     t = Tensor.from_numpy(np.array([True, False]))
     assert t.dtype.name == "bool" and t.nbytes == 2
+
+
+def _random_tensor_args(rng: random.Random) -> tuple[Any, ...]:
+    """Constructor arguments, mostly near-valid: a dtype (name, DType, junk), a shape
+    (list, tuple, junk dims), data (bytes, views of every kind), a name, limits."""
+    dtype = rng.choice(["float32", "int64", "bfloat16", "uint8", "bool", F32, parse_dtype("int8"),
+                        "float33", "", 5, None, b"float32", "<f4", "i8"])  # fmt: skip
+    dims = [rng.choice([0, 1, 2, 3, 4, 7, 2**31, 2**62 + 1, -1, True, 2.0, "2", None])
+            for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 5]))]  # fmt: skip
+    shape: Any = rng.choice([dims, tuple(dims), tuple(dims), "23", 6, {2: 3}])
+    size = rng.choice([0, 1, 2, 4, 6, 8, 12, 16, 24, 48])
+    kind = rng.randrange(6)
+    data: Any
+    if kind == 0:
+        data = bytes(size)
+    elif kind == 1:
+        data = bytearray(size)
+    elif kind == 2:
+        data = memoryview(bytes(2 * size))[::2]  # strided
+    elif kind == 3:
+        data = np.zeros(max(1, size // 4), np.float32).data  # format "f"
+    elif kind == 4:
+        data = memoryview(bytes(size)).cast("B", (1, size)) if size else memoryview(b"")
+    else:
+        data = memoryview(bytes(size))
+    name = rng.choice([NAME, (5, "image_grid_thw"), "mrope_positions", (None, "delta")])
+    limits = rng.choice([None, DEFAULT_LIMITS, Limits(max_tensor_rank=2),
+                         Limits(max_tensor_dim=3), Limits(max_tensor_bytes=10)])  # fmt: skip
+    return dtype, shape, data, name, limits
+
+
+def _consistent_or_mutated(rng: random.Random) -> tuple[Any, ...]:
+    """A consistent tensor's arguments (dims of 0-7, its exact bytes in some buffer),
+    with one of them replaced by a random one a third of the time."""
+    dtype = rng.choice(["float32", "int64", "uint8", "bfloat16", F32, parse_dtype("int16")])
+    itemsize = parse_dtype(dtype).itemsize if isinstance(dtype, str) else dtype.itemsize
+    dims = [rng.randrange(8) for _ in range(rng.randrange(4))]
+    size = itemsize * int(np.prod(dims))
+    data: Any = rng.choice([bytes(size), bytearray(size), memoryview(bytes(size))])
+    if size % 4 == 0 and size and rng.random() < 0.3:
+        data = np.zeros(size // 4, np.int32).data  # a typed view: taken as its bytes
+    args = [dtype, rng.choice([dims, tuple(dims)]), data, NAME, rng.choice([None, DEFAULT_LIMITS])]
+    if rng.random() < 1 / 3:
+        k = rng.randrange(5)
+        args[k] = _random_tensor_args(rng)[k]
+    return tuple(args)
+
+
+def _outcome(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        t = Tensor(*args)
+    except (InvalidRequest, TooLarge) as exc:
+        return ("refused", type(exc).__name__, exc.code, exc.message)
+    return ("built", t.dtype, t.shape, bytes(t.data), t.data.format, t.data.ndim, t.name)
+
+
+def test_compiled_and_interpreted_checks_agree() -> None:
+    """tensorcheck compiled (``_tensorcheck_c``) and interpreted: the same tensor or the
+    same refusal on 3,000 argument sets, random or consistent and then mutated."""
+    if model._BUILT is None:
+        pytest.skip("_tensorcheck_c not built: the interpreted checks are the only ones")
+    rng = random.Random(3)
+    refused = 0
+    saved = model._check
+    try:
+        for _ in range(3000):
+            args = _random_tensor_args(rng) if rng.random() < 0.5 else _consistent_or_mutated(rng)
+            model._check = model._BUILT.check
+            compiled = _outcome(args)
+            model._check = tensorcheck.check
+            interpreted = _outcome(args)
+            assert compiled == interpreted, args
+            refused += compiled[0] == "refused"
+    finally:
+        model._check = saved
+    assert 600 < refused < 2400, refused
+
+
+def test_the_native_switch_picks_the_build() -> None:
+    from mmadmit import native
+
+    assert model._check is (model._BUILT.check if model.HAVE_NATIVE else tensorcheck.check)
+    assert model.HAVE_NATIVE == (native.enabled() and model._BUILT is not None)

@@ -17,6 +17,10 @@ the bytes or on an items array built item by item from them. Results, error
 types and error texts must all match (one source words every error); what
 ``build_items`` builds must be what wire.py's reference item decoder builds
 from the same bytes (it hands everything else to the reference: None).
+A first byte of 250 or more builds a ``Tensor`` from arguments taken from the
+bytes (dtype, shape, data of some buffer kind, name, limits) with
+``tensorcheck`` compiled (``_tensorcheck_c``) and interpreted: the same tensor
+or the same refusal.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 from mmadmit import intcodec as ic
-from mmadmit import msgpack_walk, wire
+from mmadmit import model, msgpack_walk, tensorcheck, wire
+from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import AdmissionError
+from mmadmit.limits import Limits
 from mmadmit.model import Item, Tensor
 
 from ._common import outcome, same
@@ -257,11 +263,61 @@ def _items(buf: memoryview) -> None:
     assert a == ref, f"build_items against the reference:\n  {a!r}\n  {ref!r}"
 
 
+_TENSOR_DTYPES = ("float32", "int64", "uint8", "bfloat16", "bool", "float33", "", "<f4", "i8")
+_TENSOR_LIMITS = (None, wire.DEFAULT_LIMITS, Limits(max_tensor_rank=2),
+                  Limits(max_tensor_dim=5), Limits(max_tensor_bytes=16))  # fmt: skip
+
+
+def _tensor_args(d: Data) -> tuple[object, ...]:
+    pick = d.pick(_TENSOR_DTYPES)
+    dtype: object = parse_dtype(pick) if pick in ("float32", "int64") and d.flag(30) else pick
+    if d.flag(5):
+        dtype = d.uint(1)
+    dims: list[object] = [d.int_in(0, 9) if d.flag(90) else d.uint(8) - 2**31
+                          for _ in range(d.int_in(0, 4))]  # fmt: skip
+    if dims and d.flag(5):
+        dims[d.int_in(0, len(dims) - 1)] = d.pick((True, 2.0, "2", None, 2**63))
+    shape: object = dims if d.flag(50) else tuple(dims)
+    size = d.int_in(0, 64)
+    kind = d.int_in(0, 4)
+    payload = bytes(d.u8() for _ in range(min(size, 8))) + bytes(max(0, size - 8))
+    data: object = (payload, bytearray(payload), memoryview(payload * 2)[::2],
+                    memoryview(payload).cast("B", (1, size)) if size else b"",
+                    np.frombuffer(payload[: size - size % 4], np.float32).data)[kind]  # fmt: skip
+    name = d.pick(((3, "feature"), (1, "image_grid_thw"), "mrope_positions"))
+    return dtype, shape, data, name, d.pick(_TENSOR_LIMITS)
+
+
+def _tensor_outcome(check: object, args: tuple[object, ...]) -> object:
+    saved = model._check
+    model._check = check  # type: ignore[assignment]
+    try:
+        t = Tensor(*args)  # type: ignore[arg-type]
+    except AdmissionError as exc:
+        return ("refused", type(exc).__name__, exc.code, exc.message)
+    finally:
+        model._check = saved
+    return ("built", t.dtype, t.shape, bytes(t.data), t.data.format, t.data.ndim, t.name)
+
+
+def _tensor(d: Data) -> None:
+    if model._BUILT is None:
+        return
+    args = _tensor_args(d)
+    a = _tensor_outcome(model._BUILT.check, args)
+    b = _tensor_outcome(tensorcheck.check, args)
+    assert a == b, f"tensorcheck: native and interpreted disagree on {args!r}:\n  {a!r}\n  {b!r}"
+
+
 def one(data: bytes) -> None:
     if ic._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    op = d.u8() % 10
+    first = d.u8()
+    if first >= 250:
+        _tensor(d)
+        return
+    op = first % 10
     if op == 8:
         _items(memoryview(_items_array(d)))
     elif op == 9:

@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
+from . import native, tensorcheck
 from .dtypes import DType, parse_dtype
 from .errors import InvalidRequest
-from .limits import Limits, check_shape, tensor_bytes_over
+from .limits import Limits
 
 
 class Modality(enum.IntEnum):
@@ -72,8 +73,9 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
 
     A ``msgspec.Struct`` (frozen, no GC tracking) because it is built for
     every tensor of every request: construction runs in C, the checks in
-    ``__post_init__``. Equality is identity (two tensors are never compared
-    by their bytes).
+    ``__post_init__``, which calls :func:`mmadmit.tensorcheck.check` (their
+    one source, compiled unless native code is off). Equality is identity (two
+    tensors are never compared by their bytes).
     """
 
     dtype: DType  # a wire dtype name is accepted too, resolved when built
@@ -83,44 +85,7 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     limits: Limits | None = None
 
     def __post_init__(self) -> None:
-        dtype, shape, data, limits = self.dtype, self.shape, self.data, self.limits
-        if type(dtype) is not DType:
-            found = _DTYPES.get(dtype) if type(dtype) is str else None
-            dtype = found if found is not None else _dtype_named(dtype, _label(self.name))
-            _force(self, "dtype", dtype)
-        if type(shape) is not tuple:
-            if not isinstance(shape, (list, tuple)):
-                raise _bad_shape(_label(self.name), shape)
-            shape = tuple(shape)
-            _force(self, "shape", shape)
-        nbytes = dtype.itemsize
-        for d in shape:  # the element count, each dimension checked on the way
-            if type(d) is not int or d < 0:
-                raise _bad_shape(_label(self.name), shape)
-            nbytes *= d
-        if limits is not None and (
-            nbytes > limits.max_tensor_bytes
-            or len(shape) > limits.max_tensor_rank
-            # a dimension is at most the element count, unless another one is 0
-            or (
-                not 0 < nbytes <= limits.max_tensor_dim
-                and shape
-                and max(shape) > limits.max_tensor_dim
-            )
-        ):
-            name = _label(self.name)
-            check_shape(name, shape, limits)  # rank and dimensions first
-            raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
-        if type(data) is not memoryview or not (
-            data.ndim == 1 and data.c_contiguous and data.format == "B"
-        ):
-            data = _byte_view(data, self.name)
-            _force(self, "data", data)
-        if data.nbytes != nbytes:
-            raise InvalidRequest(
-                f"{_label(self.name)}: {data.nbytes} data bytes but shape {list(shape)} of "
-                f"{dtype.name} needs {nbytes}"
-            )
+        _check(self)  # mmadmit.tensorcheck: compiled unless native code is off
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype.name}, {list(self.shape)}, {self.data.nbytes} bytes)"
@@ -153,39 +118,24 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
         return arr.reshape(self.shape)
 
 
-_force = msgspec.structs.force_setattr  # only while a tensor is being built
-_DTYPES: dict[str, DType] = {}  # wire dtype name -> DType (only valid names are stored)
+try:
+    from . import _tensorcheck_c as _BUILT  # type: ignore[attr-defined]
+except ImportError:  # no compiler (or no Cython) at install time: tensorcheck.py interpreted
+    _BUILT = None
+
+_check = tensorcheck.check
+HAVE_NATIVE = False
 
 
-def _dtype_named(name: Any, what: Any) -> DType:
-    """A wire dtype name resolved (cached); INVALID_REQUEST naming the tensor otherwise."""
-    found = _DTYPES.get(name) if type(name) is str else None
-    if found is None:
-        try:
-            found = parse_dtype(name)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{what}: {exc.message}") from None
-        if len(_DTYPES) < 1024:  # valid spellings only, and a bounded number of them
-            _DTYPES[name] = found
-    return found
+def _use_native(on: bool) -> bool:
+    """Tensor checks compiled (when built and ``on``) or interpreted."""
+    global _check, HAVE_NATIVE
+    HAVE_NATIVE = on and _BUILT is not None
+    _check = _BUILT.check if HAVE_NATIVE else tensorcheck.check
+    return HAVE_NATIVE
 
 
-def _byte_view(data: Any, what: Any) -> memoryview:
-    """``data`` as a flat byte view (no copy); it must be C-contiguous."""
-    view = data if type(data) is memoryview else memoryview(data)
-    if not view.c_contiguous:
-        raise InvalidRequest(f"{_label(what)}: tensor data must be C-contiguous bytes")
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
-def _label(name: Any) -> Any:
-    """A tensor's name for a message: an ``(item, key)`` pair as a :class:`TensorName`."""
-    return TensorName(*name) if type(name) is tuple else name
-
-
-def _bad_shape(what: Any, shape: Any) -> InvalidRequest:
-    got = list(shape) if isinstance(shape, (list, tuple)) else shape
-    return InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {got!r}")
+native.register(__name__, _use_native)
 
 
 _INT64 = parse_dtype("int64")

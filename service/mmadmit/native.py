@@ -1,8 +1,9 @@
 """One switch for every optional C extension: native accelerators on or off.
 
-mmadmit parses untrusted network bytes in four optional native extensions
-(``_walk_c`` and ``_rules_c``, Cython's builds of ``msgpack_walk.py`` and
-``rules.py``; ``_pbwire`` and ``_kernels``, from C). Each has a pure
+mmadmit parses untrusted network bytes in five optional native extensions
+(``_walk_c``, ``_rules_c`` and ``_tensorcheck_c``, Cython's builds of
+``msgpack_walk.py``, ``rules.py`` and ``tensorcheck.py``; ``_pbwire`` and
+``_kernels``, from C). Each has a pure
 Python/numpy fallback that is the reference (for the Cython builds, their own
 source run by Python): same results, same
 aborts (tests and the fuzz targets under ``fuzz/`` compare them). An operator who

@@ -1,0 +1,117 @@
+"""The checks of a :class:`mmadmit.model.Tensor` being built: the one source.
+
+``Tensor.__post_init__`` calls :func:`check` on every tensor a codec decodes
+(two per multimodal item: its feature and its grid) and on every array the
+materializer wraps. What it checks, and every message, is documented on
+:class:`~mmadmit.model.Tensor`.
+
+One file, two builds (Cython's pure-Python mode, like :mod:`mmadmit.rules` and
+:mod:`mmadmit.msgpack_walk`): this file runs as plain Python, and ``setup.py``
+also compiles it into ``mmadmit._tensorcheck_c`` when Cython and a compiler are
+present at install time. :mod:`mmadmit.model` calls the compiled build unless
+native code is switched off (``--native off``). Interpreted, the checks cost a
+tensor more than its construction: about 3,500 of the 6,700 instructions a
+tensor took, which is most of what decoding a request's items costs.
+``tests/test_tensor.py`` and the ``intcodec`` fuzz target hold both builds to
+the same outcome, message included.
+
+The tensor is built before the checks run (``msgspec`` calls ``__post_init__``
+on the new instance): a value the checks normalize (a wire dtype name, a shape
+list, a non-byte buffer) is written back with ``msgspec.structs.force_setattr``.
+A refused tensor is never seen by anyone: the constructor raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cython
+import msgspec
+
+from .dtypes import DType, parse_dtype
+from .errors import InvalidRequest
+from .limits import check_shape, tensor_bytes_over
+
+_force = msgspec.structs.force_setattr  # only while a tensor is being built
+# wire dtype name -> DType (only valid names are stored, a bounded number of them)
+DTYPES = cython.declare(dict, {})
+_DTYPES_MAX = 1024
+_MEMORYVIEW = memoryview
+
+
+def check(t: Any) -> None:
+    """Check the tensor ``t`` being built, normalizing its fields (see the module)."""
+    dtype = t.dtype
+    shape = t.shape
+    data = t.data
+    limits = t.limits
+    if type(dtype) is not DType:
+        found = DTYPES.get(dtype) if type(dtype) is str else None
+        dtype = found if found is not None else _dtype_named(dtype, _label(t.name))
+        _force(t, "dtype", dtype)
+    if type(shape) is not tuple:
+        if not isinstance(shape, (list, tuple)):
+            raise _bad_shape(_label(t.name), shape)
+        shape = tuple(shape)
+        _force(t, "shape", shape)
+    nbytes = dtype.itemsize
+    for d in shape:  # the element count, each dimension checked on the way
+        if type(d) is not int or d < 0:
+            raise _bad_shape(_label(t.name), shape)
+        nbytes *= d
+    if limits is not None and (
+        nbytes > limits.max_tensor_bytes
+        or len(shape) > limits.max_tensor_rank
+        # a dimension is at most the element count, unless another one is 0
+        or (
+            not 0 < nbytes <= limits.max_tensor_dim and shape and max(shape) > limits.max_tensor_dim
+        )
+    ):
+        name = _label(t.name)
+        check_shape(name, shape, limits)  # rank and dimensions first
+        raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
+    if type(data) is not _MEMORYVIEW or not (
+        data.ndim == 1 and data.c_contiguous and data.format == "B"
+    ):
+        data = _byte_view(data, t.name)
+        _force(t, "data", data)
+    if data.nbytes != nbytes:
+        raise InvalidRequest(
+            f"{_label(t.name)}: {data.nbytes} data bytes but shape {list(shape)} of "
+            f"{dtype.name} needs {nbytes}"
+        )
+
+
+def _dtype_named(name: Any, what: Any) -> DType:
+    """A wire dtype name resolved (cached); INVALID_REQUEST naming the tensor otherwise."""
+    found = DTYPES.get(name) if type(name) is str else None
+    if found is None:
+        try:
+            found = parse_dtype(name)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{what}: {exc.message}") from None
+        if len(DTYPES) < _DTYPES_MAX:  # valid spellings only, and a bounded number of them
+            DTYPES[name] = found
+    return found
+
+
+def _byte_view(data: Any, what: Any) -> memoryview:
+    """``data`` as a flat byte view (no copy); it must be C-contiguous."""
+    view = data if type(data) is _MEMORYVIEW else memoryview(data)
+    if not view.c_contiguous:
+        raise InvalidRequest(f"{_label(what)}: tensor data must be C-contiguous bytes")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _label(name: Any) -> Any:
+    """A tensor's name for a message: an ``(item, key)`` pair as a ``TensorName``."""
+    if type(name) is tuple:
+        from .model import TensorName  # a message is being made: model is loaded
+
+        return TensorName(*name)
+    return name
+
+
+def _bad_shape(what: Any, shape: Any) -> InvalidRequest:
+    got = list(shape) if isinstance(shape, (list, tuple)) else shape
+    return InvalidRequest(f"{what}: shape must be a list of non-negative ints, got {got!r}")
