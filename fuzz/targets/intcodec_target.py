@@ -273,7 +273,7 @@ def _tensor_args(d: Data) -> tuple[object, ...]:
     dtype: object = parse_dtype(pick) if pick in ("float32", "int64") and d.flag(30) else pick
     if d.flag(5):
         dtype = d.uint(1)
-    dims: list[object] = [d.int_in(0, 9) if d.flag(90) else d.uint(8) - 2**31
+    dims: list[object] = [d.int_in(-1, 9) if d.flag(90) else d.uint(8) - 2**31
                           for _ in range(d.int_in(0, 4))]  # fmt: skip
     if dims and d.flag(5):
         dims[d.int_in(0, len(dims) - 1)] = d.pick((True, 2.0, "2", None, 2**63))
