@@ -37,6 +37,19 @@ _force = msgspec.structs.force_setattr  # only while a tensor is being built
 DTYPES = cython.declare(dict, {})
 _DTYPES_MAX = 1024
 _MEMORYVIEW = memoryview
+# the last limits seen and their three tensor bounds, one tuple (swapped whole: a
+# thread never reads one object's bounds against another's); a frozen dataclass
+_bounds: tuple = (None, 0, 0, 0)
+
+
+def _limits_bounds(limits: Any) -> tuple:
+    """``(limits, max_tensor_bytes, max_tensor_rank, max_tensor_dim)``, cached."""
+    global _bounds
+    cached = _bounds
+    if cached[0] is not limits:
+        cached = (limits, limits.max_tensor_bytes, limits.max_tensor_rank, limits.max_tensor_dim)
+        _bounds = cached
+    return cached
 
 
 def check(t: Any) -> None:
@@ -59,13 +72,13 @@ def check(t: Any) -> None:
         if type(d) is not int or d < 0:
             raise _bad_shape(_label(t.name), shape)
         nbytes *= d
+    if limits is not None:
+        _, max_bytes, max_rank, max_dim = _limits_bounds(limits)
     if limits is not None and (
-        nbytes > limits.max_tensor_bytes
-        or len(shape) > limits.max_tensor_rank
+        nbytes > max_bytes
+        or len(shape) > max_rank
         # a dimension is at most the element count, unless another one is 0
-        or (
-            not 0 < nbytes <= limits.max_tensor_dim and shape and max(shape) > limits.max_tensor_dim
-        )
+        or (not 0 < nbytes <= max_dim and shape and max(shape) > max_dim)
     ):
         name = _label(t.name)
         check_shape(name, shape, limits)  # rank and dimensions first
