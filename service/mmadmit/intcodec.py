@@ -296,18 +296,15 @@ def _len_native(buf: memoryview) -> int:
     return count
 
 
+_Skip = tuple[int, ...]
+_Breach = tuple[int, int, int] | None
+
+
 def _check_native(
-    buf: memoryview,
-    offsets: list[int],
-    skip: tuple[int, ...],
-    max_depth: int,
-    max_len: int,
-    odd: list[int] | None = None,
-) -> tuple[int, int, int] | None:
+    buf: memoryview, offsets: list[int], skip: _Skip, depth: int, length: int, odd: list[int]
+) -> _Breach:
     assert _BUILT is not None
-    breach: tuple[int, int, int] | None = _BUILT.check_structure(
-        buf, offsets, skip, max_depth, max_len, odd
-    )
+    breach: _Breach = _BUILT.check_structure(buf, offsets, skip, depth, length, odd)
     return breach
 
 
@@ -405,16 +402,9 @@ def _len_py(buf: memoryview) -> int:
 
 
 def _check_py(
-    buf: memoryview,
-    offsets: list[int],
-    skip: tuple[int, ...],
-    max_depth: int,
-    max_len: int,
-    odd: list[int] | None = None,
-) -> tuple[int, int, int] | None:
-    breach: tuple[int, int, int] | None = msgpack_walk.check_structure(
-        buf, offsets, skip, max_depth, max_len, odd
-    )
+    buf: memoryview, offsets: list[int], skip: _Skip, depth: int, length: int, odd: list[int]
+) -> _Breach:
+    breach: _Breach = msgpack_walk.check_structure(buf, offsets, skip, depth, length, odd)
     return breach
 
 
