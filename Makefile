@@ -28,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: setup
-	$(VENV)/bin/ruff check service clients tests bench scripts fuzz
+	$(VENV)/bin/ruff check service clients tests bench scripts fuzz setup.py
 	$(VENV)/bin/mypy service/mmadmit clients/mmadmit_client
 
 bench: setup
