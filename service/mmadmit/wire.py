@@ -289,6 +289,8 @@ class WireExtra:
     ``payload`` and ``offsets``: the received payload and its elements' offsets
     (``raw[i]`` is ``payload[offsets[i]:offsets[i + 1]]``), which re-emit the
     elements the encoder does not write as slices of it (None: built otherwise).
+    ``raw`` is then only those bytes again, never edited: a codec that needs
+    other elements builds a ``WireExtra`` without a payload (as the SMG face does).
     """
 
     raw: list[msgspec.Raw]
