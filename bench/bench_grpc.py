@@ -354,10 +354,9 @@ def main() -> None:
         run = asyncio.run
 
     if args.serve is not None:
-        from mmadmit.runtime import tune_allocator, tune_gc
+        from mmadmit.runtime import tune_process
 
-        tune_allocator()  # as `mmadmit serve` does at start-up
-        tune_gc()
+        tune_process()  # as `mmadmit serve` does at start-up
         run(serve(args.model, args.serve, args.workers))
         return
 

@@ -32,7 +32,7 @@ from mmadmit import intcodec, wire  # noqa: E402
 from mmadmit.hashing import feature_hash  # noqa: E402
 from mmadmit.materializer import Materializer  # noqa: E402
 from mmadmit.model import Materialized  # noqa: E402
-from mmadmit.runtime import tune_allocator, tune_gc  # noqa: E402
+from mmadmit.runtime import tune_process  # noqa: E402
 from workloads import build_request, frames_of, media_share, profile_for  # noqa: E402
 
 
@@ -93,8 +93,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768,131072")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    tune_allocator()  # as `mmadmit serve` does at start-up
-    tune_gc()
+    tune_process()  # as `mmadmit serve` does at start-up
     print(
         f"native int codec: {intcodec.HAVE_NATIVE}; median of {args.repeat} runs, "
         "baseline and measured region sampled alternately; "

@@ -68,7 +68,7 @@ from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
 from mmadmit.pbwire import message_and_payloads  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
-from mmadmit.runtime import tune_allocator, tune_gc  # noqa: E402
+from mmadmit.runtime import tune_process  # noqa: E402
 from mmadmit.smg_grpc import (  # noqa: E402
     SERVICE,
     SmgGrpcFace,
@@ -385,8 +385,7 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=100)
     parser.add_argument("--bare-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tune_allocator()  # as mmadmit serve does; the same allocator in every process here
-    tune_gc()  # and the same collector
+    tune_process()  # as mmadmit serve does; the same allocator and collector in every process
     try:
         import uvloop
 

@@ -274,10 +274,9 @@ def _serve_reply_echo(model: str) -> None:
 
 
 def serve(kind: str, workers: int, model: str) -> None:
-    from mmadmit.runtime import tune_allocator, tune_gc
+    from mmadmit.runtime import tune_process
 
-    tune_allocator()  # every server of the comparison runs as `mmadmit serve` would (arenas too)
-    tune_gc()  # and its collector
+    tune_process()  # every server of the comparison runs as `mmadmit serve` would (arenas, GC)
     if kind == "reply-echo":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         _serve_reply_echo(model)

@@ -125,13 +125,21 @@ def tune_allocator(
     return ok
 
 
+def tune_process(arena_max: int = ARENA_MAX) -> None:
+    """Everything ``mmadmit serve`` applies once at start-up, after its imports:
+    :func:`tune_allocator` (``arena_max`` arenas) and :func:`tune_gc`. The
+    benchmarks' servers call it too, so that they run as the service does."""
+    tune_allocator(arena_max=arena_max)
+    tune_gc()
+
+
 def tune_gc(gen0_threshold: int = GC_GEN0_THRESHOLD) -> tuple[int, int, int]:
     """Freeze what start-up allocated and raise the young generation's threshold
     (never lowered); the thresholds now in force.
 
-    Called once by ``mmadmit serve`` (and by the benchmarks' servers), after the
-    imports: the frozen objects move to a permanent generation no collection
-    scans (``gc.freeze``). The older generations keep CPython's own thresholds,
+    Called once, through :func:`tune_process`, by ``mmadmit serve`` and the
+    benchmarks' servers, after the imports: the frozen objects move to a
+    permanent generation no collection scans (``gc.freeze``). The older generations keep CPython's own thresholds,
     so cyclic garbage is still found: after ``gen0_threshold`` net allocations
     instead of 700.
     """
