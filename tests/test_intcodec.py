@@ -831,3 +831,181 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
         table, _ = ic._rows_native(guarded(rows), [1], 2)
         assert table.tolist() == [v for v in values[:20] for _ in range(2)]
         assert ic._spans_native(guarded(rows)) == ic._spans_py(ic._as_bytes(rows))
+
+
+# --------------------------------------------------------------------------
+# Encoding like a received array: encode_int_array_like (the reply's padded ids)
+
+LIKES = [
+    pytest.param(
+        lambda v, old, raw, mk: ic._like_native(ic._as_int64(v), old, ic._as_bytes(raw), mk),
+        id="native",
+        marks=native_only,
+    ),
+    pytest.param(
+        lambda v, old, raw, mk: ic._like_py(ic._as_int64(v), old, ic._as_bytes(raw), mk),
+        id="fallback",
+    ),
+    pytest.param(ic.encode_int_array_like, id="public"),
+]
+Like = Callable[[Any, np.ndarray, Any, Any], Any]
+
+
+def _received(raw: bytes) -> tuple[np.ndarray, Any]:
+    """The array and its marks as the wire codec gets them: element 1 of a payload."""
+    marks: list[Any] = []
+    _, ints = ic.split_array(b"\x92\xa1x" + raw, (1,), None, marks)
+    assert ints[0] is not None and len(marks) == 1
+    return ints[0], marks[0]
+
+
+def _edited(rng: np.random.Generator, old: np.ndarray) -> list[np.ndarray]:
+    """Copies of ``old``: unchanged, wholly replaced, pad runs over spans (what the
+    materializer does), scattered values, the first and the last element."""
+    n = len(old)
+    out = [old.copy(), _random_ids(rng, n) if n else old.copy()]
+    padded = old.copy()
+    for _ in range(int(rng.integers(1, 6))):
+        a = int(rng.integers(0, n + 1))
+        b = int(rng.integers(a, min(n, a + int(rng.choice([1, 7, 8, 9, 64, 500]))) + 1))
+        padded[a:b] = int(rng.choice(EDGE_VALUES + [2**30 + 17]))
+    out.append(padded)
+    if n:
+        scattered = old.copy()
+        at = rng.integers(0, n, size=max(1, n // 10))
+        scattered[at] = _random_ids(rng, len(at))
+        out.append(scattered)
+        ends = old.copy()
+        ends[[0, -1]] = old[[0, -1]] ^ 1
+        out.append(ends)
+    return out
+
+
+@pytest.mark.parametrize("like", LIKES)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 128, 1000, 70000])
+def test_encode_like_is_encode_when_received_smallest(like: Like, n: int) -> None:
+    rng = np.random.default_rng([7, n])
+    values = _runs(rng, n)
+    raw = msgpack.packb(values.tolist())
+    old, marks = _received(raw)
+    for new in _edited(rng, old):
+        expected = msgpack.packb(new.tolist())
+        assert bytes(like(new, old, raw, marks)) == expected
+        assert bytes(like(new, old, raw, None)) == expected  # marks read again
+    # another length: the whole array encoded (the public entry point decides)
+    shorter = values[:-1]
+    assert bytes(ic.encode_int_array_like(shorter, old, raw, marks)) == msgpack.packb(
+        shorter.tolist()
+    )
+
+
+def _wide(values: np.ndarray, rng: np.random.Generator) -> bytes:
+    """``values`` as a msgpack array, about half of them in the 8-byte forms (legal,
+    not what encoders write), under an array32 header."""
+    out = bytearray(b"\xdd" + len(values).to_bytes(4, "big"))
+    for v in values.tolist():
+        if rng.random() < 0.5:
+            out += msgpack.packb(v)
+        elif v >= 0:
+            out += b"\xcf" + v.to_bytes(8, "big")
+        else:
+            out += b"\xd3" + v.to_bytes(8, "big", signed=True)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [0, 1, 8, 9, 64, 65, 200, 3000])
+def test_encode_like_keeps_other_forms_where_unchanged(n: int) -> None:
+    """Bytes no encoder writes: the same values always, the unchanged stretches as
+    received, and compiled, interpreted and fallback give the same bytes."""
+    from mmadmit import msgpack_walk
+
+    rng = np.random.default_rng([8, n])
+    values = _runs(rng, n)
+    raw = _wide(values, rng)
+    old, marks = _received(raw)
+    walk_old, walk_marks = msgpack_walk.decode_marked(memoryview(raw))
+    assert np.array_equal(walk_old, old)
+    if marks is not None:  # the compiled split's marks are the walker's
+        assert np.array_equal(marks, walk_marks)
+    for new in _edited(rng, old):
+        got = bytes(ic.encode_int_array_like(new, old, raw, marks))
+        assert msgpack.unpackb(got) == new.tolist()
+        assert got == bytes(ic._like_py(new, old, memoryview(raw), None))
+        assert got == bytes(msgpack_walk.encode_like(new, old, memoryview(raw), walk_marks))
+        if ic.HAVE_NATIVE:
+            assert got == bytes(ic._like_native(new, old, memoryview(raw), marks))
+    same = bytes(ic.encode_int_array_like(old.copy(), old, raw, marks))
+    assert same == bytes(_pack_header(n)) + raw[5:]  # every element as received
+
+
+def _pack_header(n: int) -> bytes:
+    return msgpack.packb([0] * n)[: len(msgpack.packb([0] * n)) - n]
+
+
+def _walkers() -> list[Any]:
+    from mmadmit import msgpack_walk
+
+    return [msgpack_walk, *([ic._BUILT] if ic.HAVE_NATIVE else [])]
+
+
+def test_encode_like_refuses_what_does_not_belong() -> None:
+    """Marks, bytes and arrays that were not decoded together: ValueError (compiled
+    and interpreted alike), never a read outside the bytes."""
+    rng = np.random.default_rng(9)
+    values = _runs(rng, 300)
+    raw = _wide(values, rng)
+    for walk in _walkers():
+        old, marks = walk.decode_marked(memoryview(raw))
+        new = old.copy()
+        new[100:140] = 5
+        good = bytes(walk.encode_like(new, old, memoryview(raw), marks))
+        assert msgpack.unpackb(good) == new.tolist()
+        bad_marks = [marks[:-1], marks + 10**9, marks - 10**9, np.zeros(len(marks) + 1, np.int64)]
+        for bad in bad_marks:
+            with pytest.raises(ValueError, match="encode_like"):
+                walk.encode_like(new, old, memoryview(raw), bad)
+        with pytest.raises(ValueError):  # bytes of another length
+            walk.encode_like(new, old, memoryview(raw[:-9]), marks)
+        with pytest.raises(ValueError):
+            walk.encode_like(new[:-1], old, memoryview(raw), marks)
+        # marks into the middle of an element: refused or read as other ints, the
+        # two builds alike (checked below), never out of bounds
+        shifted = marks.copy()
+        shifted[1:] += 1
+        got = [_outcome(w.encode_like, new, old, memoryview(raw), shifted) for w in _walkers()]
+        assert all(g == got[0] for g in got)
+
+
+def _outcome(f: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return ("ok", bytes(f(*args)))
+    except ValueError as exc:
+        return ("err", str(exc))
+
+
+@native_only
+def test_encode_like_reads_stay_in_bounds(guarded: _Guarded) -> None:
+    rng = np.random.default_rng(10)
+    for n in (1, 8, 63, 64, 65, 130):
+        values = _runs(rng, n)
+        for raw in (msgpack.packb(values.tolist()), _wide(values, rng)):
+            buf = guarded(raw)
+            old, marks = ic._BUILT.decode_marked(buf)
+            for new in _edited(rng, old):
+                got = bytes(ic._like_native(new, old, buf, marks))
+                assert msgpack.unpackb(got) == new.tolist()
+
+
+def test_split_marks_only_from_the_compiled_walker() -> None:
+    raw = msgpack.packb(list(range(200)))
+    marks: list[Any] = ["stale"]
+    ic._split_py(ic._as_bytes(b"\x92\xa1x" + raw), (1, 5), None, None)
+    ic.split_array(b"\x92\xa1x" + raw, (1, 5), None, marks)
+    assert len(marks) == 2 and marks[1] is None  # element 5 is missing
+    if ic.HAVE_NATIVE:
+        from mmadmit import msgpack_walk
+
+        _, expected = msgpack_walk.decode_marked(memoryview(raw))
+        assert np.array_equal(marks[0], expected) and len(expected) == 4  # 200 ids: 4 marks
+    else:
+        assert marks[0] is None

@@ -284,13 +284,23 @@ def _noncanonical(ids: list[int]) -> bytes:
 
 
 def test_decoded_ids_reemitted_verbatim_until_replaced() -> None:
-    ids = [5, 1, 2, 3]
+    ids = list(range(5, 45))
     raw_ids = _noncanonical(ids)
     req = wire.decode_request(_ids_payload(raw_ids), [])
     assert req.input_ids.tolist() == ids
     assert _element(wire.encode_request(req)[0], 4) == raw_ids  # the very array: as received
-    req.input_ids = req.input_ids.copy()  # a new array (same values): encoded
-    assert _element(wire.encode_request(req)[0], 4) == msgpack.packb(ids)
+    # a new array, the same values: the received bytes (the header, smallest)
+    req.input_ids = req.input_ids.copy()
+    assert _element(wire.encode_request(req)[0], 4) == b"\xdc\x00\x28" + raw_ids[3:]
+    # ids 16..23 replaced: those in smallest forms, the unchanged stretches as received
+    changed = [*ids[:16], *[7] * 8, *ids[24:]]
+    req.input_ids = np.array(changed, dtype=np.int64)
+    got = _element(wire.encode_request(req)[0], 4)
+    assert msgpack.unpackb(got) == changed
+    assert got == b"\xdc\x00\x28" + raw_ids[3 : 3 + 16 * 5] + b"\x07" * 8 + raw_ids[3 + 24 * 5 :]
+    # another length: encoded
+    req.input_ids = np.array(ids[:-1], dtype=np.int64)
+    assert _element(wire.encode_request(req)[0], 4) == msgpack.packb(ids[:-1])
 
 
 def _element(payload: Any, i: int) -> bytes:
@@ -314,7 +324,10 @@ def test_materialized_unpadded_is_received_bytes() -> None:
     assert _element(frames[1], 21) == raw_ids  # verbatim, non-canonical kept
     padded = msgpack.unpackb(_element(frames[1], 4))
     assert padded[3:9] == [out.request.mm.items[0].pad_value] * 6
-    assert _element(frames[1], 4) == msgpack.packb(padded)  # encoded, canonical
+    # the ids before the pads as received, the pads in smallest forms (the
+    # stretch written may run on past them: a block of eight written at once)
+    pad = msgpack.packb(out.request.mm.items[0].pad_value)
+    assert _element(frames[1], 4).startswith(b"\x9b" + raw_ids[3:18] + pad * 6)
     # the item: received bytes with hash / pad_value replaced
     again = wire.decode_request(frames[1], frames[2:])
     assert again.mm.items[0].pad_value == out.request.mm.items[0].pad_value

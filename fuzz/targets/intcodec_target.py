@@ -8,7 +8,8 @@ shortcuts where it takes them.
 The first input byte picks an entry point, the rest is its input:
 ``decode_int_array`` on the bytes or on an array built element by element from
 them (every int form, boundary values; results and error messages must
-match), ``encode_int_array``
+match; then ``encode_like`` on edited copies of the decoded array, the
+compiled walker against the interpreted one and the fallback), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 (or offsets chosen freely) with chosen limits, ``array_spans`` and ``int_rows``
@@ -57,6 +58,35 @@ def _decode(buf: memoryview) -> None:
         enc = ic._encode_native(a[1])
         assert enc == ic._encode_py(a[1]) == msgpack.packb(ref), "encode of a decoded array"
         assert np.array_equal(ic._decode_native(memoryview(enc)), a[1]), "round trip"
+        _like(buf, a[1])
+
+
+def _like(buf: memoryview, old: np.ndarray) -> None:
+    """``encode_like`` on a decoded array (the bytes in any int form): edited copies
+    give the same bytes compiled, interpreted and by the fallback, holding the
+    edited values; marks shifted into other elements, the same outcome both builds."""
+    assert ic._BUILT is not None
+    got, marks = ic._BUILT.decode_marked(buf)
+    walk_got, walk_marks = msgpack_walk.decode_marked(buf)
+    assert np.array_equal(got, old) and np.array_equal(walk_got, old), "decode_marked"
+    assert np.array_equal(marks, walk_marks), "marks"
+    n = len(old)
+    edits = [old.copy()]
+    if n:
+        run = old.copy()
+        run[n // 3 : n // 3 + 9] = 7
+        flipped = old ^ (np.arange(n) % 3 == 0)  # every third element changed
+        edits += [run, flipped, np.full(n, old[-1])]
+    for new in edits:
+        a = outcome(ic._like_native, new, old, buf, marks)
+        same(a, outcome(msgpack_walk.encode_like, new, old, buf, walk_marks), "encode_like")
+        same(a, outcome(ic._like_py, new, old, buf, None), "encode_like fallback")
+        assert a[0] == "ok" and msgpack.unpackb(a[1]) == new.tolist(), "encode_like values"
+    if n:
+        shifted = marks + (n % 5) - 2  # not where elements start: refused or read alike
+        a = outcome(ic._BUILT.encode_like, edits[-1], old, buf, shifted)
+        b = outcome(msgpack_walk.encode_like, edits[-1], old, buf, shifted)
+        same(a, b, "encode_like, shifted marks")
 
 
 def _encode(d: Data) -> None:

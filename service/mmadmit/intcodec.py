@@ -70,6 +70,7 @@ __all__ = [
     "check_structure",
     "decode_int_array",
     "encode_int_array",
+    "encode_int_array_like",
     "int_rows",
     "offsets_of",
     "split_array",
@@ -147,7 +148,10 @@ def check_structure(
 
 
 def split_array(
-    raw: Any, int_fields: tuple[int, ...] = (), max_ints: int | None = None
+    raw: Any,
+    int_fields: tuple[int, ...] = (),
+    max_ints: int | None = None,
+    marks: list[Any] | None = None,
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     """Element boundaries of one msgpack array, int arrays decoded on the way.
 
@@ -163,10 +167,40 @@ def split_array(
     ``0xc1``, trailing bytes), and :class:`IntArrayTooLong` for an
     ``int_fields`` element that is an array of more than ``max_ints`` elements
     (decided from its header: nothing is allocated for it).
+
+    With ``marks`` (a list), its contents become one entry per ``int_fields``
+    entry: that array's marks for :func:`encode_int_array_like`, or None (the
+    array was not decoded, or not by the compiled walker).
     """
     if len(int_fields) > 8 or len(set(int_fields)) != len(int_fields):
         raise ValueError("split_array: at most 8 distinct int_fields")
-    return _split_impl(_as_bytes(raw), tuple(int_fields), max_ints)
+    if marks is None:
+        return _split_impl(_as_bytes(raw), tuple(int_fields), max_ints, None)
+    got: list[Any] = [None] * len(int_fields)
+    result = _split_impl(_as_bytes(raw), tuple(int_fields), max_ints, got)
+    marks[:] = got
+    return result
+
+
+def encode_int_array_like(
+    values: Any, old: npt.NDArray[np.int64], raw: Any, marks: npt.NDArray[np.int64] | None
+) -> bytes | memoryview:
+    """:func:`encode_int_array` of ``values``, reusing the bytes of an array received.
+
+    ``old`` was decoded from ``raw`` (one msgpack array of ints: an element
+    :func:`split_array` decoded, with its ``marks``, or None). Where ``values``
+    equals ``old``, stretches of it are ``raw``'s own bytes, copied, not
+    encoded again (the token ids the materializer left as they were), the
+    rest each int's smallest form. Byte-identical to :func:`encode_int_array`
+    whenever ``raw`` holds smallest forms, as every msgpack encoder writes;
+    the same values always. A ``values`` of another length than ``old`` is
+    encoded whole. Errors as :func:`encode_int_array`, and ``ValueError`` when
+    ``old``, ``raw`` and ``marks`` do not belong together.
+    """
+    v = _as_int64(values)
+    if old.dtype != np.int64 or old.shape != v.shape:
+        return _encode_impl(v)
+    return _like_impl(v, old, _as_bytes(raw), marks)
 
 
 def array_spans(raw: Any) -> list[int]:
@@ -283,11 +317,28 @@ def _encode_native(values: npt.NDArray[np.int64]) -> bytes | memoryview:
 
 
 def _split_native(
-    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
+    buf: memoryview,
+    int_fields: tuple[int, ...],
+    max_ints: int | None = None,
+    marks: list[Any] | None = None,
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     assert _BUILT is not None
-    offsets, ints = _BUILT.split(buf, int_fields, -1 if max_ints is None else max_ints)
+    bound = -1 if max_ints is None else max_ints
+    offsets, ints = _BUILT.split(buf, int_fields, bound, True, marks)
     return offsets, ints
+
+
+def _like_native(
+    values: npt.NDArray[np.int64],
+    old: npt.NDArray[np.int64],
+    buf: memoryview,
+    marks: npt.NDArray[np.int64] | None,
+) -> bytes | memoryview:
+    assert _BUILT is not None
+    if marks is None:  # not from the compiled split: read again, with its marks
+        _, marks = _BUILT.decode_marked(buf)
+    result: memoryview = _BUILT.encode_like(values, old, buf, marks)
+    return result
 
 
 def _len_native(buf: memoryview) -> int:
@@ -368,8 +419,28 @@ def _encode_py(values: npt.NDArray[np.int64]) -> bytes | memoryview:
 _RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
+def _like_py(
+    values: npt.NDArray[np.int64],
+    old: npt.NDArray[np.int64],
+    buf: memoryview,
+    marks: npt.NDArray[np.int64] | None,
+) -> bytes | memoryview:
+    # Where the received bytes are smallest forms (what msgpack encoders write),
+    # the walker's result is the plain encoding; otherwise the walker runs
+    # (interpreted: a Python loop, for bytes no known encoder writes).
+    if bytes(_encode_py(old)) == bytes(buf):
+        return _encode_py(values)
+    if marks is None:
+        _, marks = msgpack_walk.decode_marked(buf)
+    result: memoryview = msgpack_walk.encode_like(values, old, buf, marks)
+    return result
+
+
 def _split_py(
-    buf: memoryview, int_fields: tuple[int, ...], max_ints: int | None = None
+    buf: memoryview,
+    int_fields: tuple[int, ...],
+    max_ints: int | None = None,
+    marks: list[Any] | None = None,
 ) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
     # msgspec finds the offsets where it accepts the message (the msgpack format
     # leaves it no other reading, and it accepts no message the walker
@@ -422,6 +493,7 @@ def _rows_py(
 
 _decode_impl = _decode_py
 _encode_impl = _encode_py
+_like_impl = _like_py
 _split_impl = _split_py
 _spans_impl = _spans_py
 _rows_impl = _rows_py
@@ -434,11 +506,12 @@ def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl, _items_impl
+    global _len_impl, _check_impl, _items_impl, _like_impl
     HAVE_NATIVE = on and _BUILT is not None
     if HAVE_NATIVE:
         _decode_impl = _decode_native
         _encode_impl = _encode_native
+        _like_impl = _like_native
         _split_impl = _split_native
         _spans_impl = _spans_native
         _rows_impl = _rows_native
@@ -448,6 +521,7 @@ def _use_native(on: bool) -> bool:
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
+        _like_impl = _like_py
         _split_impl = _split_py
         _spans_impl = _spans_py
         _rows_impl = _rows_py

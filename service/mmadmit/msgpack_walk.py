@@ -12,7 +12,11 @@ target run both on the same inputs and compare results and messages.
 Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
 
 * :func:`array_len`, :func:`decode`, :func:`encode`: one msgpack array of ints
-  <-> a 1-D ``int64`` array (errors prefixed ``msgpack int array:``).
+  <-> a 1-D ``int64`` array (errors prefixed ``msgpack int array:``);
+  :func:`decode_marked` and :func:`encode_like`: the same with marks (where
+  every 64th element starts), so that an array made from a received one (the
+  padded ids) is the received bytes where it is unchanged, copied, and only
+  its changed stretches are encoded.
 * :func:`split`, :func:`array_spans`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
   its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
@@ -24,15 +28,18 @@ arrays of ``_GIL_MIN`` elements or more. Decoding takes runs of one int form
 (a placeholder id over an image, a pad value over its span) eight elements
 at a time, and elements eight at a time with one unaligned 8-byte big-endian
 load each while 72 bytes are left; encoding writes runs of one value eight at
-a time. Results and errors are those of the element-by-element loop.
+a time, and a long run by copying what it has written (``memcpy``, doubling).
+Results and errors are those of the element-by-element loop.
 
 Arithmetic is written to give the same numbers in C (64-bit, wrapping) and in
 Python (unbounded ints): an unsigned value that may wrap goes through
 :func:`_wrap` (a no-op compiled), and every count stays far below 2**62.
-``cython.compiled`` is tested in two places only: :func:`_wrap`, and
-:func:`_load8`, which reads through a pointer when compiled (GCC merges
-byte loads into one load and a byte swap only at constant offsets from one
-pointer, not at a variable index into a memoryview).
+``cython.compiled`` is tested only where the compiled code must differ:
+:func:`_wrap`; :func:`_load8`, which reads through a pointer when compiled
+(GCC merges byte loads into one load and a byte swap only at constant
+offsets from one pointer, not at a variable index into a memoryview);
+:func:`_copy` and :func:`_bytes_at` (``memcpy`` and a pointer slice
+compiled, slicing interpreted); and the imports at the top.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ __all__ = [
     "build_items",
     "check_structure",
     "decode",
+    "decode_marked",
     "encode",
+    "encode_like",
     "int_rows",
     "range_message",
     "split",
@@ -71,6 +80,9 @@ else:
             self.element, self.count, self.limit = element, count, limit
 
 
+if cython.compiled:
+    from cython.cimports.libc.string import memcpy
+
 ssize = cython.typedef(cython.Py_ssize_t)
 u8 = cython.typedef(cython.uchar)
 i64 = cython.typedef(cython.longlong)
@@ -86,6 +98,9 @@ _PLAIN_DEPTH = cython.declare(cython.int, PLAIN_DEPTH)
 MAX_ARRAY_COUNT = 0xFFFFFFFF  # array32: the most elements encode writes
 _GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the GIL
 _INT = "msgpack int array: "
+_NO_MARKS = np.empty(0, dtype=np.int64)  # _ints without marks
+_LONG_RUN = cython.declare(ssize, 32)  # encode: a run this long is copied, not rewritten
+_MARK_SHIFT = cython.declare(cython.int, 6)  # encode_like's marks: where every 64th element starts
 
 # Int-array decode outcomes (_ints) and split errors (_split_error).
 _OK = cython.declare(cython.int, 0)
@@ -297,15 +312,25 @@ def _run8(
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _ints(
-    p: cython.const[u8][::1], end: ssize, pos: ssize, count: ssize, out: i64[::1], o: ssize
+    p: cython.const[u8][::1],
+    end: ssize,
+    pos: ssize,
+    count: ssize,
+    out: i64[::1],
+    o: ssize,
+    mk: i64[::1],
 ) -> tuple[cython.int, ssize, ssize, u64]:
     """Decode ``count`` ints from ``p[pos]`` into ``out[o:o + count]``.
 
     ``(_OK, count, end position, 0)``, or ``(error kind, element, its offset,
     the uint64 value for _E_RANGE)`` for the first bad element. Bytes past the
     array are not looked at (the 8-wide loop reads, never uses, up to 8 bytes
-    past its end, within ``end``)."""
+    past its end, within ``end``). ``mk`` (may be empty) gets the marks of
+    :func:`encode_like`: ``mk[k]`` is where element ``64 * k`` starts, counted
+    from ``pos``, for each ``k`` it has room for."""
     i: ssize = 0
+    base: ssize = pos
+    nmk: ssize = mk.shape[0]
     b: cython.uint
     first: cython.uint
     w: ssize
@@ -317,6 +342,8 @@ def _ints(
     # that, the last one's 8-byte load included: no bounds check inside a
     # chunk); first a look for a run of one form, taken while it lasts.
     while count - i >= 8 and end - pos >= 72:
+        if (i & 63) == 0 and (i >> 6) < nmk:  # i is a multiple of 8 here
+            mk[i >> 6] = pos - base
         first = p[pos]
         if 0xCC <= first <= 0xD3:
             s = 1 + (1 << (first & 3))
@@ -338,6 +365,8 @@ def _ints(
             i += 1
     # the last few elements: every read checked
     while i < count:
+        if (i & 63) == 0 and (i >> 6) < nmk:
+            mk[i >> 6] = pos - base
         if pos >= end:
             return _E_MISSING, i, pos, 0
         b = p[pos]
@@ -358,15 +387,21 @@ def _ints(
 @cython.cfunc
 @cython.exceptval(check=False)
 def _decode_ints(
-    p: cython.const[u8][::1], end: ssize, pos: ssize, count: ssize, out: i64[::1], o: ssize
+    p: cython.const[u8][::1],
+    end: ssize,
+    pos: ssize,
+    count: ssize,
+    out: i64[::1],
+    o: ssize,
+    mk: i64[::1],
 ) -> tuple[cython.int, ssize, ssize, u64]:
     """:func:`_ints`, without the GIL for a long array (compiled)."""
     r: tuple[cython.int, ssize, ssize, u64]
     if count >= _GIL_MIN:
         with cython.nogil:
-            r = _ints(p, end, pos, count, out, o)
+            r = _ints(p, end, pos, count, out, o, mk)
     else:
-        r = _ints(p, end, pos, count, out, o)
+        r = _ints(p, end, pos, count, out, o, mk)
     return r
 
 
@@ -403,23 +438,34 @@ def array_len(p: cython.const[u8][::1]) -> int:
 
 def decode(p: cython.const[u8][::1]) -> np.ndarray:
     """The one msgpack array of ints filling ``p``, as a new 1-D int64 array."""
+    return _decode(p, False)[0]
+
+
+def decode_marked(p: cython.const[u8][::1]) -> tuple:
+    """:func:`decode`, and the array's marks for :func:`encode_like`."""
+    return _decode(p, True)
+
+
+def _decode(p: cython.const[u8][::1], marked: cython.bint) -> tuple:
     count: ssize
     h: ssize
     count, h = _int_header(p)
     arr = np.empty(count, dtype=np.int64)
     out: i64[::1] = arr
+    mka = np.empty(_marks_len(count), dtype=np.int64) if marked else _NO_MARKS
+    mk: i64[::1] = mka
     kind: cython.int
     i: ssize
     pos: ssize
     value: u64
-    kind, i, pos, value = _decode_ints(p, p.shape[0], h, count, out, 0)
+    kind, i, pos, value = _decode_ints(p, p.shape[0], h, count, out, 0, mk)
     if kind != _OK:
         raise ValueError(_int_error(p, kind, i, pos, value))
     if pos != p.shape[0]:
         raise ValueError(
             f"{_INT}{p.shape[0] - pos} trailing bytes after the array (at offset {pos})"
         )
-    return arr
+    return arr, mka
 
 
 # --------------------------------------------------------------------------
@@ -496,31 +542,129 @@ def _put(o: u8[::1], at: ssize, x: i64) -> ssize:
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
-    """Write ``v``'s values from ``o[at]`` (9 writable bytes a value); the end offset."""
+def _copy(o: u8[::1], at: ssize, p: cython.const[u8][::1], a: ssize, m: ssize) -> cython.void:
+    """``o[at:at + m] = p[a:a + m]``, not overlapping (the caller has checked both
+    ranges): one ``memcpy`` compiled."""
+    if m <= 0:
+        return
+    if cython.compiled:
+        memcpy(cython.address(o[at]), cython.address(p[a]), m)
+    else:
+        o[at : at + m] = p[a : a + m]
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+def _repeat(
+    o: u8[::1], at: ssize, t: cython.uint, payload: u64, size: ssize, count: ssize
+) -> ssize:
+    """``count`` copies of one int (:func:`_form`'s ``t``, ``payload``, ``size``) from
+    ``o[at]``; the end offset. Eight are written, then what is written is copied
+    after itself, doubling each time (never overlapping its source)."""
+    total: ssize = size * count
+    done: ssize = 0
+    m: ssize
+    _k: ssize
+    for _k in range(min(count, 8)):
+        _put9(o, at + done, t, payload)
+        done += size
+    while done < total:
+        m = min(done, total - done)  # [at, at + done) is whole copies
+        _copy(o, at + done, o, at, m)
+        done += m
+    return at + total
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _differ8(v: cython.const[i64][::1], w: cython.const[i64][::1], i: ssize) -> i64:
+    """Nonzero unless ``v[i:i + 8]`` and ``w[i:i + 8]`` are equal (8 there, both)."""
+    return (
+        (v[i] ^ w[i])
+        | (v[i + 1] ^ w[i + 1])
+        | (v[i + 2] ^ w[i + 2])
+        | (v[i + 3] ^ w[i + 3])
+        | (v[i + 4] ^ w[i + 4])
+        | (v[i + 5] ^ w[i + 5])
+        | (v[i + 6] ^ w[i + 6])
+        | (v[i + 7] ^ w[i + 7])
+    )
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _run_end(v: cython.const[i64][::1], i: ssize, x: i64) -> ssize:
+    """The first index from ``i`` where ``v`` is not ``x`` (its length if none)."""
     n: ssize = v.shape[0]
-    i: ssize = 0
+    while n - i >= 8:
+        if (
+            (v[i] ^ x)
+            | (v[i + 1] ^ x)
+            | (v[i + 2] ^ x)
+            | (v[i + 3] ^ x)
+            | (v[i + 4] ^ x)
+            | (v[i + 5] ^ x)
+            | (v[i + 6] ^ x)
+            | (v[i + 7] ^ x)
+        ) != 0:
+            break
+        i += 8
+    while i < n and v[i] == x:
+        i += 1
+    return i
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_ints(
+    o: u8[::1],
+    at: ssize,
+    v: cython.const[i64][::1],
+    old: cython.const[i64][::1],
+    i: ssize,
+    stop: cython.bint,
+) -> tuple[ssize, ssize]:
+    """Write ``v``'s values from index ``i`` at ``o[at]`` (9 writable bytes a value):
+    ``(end offset, end index)``. To the end of ``v``; with ``stop``, only until
+    eight values (checked every eight) are equal to ``old``'s at their index,
+    or, in the last seven, one is."""
+    n: ssize = v.shape[0]
+    lo: ssize = i  # the values before it may have been written otherwise
     t: cython.uint
     payload: u64
     size: ssize
     x: i64
-    k: cython.int
-    _k: cython.int
-    same: cython.bint
+    _k: ssize
+    r: ssize
     while n - i >= 8:
+        if stop and _differ8(v, old, i) == 0:
+            return at, i
         # every 8 values, a look for a run of one value (8 more equal to the
         # previous one): its encoding written again while it lasts
-        if i > 0 and v[i] == v[i - 1]:
+        if i > lo and v[i] == v[i - 1]:
             x = v[i - 1]
-            same = True
-            for k in range(8):
-                same &= v[i + k] == x
-            if same:
+            r = _run_end(v, i, x)
+            if r - i >= 8:
                 t, payload, size = _form(x)
-                for _k in range(8):
-                    _put9(o, at, t, payload)
-                    at += size
-                i += 8
+                if r - i >= _LONG_RUN:
+                    at = _repeat(o, at, t, payload, size, r - i)
+                else:
+                    for _k in range(r - i):
+                        _put9(o, at, t, payload)
+                        at += size
+                i = r
                 continue
         # eight values, unrolled by hand: GCC does not unroll a loop this long
         at = _put(o, at, v[i])
@@ -532,10 +676,24 @@ def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
         at = _put(o, at, v[i + 6])
         at = _put(o, at, v[i + 7])
         i += 8
-    while i < n:
+    while i < n and not (stop and v[i] == old[i]):
         at = _put(o, at, v[i])
         i += 1
-    return at
+    return at, i
+
+
+@cython.cfunc
+@cython.inline
+def _put_header(o: u8[::1], n: ssize) -> ssize:
+    """The smallest array header of ``n`` elements at ``o[0]``; its length."""
+    if n < 16:
+        o[0] = 0x90 | n
+        return 1
+    if n <= 0xFFFF:
+        o[0], o[1], o[2] = 0xDC, n >> 8, n & 0xFF
+        return 3
+    o[0], o[1], o[2], o[3], o[4] = 0xDD, n >> 24, (n >> 16) & 0xFF, (n >> 8) & 0xFF, n & 0xFF
+    return 5
 
 
 def encode(v: cython.const[i64][::1]) -> memoryview:
@@ -547,24 +705,146 @@ def encode(v: cython.const[i64][::1]) -> memoryview:
         raise ValueError(f"{_INT}{n} elements exceed the array32 limit")
     buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
     o: u8[::1] = buf
-    at: ssize
-    if n < 16:
-        o[0] = 0x90 | n
-        at = 1
-    elif n <= 0xFFFF:
-        o[0], o[1], o[2] = 0xDC, n >> 8, n & 0xFF
-        at = 3
-    else:
-        o[0], o[1], o[2], o[3], o[4] = 0xDD, n >> 24, (n >> 16) & 0xFF, (n >> 8) & 0xFF, n & 0xFF
-        at = 5
+    at: ssize = _put_header(o, n)
     if n >= _GIL_MIN:
         with cython.nogil:
-            at = _write_ints(o, at, v)
+            at, _ = _write_ints(o, at, v, v, 0, False)
     else:
-        at = _write_ints(o, at, v)
+        at, _ = _write_ints(o, at, v, v, 0, False)
     # A view of the used part: no copy (the C encoder shrank a bytes in place; a
     # Cython module cannot, and copying into one cost 15 us of 46 at 128K ids).
     # Callers hand it to msgspec.Raw or compare it with bytes; both take a view.
+    return memoryview(buf)[:at]
+
+
+@cython.cfunc
+@cython.inline
+def _marks_len(n: ssize) -> ssize:
+    """How many marks an array of ``n`` elements has (one every 64 elements)."""
+    return (n + 63) >> _MARK_SHIFT
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _same_until(v: cython.const[i64][::1], old: cython.const[i64][::1], i: ssize) -> ssize:
+    """The first index from ``i`` where ``v`` and ``old`` differ (their length if none)."""
+    n: ssize = v.shape[0]
+    while n - i >= 8 and _differ8(v, old, i) == 0:
+        i += 8
+    while i < n and v[i] == old[i]:
+        i += 1
+    return i
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _seek(
+    p: cython.const[u8][::1], h: ssize, mk: cython.const[i64][::1], ci: ssize, cpos: ssize, t: ssize
+) -> tuple[ssize, ssize]:
+    """The cursor (element ``ci`` starts at ``p[cpos]``) moved to element ``t >= ci``:
+    from the last mark at or before ``t`` when it is ahead of the cursor, then
+    element by element. ``(t, where element t starts)``, ``(-1, -1)`` when the
+    bytes or the marks do not hold up (a position outside the elements, not an
+    int). Element ``t == count`` starts where the array ends."""
+    end: ssize = p.shape[0]
+    w: ssize
+    m: ssize = min(t >> _MARK_SHIFT, mk.shape[0] - 1)  # the last mark at or before t
+    if ci < 0 or cpos < 0:
+        return -1, -1
+    if m > (ci >> _MARK_SHIFT):  # ahead of the cursor
+        ci = m << _MARK_SHIFT
+        cpos = h + mk[m]
+    if cpos < h or cpos > end:
+        return -1, -1
+    while ci < t:
+        if cpos >= end:
+            return -1, -1
+        w = _int_width(p[cpos])
+        if w < 0 or end - cpos < 1 + w:
+            return -1, -1
+        cpos += 1 + w
+        ci += 1
+    return ci, cpos
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_like(
+    o: u8[::1],
+    at: ssize,
+    v: cython.const[i64][::1],
+    old: cython.const[i64][::1],
+    p: cython.const[u8][::1],
+    h: ssize,
+    mk: cython.const[i64][::1],
+) -> ssize:
+    """:func:`encode_like`'s elements from ``o[at]``: the end offset, or -1 if ``p``
+    (its elements from ``p[h]``) and ``mk`` are not those of ``old``."""
+    n: ssize = v.shape[0]
+    i: ssize = 0
+    j: ssize
+    a: ssize
+    b: ssize
+    ci: ssize = 0  # the cursor: element ci starts at p[cpos]; it only moves forward
+    cpos: ssize = h
+    while i < n:
+        j = _same_until(v, old, i)
+        if j > i:  # elements i..j-1 unchanged: their received bytes
+            ci, a = _seek(p, h, mk, ci, cpos, i)
+            ci, b = _seek(p, h, mk, ci, a, j)
+            if a < 0 or b < 0:
+                return -1
+            _copy(o, at, p, a, b - a)
+            at += b - a
+            cpos = b
+            i = j
+        if i < n:  # changed: encoded until unchanged again
+            at, i = _write_ints(o, at, v, old, i, True)
+    return at
+
+
+def encode_like(
+    v: cython.const[i64][::1],
+    old: cython.const[i64][::1],
+    raw: cython.const[u8][::1],
+    marks: cython.const[i64][::1],
+) -> memoryview:
+    """:func:`encode` of ``v`` reusing the bytes of an array decoded before.
+
+    ``old`` was decoded from ``raw`` (one msgpack int array, as :func:`split`
+    reads it) with ``marks`` (:func:`split`'s, where every 64th element
+    starts). Every element of ``v`` equal to ``old``'s at its index is
+    ``raw``'s bytes for it, every other one its smallest form: what
+    :func:`encode` writes whenever ``raw`` holds smallest forms (what
+    msgpack encoders write), and always the same values. A long stretch
+    of ids the materializer left unchanged is one copy, not a re-encode:
+    only the pad runs are written. ValueError if the four do not belong
+    together (lengths, marks, the bytes at the marks)."""
+    n: ssize = v.shape[0]
+    count: ssize
+    h: ssize
+    count, h = _int_header(raw)
+    if old.shape[0] != n or count != n or marks.shape[0] != _marks_len(n):
+        raise ValueError(f"{_INT}encode_like: the arrays, bytes and marks do not match")
+    buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
+    o: u8[::1] = buf
+    at: ssize = _put_header(o, n)
+    if n >= _GIL_MIN:
+        with cython.nogil:
+            at = _write_like(o, at, v, old, raw, h, marks)
+    else:
+        at = _write_like(o, at, v, old, raw, h, marks)
+    if at < 0:
+        raise ValueError(f"{_INT}encode_like: the bytes are not those of the old array")
     return memoryview(buf)[:at]
 
 
@@ -770,7 +1050,11 @@ def _in_mask(mask: u64, i: ssize, indices: tuple) -> cython.bint:
 
 
 def split(
-    p: cython.const[u8][::1], int_fields: tuple, max_ints: ssize, decode: cython.bint = True
+    p: cython.const[u8][::1],
+    int_fields: tuple,
+    max_ints: ssize,
+    decode: cython.bint = True,
+    marks: list | None = None,
 ) -> tuple:
     """Element boundaries of the one array filling ``p``, int arrays decoded on the way.
 
@@ -781,7 +1065,9 @@ def split(
     element declaring more than ``max_ints`` (``-1``: no bound) elements,
     from its header; ValueError for a malformed message. With ``decode``
     false the int fields are only checked against ``max_ints`` (``ints`` all
-    None: the interpreted caller decodes them faster, see intcodec).
+    None: the interpreted caller decodes them faster, see intcodec). With
+    ``marks`` (a list as long as ``int_fields``), each decoded array's
+    :func:`encode_like` marks are put at its index.
     """
     n: ssize = p.shape[0]
     count: ssize = _top(p)
@@ -796,6 +1082,7 @@ def split(
     end: ssize
     value: u64
     out: i64[::1]
+    mk: i64[::1]
     picked: u64 = _index_mask(int_fields)
     for i in range(count):
         offsets.append(pos)
@@ -807,9 +1094,13 @@ def split(
             if m >= 0 and decode:
                 arr = np.empty(m, dtype=np.int64)
                 out = arr
-                kind, at, end, value = _decode_ints(p, n, pos + _head_len(p, pos), m, out, 0)
+                mka = _NO_MARKS if marks is None else np.empty(_marks_len(m), dtype=np.int64)
+                mk = mka
+                kind, at, end, value = _decode_ints(p, n, pos + _head_len(p, pos), m, out, 0, mk)
                 if kind == _OK:
                     ints[k] = arr
+                    if marks is not None:
+                        marks[k] = mka
                     pos = end
                     continue
         pos = _skip(p, n, pos, 1, i)
@@ -1014,6 +1305,7 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
         total += rows
     table = np.empty(total * width, dtype=np.int64)
     out: i64[::1] = table
+    nomk: i64[::1] = _NO_MARKS
     o = 0
     # pass 2: every row, checked and decoded
     for item in at_of:
@@ -1032,7 +1324,7 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
                 raise ValueError(
                     f"int_rows: row {r} of the array at offset {at} is not an array of {width} ints"
                 )
-            kind, bad, pos, value = _ints(p, n, pos + h, width, out, o)
+            kind, bad, pos, value = _ints(p, n, pos + h, width, out, o, nomk)
             if kind != _OK:
                 raise ValueError(
                     f"int_rows: row {r} of the array at offset {at} is not an array "

@@ -139,9 +139,9 @@ def tune_gc(gen0_threshold: int = GC_GEN0_THRESHOLD) -> tuple[int, int, int]:
 
     Called once, through :func:`tune_process`, by ``mmadmit serve`` and the
     benchmarks' servers, after the imports: the frozen objects move to a
-    permanent generation no collection scans (``gc.freeze``). The older generations keep CPython's own thresholds,
-    so cyclic garbage is still found: after ``gen0_threshold`` net allocations
-    instead of 700.
+    permanent generation no collection scans (``gc.freeze``). The older
+    generations keep CPython's own thresholds, so cyclic garbage is still
+    found: after ``gen0_threshold`` net allocations instead of 700.
     """
     gc.collect()
     gc.freeze()

@@ -88,6 +88,7 @@ from .intcodec import (
     check_structure,
     decode_int_array,
     encode_int_array,
+    encode_int_array_like,
     int_rows,
     split_array,
 )
@@ -172,6 +173,7 @@ def _split_view(
     int_fields: tuple[int, ...] = (),
     limits: Limits | None = None,
     odd: list[int] | None = None,
+    marks: list[Any] | None = None,
 ) -> tuple[list[msgspec.Raw], list[np.ndarray | None], list[int]]:
     """The elements of the payload array in ``buf`` (views), the int arrays asked for
     and the elements' offsets (element ``i`` is ``buf[offsets[i]:offsets[i + 1]]``).
@@ -184,11 +186,13 @@ def _split_view(
     each ``int_fields`` array's length (``max_tokens``, from its header) and
     every other element's structure (:func:`_check_elements`), which appends
     to ``odd`` the elements only a decode can check (a str, map or ext inside).
+    ``marks`` gets the int arrays' marks (:func:`~mmadmit.intcodec.split_array`).
     """
     if limits is not None:
         _check_length(buf, what, limits)
     try:
-        offsets, ints = split_array(buf, int_fields, None if limits is None else limits.max_tokens)
+        bound = None if limits is None else limits.max_tokens
+        offsets, ints = split_array(buf, int_fields, bound, marks)
     except IntArrayTooLong as exc:
         raise _tokens_too_long(exc) from exc
     except ValueError as exc:
@@ -284,8 +288,10 @@ def _opt_int(value: Any, what: str) -> int | None:
 class WireExtra:
     """What the codec keeps to re-encode a request: raw elements and aux frames.
 
-    ``ints``: each token array decoded from the wire with its received bytes;
-    a request that still holds that very array object re-emits those bytes.
+    ``ints``: each token array decoded from the wire with its received bytes
+    and its marks (:func:`~mmadmit.intcodec.split_array`, or None); a request
+    that still holds that very array object re-emits those bytes, an array
+    made from it (the padded ids) reuses them where it is unchanged.
     ``payload`` and ``offsets``: the received payload and its elements' offsets
     (``raw[i]`` is ``payload[offsets[i]:offsets[i + 1]]``), which re-emit the
     elements the encoder does not write as slices of it (None: built otherwise).
@@ -296,7 +302,7 @@ class WireExtra:
     raw: list[msgspec.Raw]
     aux: list[memoryview]
     feature_aux: set[int] = field(default_factory=set)  # aux indices used by features only
-    ints: list[tuple[np.ndarray, msgspec.Raw]] = field(default_factory=list)
+    ints: list[tuple[np.ndarray, msgspec.Raw, np.ndarray | None]] = field(default_factory=list)
     sources: list[Any] = field(default_factory=list)  # the objects ``aux`` views came in
     payload: memoryview | None = None
     offsets: list[int] | None = None
@@ -754,8 +760,9 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     (its ``code`` TOO_LARGE for a breach of ``limits``, else INVALID_REQUEST)."""
     buf = _as_buffer(payload)
     odd: list[int] = []  # the elements whose decoding can refuse them
+    marks: list[Any] = []
     try:
-        elems, ints, offsets = _split_view(buf, "the payload", _INT_FIELDS, limits, odd)
+        elems, ints, offsets = _split_view(buf, "the payload", _INT_FIELDS, limits, odd, marks)
         if not elems:
             raise InvalidRequest("the payload is an empty array")
         tag = _value(elems[0], "tag")
@@ -778,13 +785,13 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
         input_ids = ints[0]
         if input_ids is None:
             input_ids = _ids(elems[F_INPUT_IDS], "input_ids")
-        decoded = [(input_ids, elems[F_INPUT_IDS])]
+        decoded = [(input_ids, elems[F_INPUT_IDS], marks[0])]
         unpadded = None
         if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
             unpadded = ints[1]
             if unpadded is None:
                 unpadded = _ids(elems[F_UNPADDED], "input_ids_unpadded")
-            decoded.append((unpadded, elems[F_UNPADDED]))
+            decoded.append((unpadded, elems[F_UNPADDED], marks[1]))
         mm = None
         if len(elems) > F_MM and not _is_nil(elems[F_MM]):
             mm = _decode_mm(elems[F_MM], reader)
@@ -963,10 +970,15 @@ def _wire_extra(req: Request) -> WireExtra:
 
 
 def _int_array(extra: WireExtra, values: np.ndarray) -> msgspec.Raw:
-    """The received bytes of ``values`` if it is an array decoded from them, else encoded."""
-    for decoded, raw in extra.ints:
+    """The received bytes of ``values`` if it is an array decoded from them; else
+    encoded, reusing the bytes of the received array it was made from (the
+    first of its length: the padded ids keep the unpadded ones' text)."""
+    for decoded, raw, _ in extra.ints:
         if decoded is values:
             return raw
+    for decoded, raw, marks in extra.ints:
+        if len(decoded) == len(values):
+            return msgspec.Raw(encode_int_array_like(values, decoded, raw, marks))
     return msgspec.Raw(encode_int_array(values))
 
 
