@@ -1009,3 +1009,19 @@ def test_split_marks_only_from_the_compiled_walker() -> None:
         assert np.array_equal(marks[0], expected) and len(expected) == 4  # 200 ids: 4 marks
     else:
         assert marks[0] is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_marks_are_where_every_64th_element_starts(seed: int) -> None:
+    """The marks (every 64th element's start, counted from the first element),
+    whichever way the decoder took the elements: runs compared, blocks of eight,
+    one by one at the end."""
+    rng = np.random.default_rng([11, seed])
+    for values in (_runs(rng, 5000), _random_ids(rng, 300), np.full(1000, 248056, np.int64)):
+        raw = msgpack.packb(values.tolist())
+        sizes = [len(msgpack.packb(v)) for v in values.tolist()]
+        starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+        for walk in _walkers():
+            got, marks = walk.decode_marked(memoryview(raw))
+            assert got.tolist() == values.tolist()
+            assert marks.tolist() == starts[::64].tolist()

@@ -81,7 +81,7 @@ else:
 
 
 if cython.compiled:
-    from cython.cimports.libc.string import memcpy
+    from cython.cimports.libc.string import memcmp, memcpy
 
 ssize = cython.typedef(cython.Py_ssize_t)
 u8 = cython.typedef(cython.uchar)
@@ -307,6 +307,44 @@ def _run8(
 
 
 @cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _same(p: cython.const[u8][::1], a: ssize, b: ssize, m: ssize) -> cython.bint:
+    """Whether ``p[a:a + m]`` and ``p[b:b + m]`` hold the same bytes (both inside ``p``):
+    one ``memcmp`` compiled."""
+    if cython.compiled:
+        return memcmp(cython.address(p[a]), cython.address(p[b]), m) == 0
+    return p[a : a + m] == p[b : b + m]
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+def _repeats(p: cython.const[u8][::1], end: ssize, pos: ssize, s: ssize, most: ssize) -> ssize:
+    """How many elements from ``p[pos]`` are the ``s`` bytes there again, in steps of
+    8 (0 if not 8 of them; at most ``most``). ``r`` elements are one encoding
+    repeated when ``p[pos:pos + (r - 1) * s]`` equals the same bytes ``s``
+    later; a run is extended by comparing its next bytes the same way. A run
+    of one token (a placeholder over an image) is compared, never decoded,
+    past its first element."""
+    r: ssize = 8
+    t: ssize
+    if most < 16 or end - pos < 16 * s or _load8(p, pos) != _load8(p, pos + s):
+        return 0  # (the first 8 bytes of two neighbours: most blocks stop here)
+    if not _same(p, pos, pos + s, 7 * s):
+        return 0
+    while most - r >= 8 and end - pos >= (r + 8) * s:
+        t = 64 if most - r >= 64 and end - pos >= (r + 64) * s else 8
+        if not _same(p, pos + (r - 1) * s, pos + r * s, t * s):
+            if t == 8 or not _same(p, pos + (r - 1) * s, pos + r * s, 8 * s):
+                break
+            t = 8
+        r += t
+    return r
+
+
+@cython.cfunc
 @cython.nogil
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
@@ -331,6 +369,9 @@ def _ints(
     i: ssize = 0
     base: ssize = pos
     nmk: ssize = mk.shape[0]
+    r: ssize
+    k: ssize
+    x: i64
     b: cython.uint
     first: cython.uint
     w: ssize
@@ -347,6 +388,18 @@ def _ints(
         first = p[pos]
         if 0xCC <= first <= 0xD3:
             s = 1 + (1 << (first & 3))
+            r = _repeats(p, end, pos, s, count - i)
+            if r and not (first == 0xCF and p[pos + 1] >= 0x80):  # r copies of one int
+                x = _int_value(first, _load8(p, pos + 1) >> ((72 - 8 * s) & 63))
+                for k in range(r):
+                    out[o + i + k] = x
+                k = (i & ~63) + 64  # the marks inside the run
+                while k < i + r and (k >> 6) < nmk:
+                    mk[k >> 6] = pos + (k - i) * s - base
+                    k += 64
+                i += r
+                pos += r * s
+                continue
             if _run8(p, pos, first, s, out, o + i):  # 7 * s + 9 <= 72
                 i += 8
                 pos += 8 * s
