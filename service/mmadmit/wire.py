@@ -17,7 +17,10 @@ How it stays fast and loses nothing:
   (``input_ids`` of a text request or a passthrough, ``input_ids_unpadded``
   = the received ``input_ids`` after substitution). mmadmit never writes a
   decoded array in place (the materializer substitutes into a copy); code that
-  changes token ids must assign a new array, which is then encoded.
+  changes token ids must assign a new array, which is then encoded, reusing
+  the received bytes of the array of its length where it is unchanged
+  (:func:`~mmadmit.intcodec.encode_int_array_like`: the padded ids are the
+  received ``input_ids`` with only the pad runs written).
 * One decode path per message kind, whatever its size: an ADD's payload is
   always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
   and every multimodal item by one typed ``msgspec`` decoder
