@@ -310,12 +310,17 @@ def _run8(
 @cython.inline
 @cython.nogil
 @cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def _same(p: cython.const[u8][::1], a: ssize, b: ssize, m: ssize) -> cython.bint:
     """Whether ``p[a:a + m]`` and ``p[b:b + m]`` hold the same bytes (both inside ``p``):
     one ``memcmp`` compiled."""
+    same: cython.bint
     if cython.compiled:
-        return memcmp(cython.address(p[a]), cython.address(p[b]), m) == 0
-    return p[a : a + m] == p[b : b + m]
+        same = memcmp(cython.address(p[a]), cython.address(p[b]), m) == 0
+    else:
+        same = p[a : a + m] == p[b : b + m]
+    return same
 
 
 @cython.cfunc
