@@ -84,8 +84,10 @@ def main() -> None:
     sweep = np.ones(args.sweep_mib << 20, dtype=np.uint8)
     print(f"command: python bench/bench_cold.py --requests {args.requests} "
           f"--sweep-mib {args.sweep_mib}")  # fmt: skip
-    print("decode + materialize + encode in process, frames fresh off a TCP PAIR, every hash "
-          f"supplied; cold: after {args.sweep_mib} MiB read; medians of {args.requests - SKIP}")
+    print(
+        "decode + materialize + encode in process, frames fresh off a TCP PAIR, every hash "
+        f"supplied; cold: after {args.sweep_mib} MiB read; medians of {args.requests - SKIP}"
+    )
     print()
     print("| family | tokens | warm ms | cold ms | cold / warm |")
     print("|---|---:|---:|---:|---:|")

@@ -314,8 +314,16 @@ def _run8(
 @cython.wraparound(False)
 def _same(p: cython.const[u8][::1], a: ssize, b: ssize, m: ssize) -> cython.bint:
     """Whether ``p[a:a + m]`` and ``p[b:b + m]`` hold the same bytes (both inside ``p``):
-    one ``memcmp`` compiled."""
+    8 to 72 bytes 8 at a time (the last 8 read where they end), and one
+    ``memcmp`` compiled otherwise (its call costs more than a short compare)."""
     same: cython.bint
+    k: ssize = 0
+    if 8 <= m <= 72:
+        while k < m - 8:
+            if _load8(p, a + k) != _load8(p, b + k):
+                return False
+            k += 8
+        return _load8(p, a + m - 8) == _load8(p, b + m - 8)
     if cython.compiled:
         same = memcmp(cython.address(p[a]), cython.address(p[b]), m) == 0
     else:
@@ -335,12 +343,11 @@ def _repeats(p: cython.const[u8][::1], end: ssize, pos: ssize, s: ssize, most: s
     past its first element."""
     r: ssize = 8
     t: ssize
-    if most < 16 or end - pos < 16 * s or _load8(p, pos) != _load8(p, pos + s):
-        return 0  # (the first 8 bytes of two neighbours: most blocks stop here)
-    if not _same(p, pos, pos + s, 7 * s):
+    if most < 16 or end - pos < 16 * s or not _same(p, pos, pos + s, 7 * s):
         return 0
     while most - r >= 8 and end - pos >= (r + 8) * s:
-        t = 64 if most - r >= 64 and end - pos >= (r + 64) * s else 8
+        # steps of 64 once the run has shown it is long (a short one ends within them)
+        t = 64 if r >= 64 and most - r >= 64 and end - pos >= (r + 64) * s else 8
         if not _same(p, pos + (r - 1) * s, pos + r * s, t * s):
             if t == 8 or not _same(p, pos + (r - 1) * s, pos + r * s, 8 * s):
                 break
@@ -393,7 +400,9 @@ def _ints(
         first = p[pos]
         if 0xCC <= first <= 0xD3:
             s = 1 + (1 << (first & 3))
-            r = _repeats(p, end, pos, s, count - i)
+            r = 0  # (a look at two neighbours' first 8 bytes first: most text stops here)
+            if _load8(p, pos) == _load8(p, pos + s):  # 72 bytes are left
+                r = _repeats(p, end, pos, s, count - i)
             if r and not (first == 0xCF and p[pos + 1] >= 0x80):  # r copies of one int
                 x = _int_value(first, _load8(p, pos + 1) >> ((72 - 8 * s) & 63))
                 for k in range(r):
