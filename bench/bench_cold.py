@@ -38,14 +38,8 @@ def _cell(family: str, tokens: int, requests: int, sweep: Any) -> dict[str, list
     import workloads
     import zmq
     from mmadmit import wire
-    from mmadmit.config import build_config
-    from mmadmit.materializer import Materializer
 
-    config = build_config({"model": family, "device": "cpu"})
-    limits = config.limits
-    materializer = Materializer(config.load_profile(), limits)
-    req = workloads.build_request(workloads.profile_for(family), tokens, with_hash=True)
-    frames = [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+    limits, materializer, frames = workloads.staged(family, tokens)
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     port = a.bind_to_random_port("tcp://127.0.0.1")

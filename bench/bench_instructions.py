@@ -42,14 +42,8 @@ def child(family: str, tokens: int, stage: str, repeat: int) -> None:
     sys.path.insert(0, str(HERE))
     import workloads
     from mmadmit import wire
-    from mmadmit.config import build_config
-    from mmadmit.materializer import Materializer
 
-    config = build_config({"model": family, "device": "cpu"})
-    limits = config.limits
-    materializer = Materializer(config.load_profile(), limits)
-    req = workloads.build_request(workloads.profile_for(family), tokens, with_hash=True)
-    frames = [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+    limits, materializer, frames = workloads.staged(family, tokens)
     # received frames are zmq.Frame objects in the service: the same here
     import zmq
 

@@ -132,6 +132,19 @@ def frames_of(req: Request) -> list[Any]:
     return [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
 
 
+def staged(family: str, tokens: int) -> tuple[Any, Any, list[Any]]:
+    """What an in-process bench of a request's stages needs: the profile's limits
+    and ``Materializer`` (as ``mmadmit serve`` builds them, on the CPU) and the
+    ADD frames of ``build_request(..., tokens, with_hash=True)``."""
+    from mmadmit.config import build_config
+    from mmadmit.materializer import Materializer
+
+    config = build_config({"model": family, "device": "cpu"})
+    materializer = Materializer(config.load_profile(), config.limits)
+    req = build_request(profile_for(family), tokens, with_hash=True)
+    return config.limits, materializer, frames_of(req)
+
+
 def admit_request(req: Request, rid: str | None = None, *, timeout_ms: int = 0) -> Any:
     """The request as the client library sends it over gRPC (an ``AdmitRequest``):
     encoded by the service's codec, decoded and translated by the client's."""
