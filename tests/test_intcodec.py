@@ -976,6 +976,48 @@ def test_encode_like_refuses_what_does_not_belong() -> None:
         assert all(g == got[0] for g in got)
 
 
+def test_encode_like_never_copies_more_than_the_ints_can_take() -> None:
+    """A mark far ahead of where its element starts would make a stretch of 22
+    unchanged ids a copy of most of the array: refused, in both builds (the
+    output is sized for 9 bytes an id)."""
+    values = np.full(300, 151655, np.int64)
+    values[::7] = 3
+    raw = msgpack.packb(values.tolist())
+    for walk in _walkers():
+        old, marks = walk.decode_marked(memoryview(raw))
+        new = old.copy()
+        new[40] = 1  # encoded with the seven after it; copied again from id 48 ...
+        new[70:] = 7  # ... to id 69: a stretch across mark 1 (id 64)
+        assert msgpack.unpackb(bytes(walk.encode_like(new, old, memoryview(raw), marks))) == (
+            new.tolist()
+        )
+        lying = marks.copy()
+        lying[1] = len(raw) - 3 - 60  # element 64 "starts" 60 bytes before the end
+        with pytest.raises(ValueError, match="encode_like"):
+            walk.encode_like(new, old, memoryview(raw), lying)
+
+
+def test_encode_like_any_marks_same_outcome_both_builds() -> None:
+    """Marks of any values, in any order: bytes or a refusal, the same compiled and
+    interpreted, never a read or write out of bounds (the fuzz target's
+    sanitizers check that part)."""
+    rng = np.random.default_rng(12)
+    values = _runs(rng, 400)
+    raw = _wide(values, rng)
+    old, marks = _walkers()[0].decode_marked(memoryview(raw))
+    refused = 0
+    for _ in range(300):
+        lying = rng.integers(-3, len(raw) + 3, size=len(marks))
+        if rng.random() < 0.5:
+            lying = np.sort(lying)
+        new = old.copy()
+        new[rng.integers(0, len(new), size=int(rng.integers(1, 40)))] = 5
+        got = [_outcome(w.encode_like, new, old, memoryview(raw), lying) for w in _walkers()]
+        assert all(g == got[0] for g in got)
+        refused += got[0][0] == "err"
+    assert refused > 100
+
+
 def _outcome(f: Callable[..., Any], *args: Any) -> Any:
     try:
         return ("ok", bytes(f(*args)))

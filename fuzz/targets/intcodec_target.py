@@ -87,6 +87,13 @@ def _like(buf: memoryview, old: np.ndarray) -> None:
         a = outcome(ic._BUILT.encode_like, edits[-1], old, buf, shifted)
         b = outcome(msgpack_walk.encode_like, edits[-1], old, buf, shifted)
         same(a, b, "encode_like, shifted marks")
+        # marks of any value in any order (from the bytes themselves), against an
+        # edit that leaves short unchanged stretches between changed ids
+        lying = np.resize(np.frombuffer(bytes(buf), np.uint8).astype(np.int64) * 7 - 5, len(marks))
+        sparse = old ^ (np.arange(n) % 5 == 0)
+        a = outcome(ic._BUILT.encode_like, sparse, old, buf, lying)
+        b = outcome(msgpack_walk.encode_like, sparse, old, buf, lying)
+        same(a, b, "encode_like, marks of any value")
 
 
 def _encode(d: Data) -> None:

@@ -868,7 +868,9 @@ def _write_like(
         if j > i:  # elements i..j-1 unchanged: their received bytes
             ci, a = _seek(p, h, mk, ci, cpos, i)
             ci, b = _seek(p, h, mk, ci, a, j)
-            if a < 0 or b < 0:
+            # marks that lie may put a and b anywhere in p: never more bytes
+            # than j - i ints can take (what the output was sized for)
+            if a < 0 or b < a or b - a > 9 * (j - i):
                 return -1
             _copy(o, at, p, a, b - a)
             at += b - a
