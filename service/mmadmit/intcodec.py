@@ -328,6 +328,21 @@ def _split_native(
     return offsets, ints
 
 
+def _like_walk(
+    walk: Any,
+    values: npt.NDArray[np.int64],
+    old: npt.NDArray[np.int64],
+    buf: memoryview,
+    marks: npt.NDArray[np.int64] | None,
+) -> memoryview:
+    """``walk.encode_like`` (one build of the walker); marks None (the array was not
+    decoded by the compiled split): read again, with its marks."""
+    if marks is None:
+        _, marks = walk.decode_marked(buf)
+    result: memoryview = walk.encode_like(values, old, buf, marks)
+    return result
+
+
 def _like_native(
     values: npt.NDArray[np.int64],
     old: npt.NDArray[np.int64],
@@ -335,10 +350,7 @@ def _like_native(
     marks: npt.NDArray[np.int64] | None,
 ) -> bytes | memoryview:
     assert _BUILT is not None
-    if marks is None:  # not from the compiled split: read again, with its marks
-        _, marks = _BUILT.decode_marked(buf)
-    result: memoryview = _BUILT.encode_like(values, old, buf, marks)
-    return result
+    return _like_walk(_BUILT, values, old, buf, marks)
 
 
 def _len_native(buf: memoryview) -> int:
@@ -428,12 +440,9 @@ def _like_py(
     # Where the received bytes are smallest forms (what msgpack encoders write),
     # the walker's result is the plain encoding; otherwise the walker runs
     # (interpreted: a Python loop, for bytes no known encoder writes).
-    if bytes(_encode_py(old)) == bytes(buf):
+    if buf == _encode_py(old):
         return _encode_py(values)
-    if marks is None:
-        _, marks = msgpack_walk.decode_marked(buf)
-    result: memoryview = msgpack_walk.encode_like(values, old, buf, marks)
-    return result
+    return _like_walk(msgpack_walk, values, old, buf, marks)
 
 
 def _split_py(

@@ -664,28 +664,16 @@ def _differ8(v: cython.const[i64][::1], w: cython.const[i64][::1], i: ssize) -> 
 
 
 @cython.cfunc
-@cython.inline
 @cython.nogil
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _run_end(v: cython.const[i64][::1], i: ssize, x: i64) -> ssize:
-    """The first index from ``i`` where ``v`` is not ``x`` (its length if none)."""
+def _same_until(v: cython.const[i64][::1], old: cython.const[i64][::1], i: ssize) -> ssize:
+    """The first index from ``i`` where ``v`` and ``old`` differ (their length if none)."""
     n: ssize = v.shape[0]
-    while n - i >= 8:
-        if (
-            (v[i] ^ x)
-            | (v[i + 1] ^ x)
-            | (v[i + 2] ^ x)
-            | (v[i + 3] ^ x)
-            | (v[i + 4] ^ x)
-            | (v[i + 5] ^ x)
-            | (v[i + 6] ^ x)
-            | (v[i + 7] ^ x)
-        ) != 0:
-            break
+    while n - i >= 8 and _differ8(v, old, i) == 0:
         i += 8
-    while i < n and v[i] == x:
+    while i < n and v[i] == old[i]:
         i += 1
     return i
 
@@ -722,7 +710,9 @@ def _write_ints(
         # previous one): its encoding written again while it lasts
         if i > lo and v[i] == v[i - 1]:
             x = v[i - 1]
-            r = _run_end(v, i, x)
+            # the run's end: the first r with v[r] != v[r - 1], i.e. where v from 1
+            # on first differs from v itself
+            r = 1 + _same_until(v[1:], v[:-1], i - 1)
             if r - i >= 8:
                 t, payload, size = _form(x)
                 if r - i >= _LONG_RUN:
@@ -789,21 +779,6 @@ def encode(v: cython.const[i64][::1]) -> memoryview:
 def _marks_len(n: ssize) -> ssize:
     """How many marks an array of ``n`` elements has (one every 64 elements)."""
     return (n + 63) >> _MARK_SHIFT
-
-
-@cython.cfunc
-@cython.nogil
-@cython.exceptval(check=False)
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _same_until(v: cython.const[i64][::1], old: cython.const[i64][::1], i: ssize) -> ssize:
-    """The first index from ``i`` where ``v`` and ``old`` differ (their length if none)."""
-    n: ssize = v.shape[0]
-    while n - i >= 8 and _differ8(v, old, i) == 0:
-        i += 8
-    while i < n and v[i] == old[i]:
-        i += 1
-    return i
 
 
 @cython.cfunc
@@ -891,13 +866,15 @@ def encode_like(
 
     ``old`` was decoded from ``raw`` (one msgpack int array, as :func:`split`
     reads it) with ``marks`` (:func:`split`'s, where every 64th element
-    starts). Every element of ``v`` equal to ``old``'s at its index is
-    ``raw``'s bytes for it, every other one its smallest form: what
-    :func:`encode` writes whenever ``raw`` holds smallest forms (what
-    msgpack encoders write), and always the same values. A long stretch
-    of ids the materializer left unchanged is one copy, not a re-encode:
-    only the pad runs are written. ValueError if the four do not belong
-    together (lengths, marks, the bytes at the marks)."""
+    starts). Stretches of ``v`` equal to ``old`` are ``raw``'s bytes for
+    them, copied; every other element is its smallest form (so is an
+    unchanged one the encoder takes along with changed ones: inside a block
+    of eight it writes whole, or a run of one value). That is what
+    :func:`encode` writes whenever ``raw`` holds smallest forms (what msgpack
+    encoders write), and always the same values. A long stretch of ids the
+    materializer left unchanged is one copy, not a re-encode: only the pad
+    runs are written. ValueError if the four do not belong together
+    (lengths, marks, the bytes at the marks)."""
     n: ssize = v.shape[0]
     count: ssize
     h: ssize
