@@ -1038,6 +1038,143 @@ def test_encode_like_reads_stay_in_bounds(guarded: _Guarded) -> None:
                 assert msgpack.unpackb(got) == new.tolist()
 
 
+# --------------------------------------------------------------------------
+# Encoding filled spans of a received array: encode_int_array_filled (the
+# reply's padded ids, written from the received bytes and the pad spans)
+
+FILLS = [
+    pytest.param(lambda *a: ic._filled_native(*a), id="native", marks=native_only),
+    pytest.param(lambda *a: ic._filled_py(*a), id="fallback"),
+    pytest.param(
+        lambda old, buf, mk, *spans: ic.encode_int_array_filled(old, buf, mk, *spans),
+        id="public",
+    ),
+]
+
+
+def _spans(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted, disjoint spans over ``n`` elements (empty ones, touching ones and
+    the array's ends among them) and a value each, from every int form."""
+    k = int(rng.integers(0, 12))
+    cuts = np.sort(rng.integers(0, n + 1, size=2 * k)) if n else np.zeros(2 * k, np.int64)
+    if k and rng.random() < 0.3:
+        cuts[0], cuts[-1] = 0, n  # the first span at 0, the last to the end
+    if k > 1 and rng.random() < 0.3:
+        cuts[2] = cuts[1]  # two spans touching
+    fill = np.array([int(rng.choice(EDGE_VALUES + [2**30 + 17])) for _ in range(k)], np.int64)
+    return cuts[0::2].astype(np.int64), cuts[1::2].astype(np.int64), fill
+
+
+def _filled(old: np.ndarray, starts: Any, stops: Any, fill: Any) -> np.ndarray:
+    out = old.copy()
+    for a, b, v in zip(starts, stops, fill, strict=True):
+        out[a:b] = v
+    return out
+
+
+@pytest.mark.parametrize("filled", FILLS)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 128, 1000, 70000])
+def test_encode_filled_is_encode_of_the_filled_array(filled: Any, n: int) -> None:
+    rng = np.random.default_rng([13, n])
+    values = _runs(rng, n)
+    raw = msgpack.packb(values.tolist())
+    old, marks = _received(raw)
+    for _ in range(6):
+        spans = _spans(rng, n)
+        expected = msgpack.packb(_filled(old, *spans).tolist())
+        assert bytes(filled(old, ic._as_bytes(raw), marks, *spans)) == expected
+        assert bytes(filled(old, ic._as_bytes(raw), None, *spans)) == expected  # marks read again
+
+
+@pytest.mark.parametrize("n", [0, 1, 8, 9, 64, 65, 200, 3000])
+def test_encode_filled_keeps_other_forms_outside_the_spans(n: int) -> None:
+    """Bytes no encoder writes: every element outside the spans as received, the
+    spans in smallest forms; compiled, interpreted and fallback alike."""
+    from mmadmit import msgpack_walk
+
+    rng = np.random.default_rng([14, n])
+    values = _runs(rng, n)
+    raw = _wide(values, rng)
+    old, marks = _received(raw)
+    _, walk_marks = msgpack_walk.decode_marked(memoryview(raw))
+    for _ in range(6):
+        starts, stops, fill = _spans(rng, n)
+        got = bytes(ic.encode_int_array_filled(old, raw, marks, starts, stops, fill))
+        assert msgpack.unpackb(got) == _filled(old, starts, stops, fill).tolist()
+        assert got == bytes(ic._filled_py(old, memoryview(raw), None, starts, stops, fill))
+        assert got == bytes(
+            msgpack_walk.encode_filled(memoryview(raw), walk_marks, starts, stops, fill)
+        )
+        # outside the spans, the received bytes: the whole array again when no span
+        # has a length
+        if all(a == b for a, b in zip(starts, stops, strict=True)):
+            assert got == bytes(_pack_header(n)) + raw[5:]
+
+
+def test_encode_filled_refuses_spans_out_of_order_or_outside() -> None:
+    """Spans that overlap, run backwards, start before 0 or end past the array:
+    ValueError with one message, whichever build runs."""
+    values = np.arange(200, dtype=np.int64)
+    raw = msgpack.packb(values.tolist())
+    old, marks = _received(raw)
+    bad = [
+        ([10, 15], [20, 30], [1, 2]),  # overlapping
+        ([30, 10], [40, 20], [1, 2]),  # out of order
+        ([20], [10], [1]),  # backwards
+        ([-1], [5], [1]),  # before the first element
+        ([190], [201], [1]),  # past the last
+    ]
+    for starts, stops, fill in bad:
+        spans = [np.array(x, np.int64) for x in (starts, stops, fill)]
+        got = {_outcome(ic._filled_py, old, memoryview(raw), marks, *spans)}
+        for w in _walkers():
+            got.add(_outcome(w.encode_filled, memoryview(raw), marks_of(w, raw), *spans))
+        assert got == {("err", "msgpack int array: encode_filled: the spans are not sorted, "
+                                "disjoint and inside")}  # fmt: skip
+    with pytest.raises(ValueError, match="differ in length"):
+        ic.encode_int_array_filled(old, raw, marks, [1], [2, 3], [1])
+    with pytest.raises(ValueError, match="do not match"):  # another array's bytes
+        ic.encode_int_array_filled(old[:-1], raw, marks, [1], [2], [1])
+
+
+def marks_of(walk: Any, raw: bytes) -> np.ndarray:
+    _, marks = walk.decode_marked(memoryview(raw))
+    return marks
+
+
+def test_encode_filled_any_marks_same_outcome_both_builds() -> None:
+    """Marks of any values: bytes or a refusal, the same compiled and interpreted,
+    never a copy longer than the output was sized for."""
+    rng = np.random.default_rng(15)
+    values = _runs(rng, 400)
+    raw = _wide(values, rng)
+    marks = marks_of(_walkers()[0], raw)
+    refused = 0
+    for _ in range(300):
+        lying = rng.integers(-3, len(raw) + 3, size=len(marks))
+        if rng.random() < 0.5:
+            lying = np.sort(lying)
+        spans = _spans(rng, 400)
+        got = [_outcome(w.encode_filled, memoryview(raw), lying, *spans) for w in _walkers()]
+        assert all(g == got[0] for g in got)
+        refused += got[0][0] == "err"
+    assert refused > 100
+
+
+@native_only
+def test_encode_filled_reads_stay_in_bounds(guarded: _Guarded) -> None:
+    rng = np.random.default_rng(16)
+    for n in (1, 8, 63, 64, 65, 130):
+        values = _runs(rng, n)
+        for raw in (msgpack.packb(values.tolist()), _wide(values, rng)):
+            buf = guarded(raw)
+            old, marks = ic._BUILT.decode_marked(buf)
+            for _ in range(4):
+                spans = _spans(rng, n)
+                got = bytes(ic._filled_native(old, buf, marks, *spans))
+                assert msgpack.unpackb(got) == _filled(old, *spans).tolist()
+
+
 def test_split_marks_only_from_the_compiled_walker() -> None:
     raw = msgpack.packb(list(range(200)))
     marks: list[Any] = ["stale"]

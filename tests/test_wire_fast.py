@@ -66,7 +66,7 @@ def mode(name: str) -> Iterator[None]:
             mp.setattr(
                 wire,
                 "_int_array",
-                lambda extra, values: msgspec.Raw(ic.encode_int_array(values)),
+                lambda extra, values, padding=None: msgspec.Raw(ic.encode_int_array(values)),
             )
             mp.setattr(wire, "_spliced", _spliced_by_elements)
         if name == "fallback":
@@ -76,6 +76,8 @@ def mode(name: str) -> Iterator[None]:
                 "_rows",
                 "_decode",
                 "_encode",
+                "_like",
+                "_filled",
                 "_len",
                 "_check",
                 "_items",

@@ -9,7 +9,8 @@ The first input byte picks an entry point, the rest is its input:
 ``decode_int_array`` on the bytes or on an array built element by element from
 them (every int form, boundary values; results and error messages must
 match; then ``encode_like`` on edited copies of the decoded array, the
-compiled walker against the interpreted one and the fallback), ``encode_int_array``
+compiled walker against the interpreted one and the fallback, and
+``encode_filled`` with spans and marks taken from the bytes), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 (or offsets chosen freely) with chosen limits, ``array_spans`` and ``int_rows``
@@ -94,6 +95,33 @@ def _like(buf: memoryview, old: np.ndarray) -> None:
         a = outcome(ic._BUILT.encode_like, sparse, old, buf, lying)
         b = outcome(msgpack_walk.encode_like, sparse, old, buf, lying)
         same(a, b, "encode_like, marks of any value")
+    _filled(buf, old, marks)
+
+
+def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
+    """``encode_filled`` on a decoded array: spans taken from the bytes (valid ones,
+    then any), compiled, interpreted and the fallback alike, holding the filled
+    values; marks of any value, the same outcome both builds."""
+    assert ic._BUILT is not None
+    n = len(old)
+    raw = np.frombuffer(bytes(buf), np.uint8).astype(np.int64)
+    cuts = np.sort(np.resize(raw * 31 % (n + 1), 2 * min(len(raw), 9))) if n else raw[:0]
+    starts, stops = cuts[0::2].copy(), cuts[1::2].copy()
+    fill = np.resize(raw * 0x0101010101 - 2**35, len(starts))
+    a = outcome(ic._filled_native, old, buf, marks, starts, stops, fill)
+    same(a, outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill), "encode_filled")
+    same(a, outcome(ic._filled_py, old, buf, None, starts, stops, fill), "encode_filled fallback")
+    want = old.copy()
+    for x, y, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
+        want[x:y] = v
+    assert a[0] == "ok" and msgpack.unpackb(a[1]) == want.tolist(), "encode_filled values"
+    if n:
+        loose = np.resize(raw * 13 % (n + 3) - 1, len(starts))  # any order, outside too
+        lying = np.resize(raw * 7 - 5, len(marks))
+        for spans, mk in (((loose, stops, fill), marks), ((starts, stops, fill), lying)):
+            a = outcome(ic._BUILT.encode_filled, buf, mk, *spans)
+            b = outcome(msgpack_walk.encode_filled, buf, mk, *spans)
+            same(a, b, "encode_filled, spans or marks of any value")
 
 
 def _encode(d: Data) -> None:

@@ -56,7 +56,9 @@ def _mode(name: str) -> Iterator[None]:
     try:
         if name == "encoded":
             wire._ItemSrc.unchanged = lambda self, item: False  # type: ignore[method-assign]
-            wire._int_array = lambda extra, values: msgspec.Raw(encode_int_array(values))
+            wire._int_array = lambda extra, values, padding=None: msgspec.Raw(
+                encode_int_array(values)
+            )
         with native_mode(name != "fallback"):
             yield
     finally:

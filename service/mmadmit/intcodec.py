@@ -70,6 +70,7 @@ __all__ = [
     "check_structure",
     "decode_int_array",
     "encode_int_array",
+    "encode_int_array_filled",
     "encode_int_array_like",
     "int_rows",
     "offsets_of",
@@ -201,6 +202,34 @@ def encode_int_array_like(
     if old.dtype != np.int64 or old.shape != v.shape:
         return _encode_impl(v)
     return _like_impl(v, old, _as_bytes(raw), marks)
+
+
+def encode_int_array_filled(
+    old: npt.NDArray[np.int64],
+    raw: Any,
+    marks: npt.NDArray[np.int64] | None,
+    starts: Any,
+    stops: Any,
+    fill: Any,
+) -> bytes | memoryview:
+    """:func:`encode_int_array` of ``old`` with ``old[starts[k]:stops[k]] = fill[k]``,
+    written from the bytes ``old`` was decoded from.
+
+    ``old``, ``raw`` and ``marks`` as for :func:`encode_int_array_like`. The
+    spans say what changed, so no int array is read: the elements outside
+    them are ``raw``'s bytes, copied, each span its value's smallest form
+    repeated (the padded ids: the received ids with the pad runs written).
+    Byte-identical to :func:`encode_int_array` of the filled array whenever
+    ``raw`` holds smallest forms, the same values always. ``ValueError`` when
+    the spans are not sorted, disjoint and inside the array, or ``old``,
+    ``raw`` and ``marks`` do not belong together.
+    """
+    a, b, v = _as_int64(starts), _as_int64(stops), _as_int64(fill)
+    if old.dtype != np.int64 or old.ndim != 1:
+        raise ValueError(f"{_PREFIX}encode_filled: old must be a 1-D int64 array")
+    if not len(a) == len(b) == len(v):
+        raise ValueError(f"{_PREFIX}encode_filled: starts, stops and fill differ in length")
+    return _filled_impl(old, _as_bytes(raw), marks, a, b, v)
 
 
 def array_spans(raw: Any) -> list[int]:
@@ -343,6 +372,28 @@ def _like_walk(
     return result
 
 
+def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans: Any) -> memoryview:
+    """``walk.encode_filled`` (one build of the walker), after the checks that
+    ``old`` is the array ``buf`` holds (its length; marks None: read again)."""
+    if marks is None:
+        _, marks = walk.decode_marked(buf)
+    if walk.array_len(buf) != len(old):
+        raise ValueError(f"{_PREFIX}encode_filled: the array and the bytes do not match")
+    result: memoryview = walk.encode_filled(buf, marks, *spans)
+    return result
+
+
+def _filled_native(
+    old: npt.NDArray[np.int64],
+    buf: memoryview,
+    marks: Any,
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+    fill: npt.NDArray[np.int64],
+) -> bytes | memoryview:
+    return _filled_walk(_BUILT, old, buf, marks, starts, stops, fill)
+
+
 def _like_native(
     values: npt.NDArray[np.int64],
     old: npt.NDArray[np.int64],
@@ -445,6 +496,37 @@ def _like_py(
     return _like_walk(msgpack_walk, values, old, buf, marks)
 
 
+def _filled_py(
+    old: npt.NDArray[np.int64],
+    buf: memoryview,
+    marks: Any,
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+    fill: npt.NDArray[np.int64],
+) -> bytes | memoryview:
+    # As _like_py: where the received bytes are smallest forms, the walker's
+    # result is the plain encoding of the filled array (the spans checked as
+    # the walker does, with its message); otherwise the walker runs.
+    n = len(old)
+    if buf == _encode_py(old):
+        if marks is not None and len(marks) != (n + 63) >> 6:
+            raise ValueError(f"{_PREFIX}encode_filled: the bytes and marks do not match")
+        if len(starts) and not (
+            starts[0] >= 0
+            and stops[-1] <= n
+            and bool(np.all(starts <= stops))
+            and bool(np.all(stops[:-1] <= starts[1:]))
+        ):
+            raise ValueError(
+                f"{_PREFIX}encode_filled: the spans are not sorted, disjoint and inside"
+            )
+        filled = old.copy()
+        for a, b, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
+            filled[a:b] = v
+        return _encode_py(filled)
+    return _filled_walk(msgpack_walk, old, buf, marks, starts, stops, fill)
+
+
 def _split_py(
     buf: memoryview,
     int_fields: tuple[int, ...],
@@ -503,6 +585,7 @@ def _rows_py(
 _decode_impl = _decode_py
 _encode_impl = _encode_py
 _like_impl = _like_py
+_filled_impl = _filled_py
 _split_impl = _split_py
 _spans_impl = _spans_py
 _rows_impl = _rows_py
@@ -515,12 +598,13 @@ def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl, _items_impl, _like_impl
+    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl
     HAVE_NATIVE = on and _BUILT is not None
     if HAVE_NATIVE:
         _decode_impl = _decode_native
         _encode_impl = _encode_native
         _like_impl = _like_native
+        _filled_impl = _filled_native
         _split_impl = _split_native
         _spans_impl = _spans_native
         _rows_impl = _rows_native
@@ -531,6 +615,7 @@ def _use_native(on: bool) -> bool:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
         _like_impl = _like_py
+        _filled_impl = _filled_py
         _split_impl = _split_py
         _spans_impl = _spans_py
         _rows_impl = _rows_py

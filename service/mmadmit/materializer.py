@@ -37,6 +37,7 @@ from .model import (
     Item,
     Materialized,
     MultimodalInputs,
+    Padding,
     Request,
     Rule,
     Tensor,
@@ -181,7 +182,8 @@ class Materializer:
         if profile.uses_mrope:
             self._set_positions(new_mm, mm, len(original), plan.runs, ops)
         spans = plan.spans
-        padded = ops.substitute(original, spans.start, spans.stop, plan.pads[spans.owner])
+        values = plan.pads[spans.owner]
+        padded = ops.substitute(original, spans.start, spans.stop, values)
         out = Request(
             req.rid,
             padded,
@@ -189,6 +191,7 @@ class Materializer:
             new_mm,
             req.validation_error,
             req.extra,  # rule 8
+            Padding(padded, original, spans.start, spans.stop, values),
         )
         return Materialized(out, Rule.NORMAL)
 

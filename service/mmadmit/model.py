@@ -203,6 +203,26 @@ class MultimodalInputs:
     extra: Any = None
 
 
+class Padding(msgspec.Struct, frozen=True, eq=False, gc=False):
+    """How the materializer made a request's padded ids (rule 6's substitution):
+    ``result`` is ``unpadded`` with ``result[starts[k]:stops[k]] = values[k]``
+    (spans sorted and disjoint, int64 arrays).
+
+    The materializer sets it on the request it returns, whose ``input_ids``
+    is ``result`` and ``input_ids_unpadded`` is ``unpadded``. An encoder may
+    then write the padded ids from the spans and the bytes ``unpadded`` was
+    decoded from, reading neither array (the msgpack codec does); it holds
+    only while both fields are still those arrays (identity says it), and
+    nobody writes into them (nothing in the service does).
+    """
+
+    result: np.ndarray
+    unpadded: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    values: np.ndarray
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -211,6 +231,7 @@ class Request:
     mm: MultimodalInputs | None = None
     validation_error: str | None = None
     extra: Any = None
+    padding: Padding | None = None  # set by the materializer (rule 6), see Padding
 
 
 class Rule(enum.Enum):

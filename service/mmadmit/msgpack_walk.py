@@ -16,7 +16,9 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   :func:`decode_marked` and :func:`encode_like`: the same with marks (where
   every 64th element starts), so that an array made from a received one (the
   padded ids) is the received bytes where it is unchanged, copied, and only
-  its changed stretches are encoded.
+  its changed stretches are encoded; :func:`encode_filled`: the same when
+  what changed is known (spans set to one value each, the pad runs), from
+  the bytes and the spans alone.
 * :func:`split`, :func:`array_spans`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
   its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
@@ -60,6 +62,7 @@ __all__ = [
     "decode",
     "decode_marked",
     "encode",
+    "encode_filled",
     "encode_like",
     "int_rows",
     "range_message",
@@ -891,6 +894,101 @@ def encode_like(
         at = _write_like(o, at, v, old, raw, h, marks)
     if at < 0:
         raise ValueError(f"{_INT}encode_like: the bytes are not those of the old array")
+    return memoryview(buf)[:at]
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_filled(
+    o: u8[::1],
+    at: ssize,
+    p: cython.const[u8][::1],
+    h: ssize,
+    n: ssize,
+    mk: cython.const[i64][::1],
+    starts: cython.const[i64][::1],
+    stops: cython.const[i64][::1],
+    fill: cython.const[i64][::1],
+) -> ssize:
+    """:func:`encode_filled`'s ``n`` elements from ``o[at]``: the end offset; -1 if
+    the spans are not sorted, disjoint and inside the array; -2 if ``p`` (its
+    elements from ``p[h]``) and ``mk`` do not hold up."""
+    count: ssize = starts.shape[0]
+    k: ssize
+    a: ssize
+    b: ssize
+    s: ssize
+    e: ssize
+    i: ssize = 0  # the elements before i are written
+    ci: ssize = 0  # the cursor: element ci starts at p[cpos]; it only moves forward
+    cpos: ssize = h
+    t: cython.uint
+    payload: u64
+    size: ssize
+    for k in range(count + 1):
+        if k < count:
+            s, e = starts[k], stops[k]
+            if s < i or e < s or e > n:
+                return -1
+        else:
+            s, e = n, n
+        if s > i:  # elements i..s-1 unchanged: their received bytes
+            ci, a = _seek(p, h, mk, ci, cpos, i)
+            ci, b = _seek(p, h, mk, ci, a, s)
+            # marks that lie may put a and b anywhere in p: never more bytes
+            # than s - i ints can take (what the output was sized for)
+            if a < 0 or b < a or b - a > 9 * (s - i):
+                return -2
+            _copy(o, at, p, a, b - a)
+            at += b - a
+            cpos = b
+        if e > s:  # the span: one value, its smallest form repeated
+            t, payload, size = _form(fill[k])
+            at = _repeat(o, at, t, payload, size, e - s)
+        i = e
+    return at
+
+
+def encode_filled(
+    raw: cython.const[u8][::1],
+    marks: cython.const[i64][::1],
+    starts: cython.const[i64][::1],
+    stops: cython.const[i64][::1],
+    fill: cython.const[i64][::1],
+) -> memoryview:
+    """:func:`encode` of the array decoded from ``raw`` (with ``marks``, see
+    :func:`encode_like`) with ``[starts[k], stops[k])`` set to ``fill[k]``,
+    written from the bytes alone: the elements outside the spans are ``raw``'s
+    bytes for them, copied, each span its value's smallest form repeated. No
+    int array is read or compared; the spans (sorted, disjoint, inside the
+    array) say what changed. That is :func:`encode` of the filled array
+    whenever ``raw`` holds smallest forms (what msgpack encoders write), and
+    always the same values. ValueError for spans that are not sorted,
+    disjoint and inside the array, and for bytes and marks that do not belong
+    together."""
+    count: ssize
+    h: ssize
+    count, h = _int_header(raw)
+    k: ssize = starts.shape[0]
+    if stops.shape[0] != k or fill.shape[0] != k:
+        raise ValueError(f"{_INT}encode_filled: starts, stops and fill differ in length")
+    if marks.shape[0] != _marks_len(count):
+        raise ValueError(f"{_INT}encode_filled: the bytes and marks do not match")
+    buf = np.empty(5 + 9 * count, dtype=np.uint8)  # header, then 9 bytes a value at most
+    o: u8[::1] = buf
+    at: ssize = _put_header(o, count)
+    if count >= _GIL_MIN:
+        with cython.nogil:
+            at = _write_filled(o, at, raw, h, count, marks, starts, stops, fill)
+    else:
+        at = _write_filled(o, at, raw, h, count, marks, starts, stops, fill)
+    if at == -1:
+        raise ValueError(f"{_INT}encode_filled: the spans are not sorted, disjoint and inside")
+    if at < 0:
+        raise ValueError(f"{_INT}encode_filled: the bytes are not those of an int array")
     return memoryview(buf)[:at]
 
 

@@ -19,8 +19,10 @@ How it stays fast and loses nothing:
   decoded array in place (the materializer substitutes into a copy); code that
   changes token ids must assign a new array, which is then encoded, reusing
   the received bytes of the array of its length where it is unchanged
-  (:func:`~mmadmit.intcodec.encode_int_array_like`: the padded ids are the
-  received ``input_ids`` with only the pad runs written).
+  (:func:`~mmadmit.intcodec.encode_int_array_like`). The padded ids the
+  materializer made are written from its :class:`~mmadmit.model.Padding`
+  instead (:func:`~mmadmit.intcodec.encode_int_array_filled`): the received
+  ``input_ids`` bytes with only the pad runs written, neither array read.
 * One decode path per message kind, whatever its size: an ADD's payload is
   always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
   and every multimodal item by one typed ``msgspec`` decoder
@@ -91,6 +93,7 @@ from .intcodec import (
     check_structure,
     decode_int_array,
     encode_int_array,
+    encode_int_array_filled,
     encode_int_array_like,
     int_rows,
     split_array,
@@ -108,6 +111,7 @@ from .model import (
     Item,
     Materialized,
     MultimodalInputs,
+    Padding,
     Request,
     ShmHandle,
     Tensor,
@@ -972,13 +976,21 @@ def _wire_extra(req: Request) -> WireExtra:
     return WireExtra(raw=[], aux=[])
 
 
-def _int_array(extra: WireExtra, values: np.ndarray) -> msgspec.Raw:
+def _int_array(extra: WireExtra, values: np.ndarray, padding: Padding | None = None) -> msgspec.Raw:
     """The received bytes of ``values`` if it is an array decoded from them; else
-    encoded, reusing the bytes of the received array it was made from (the
-    first of its length: the padded ids keep the unpadded ones' text)."""
-    for decoded, raw, _ in extra.ints:
+    encoded, reusing the bytes of the received array it was made from: with
+    ``padding`` (the materializer's, ``values`` its result), the unpadded ids'
+    bytes and the pad spans, no array read; otherwise the first received array
+    of its length, compared with it (the padded ids keep the unpadded ones' text)."""
+    for decoded, raw, marks in extra.ints:
         if decoded is values:
             return raw
+        if padding is not None and decoded is padding.unpadded and padding.result is values:
+            return msgspec.Raw(
+                encode_int_array_filled(
+                    decoded, raw, marks, padding.starts, padding.stops, padding.values
+                )
+            )
     for decoded, raw, marks in extra.ints:
         if len(decoded) == len(values):
             return msgspec.Raw(encode_int_array_like(values, decoded, raw, marks))
@@ -999,7 +1011,7 @@ def encode_request(
     written = (  # in _WRITTEN's order
         TAG,
         req.rid,
-        _int_array(extra, req.input_ids),
+        _int_array(extra, req.input_ids, req.padding),
         None if req.input_ids_unpadded is None else _int_array(extra, req.input_ids_unpadded),
         None if req.mm is None else _encode_mm(req.mm, writer, drop_features, extra.aux),
         validation_error if validation_error is not None else req.validation_error,
