@@ -49,6 +49,8 @@ from __future__ import annotations
 import cython
 import numpy as np
 
+from .dtypes import parse_dtype
+from .errors import InvalidRequest
 from .limits import MAX_DEPTH
 
 __all__ = [
@@ -715,7 +717,7 @@ def _write_ints(
             x = v[i - 1]
             # the run's end: the first r with v[r] != v[r - 1], i.e. where v from 1
             # on first differs from v itself
-            r = 1 + _same_until(v[1:], v[:-1], i - 1)
+            r = 1 + _same_until(v[1:n], v[: n - 1], i - 1)  # no negative index: wraparound off
             if r - i >= 8:
                 t, payload, size = _form(x)
                 if r - i >= _LONG_RUN:
@@ -1524,10 +1526,11 @@ def _int_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
 
 
 @cython.cfunc
-def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(text, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked), None otherwise."""
+def _str_span(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple[ssize, ssize]:
+    """``(start, length)`` of the bytes of the msgpack str at ``p[pos]``, ``(-1, 0)``
+    if it is not one (or is cut short)."""
     if pos >= n:
-        return None
+        return -1, 0
     b: cython.uint = p[pos]
     h: ssize
     m: ssize
@@ -1536,13 +1539,70 @@ def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
     elif 0xD9 <= b <= 0xDB:
         h = 1 + (1 << (b - 0xD9))
         if n - pos < h:
-            return None
+            return -1, 0
         m = cython.cast(ssize, _load(p, pos + 1, h - 1))
     else:
-        return None
+        return -1, 0
     if m > n - pos - h:
+        return -1, 0
+    return pos + h, m
+
+
+@cython.cfunc
+def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(text, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked), None otherwise."""
+    at: ssize
+    m: ssize
+    at, m = _str_span(p, n, pos)
+    if at < 0:
         return None
-    return _bytes_at(p, pos + h, m).decode("utf-8"), pos + h + m
+    return _bytes_at(p, at, m).decode("utf-8"), at + m
+
+
+# Tensor dtype names seen, with what they name: (the name's bytes, its DType).
+# A tensor's dtype is then looked up by its bytes (no str made, no hash), and
+# its check gets the DType. Only names parse_dtype takes are kept, a bounded
+# number of them (a name past the bound is passed on as a str, resolved by the
+# check as before).
+_DTYPE_NAMES = cython.declare(list, [])
+_DTYPE_NAMES_MAX = cython.declare(ssize, 16)
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _same_bytes(p: cython.const[u8][::1], at: ssize, key: bytes) -> cython.bint:
+    """Whether ``p[at:at + len(key)]`` (there, the caller checked) is ``key``."""
+    m: ssize = len(key)
+    same: cython.bint
+    if m == 0:
+        same = True
+    elif cython.compiled:
+        same = memcmp(cython.address(p[at]), cython.cast(cython.p_const_char, key), m) == 0
+    else:
+        same = bytes(p[at : at + m]) == key
+    return same
+
+
+@cython.cfunc
+def _dtype_named_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> object:
+    """The DType the ``m`` name bytes at ``p[at]`` name when that name was seen
+    before, else the name as a str (remembered with its DType if it names one):
+    the tensor check takes either, and words a name that names nothing."""
+    entry: tuple
+    for entry in _DTYPE_NAMES:
+        key: bytes = entry[0]
+        if len(key) == m and _same_bytes(p, at, key):
+            return entry[1]
+    text = _bytes_at(p, at, m).decode("utf-8")
+    if len(_DTYPE_NAMES) < _DTYPE_NAMES_MAX:
+        try:
+            found = parse_dtype(text)
+        except InvalidRequest:
+            return text
+        _DTYPE_NAMES.append((_bytes_at(p, at, m), found))
+        return found
+    return text
 
 
 @cython.cfunc
@@ -1557,10 +1617,13 @@ def _tensor_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
     count, h = _array_head(p, n, pos)
     if count != 3:
         return None
-    got = _str_obj(p, n, pos + h)
-    if got is None:
+    at: ssize
+    m: ssize
+    at, m = _str_span(p, n, pos + h)
+    if at < 0:
         return None
-    dtype, pos = got
+    dtype = _dtype_named_at(p, at, m)
+    pos = at + m
     if pos >= n:
         return None
     count, h = _array_head(p, n, pos)

@@ -32,6 +32,10 @@ from .dtypes import DType, parse_dtype
 from .errors import InvalidRequest
 from .limits import check_shape, tensor_bytes_over
 
+if cython.compiled:
+    from cython.cimports.cpython.buffer import Py_buffer
+    from cython.cimports.cpython.memoryview import PyMemoryView_GET_BUFFER
+
 _force = msgspec.structs.force_setattr  # only while a tensor is being built
 # wire dtype name -> DType (only valid names are stored, a bounded number of them)
 DTYPES = cython.declare(dict, {})
@@ -42,6 +46,7 @@ _MEMORYVIEW = memoryview
 _bounds: tuple = (None, 0, 0, 0)
 
 
+@cython.cfunc
 def _limits_bounds(limits: Any) -> tuple:
     """``(limits, max_tensor_bytes, max_tensor_rank, max_tensor_dim)``, cached."""
     global _bounds
@@ -83,16 +88,40 @@ def check(t: Any) -> None:
         name = _label(t.name)
         check_shape(name, shape, limits)  # rank and dimensions first
         raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
-    if type(data) is not _MEMORYVIEW or not (
-        data.ndim == 1 and data.c_contiguous and data.format == "B"
-    ):
+    size: cython.Py_ssize_t = _byte_len(data)  # -1: not a flat byte view
+    if size < 0:
         data = _byte_view(data, t.name)
         _force(t, "data", data)
-    if data.nbytes != nbytes:
+        size = data.nbytes
+    if size != nbytes:
         raise InvalidRequest(
             f"{_label(t.name)}: {data.nbytes} data bytes but shape {list(shape)} of "
             f"{dtype.name} needs {nbytes}"
         )
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _byte_len(data: Any) -> cython.Py_ssize_t:
+    """The byte length of ``data`` if it is a flat, C-contiguous byte ``memoryview``
+    (what a tensor keeps), else -1. Compiled, read from the view's buffer
+    struct (no attribute lookups, no format string made)."""
+    size: cython.Py_ssize_t = -1
+    if type(data) is not _MEMORYVIEW:
+        pass
+    elif cython.compiled:
+        view: cython.pointer[Py_buffer] = PyMemoryView_GET_BUFFER(data)
+        fmt: cython.p_const_char = view.format
+        if (
+            view.ndim == 1
+            and (fmt == cython.NULL or (fmt[0] == 66 and fmt[1] == 0))  # "B"
+            and view.suboffsets == cython.NULL  # c_contiguous as memoryview decides it
+            and (view.shape[0] == 1 or view.strides[0] == view.itemsize)
+        ):
+            size = view.len
+    elif data.ndim == 1 and data.c_contiguous and data.format == "B":
+        size = data.nbytes
+    return size
 
 
 def _dtype_named(name: Any, what: Any) -> DType:
