@@ -300,6 +300,33 @@ def test_rule1_text_request_unchanged() -> None:
     assert out.request.mm is None and out.request.input_ids_unpadded is None
 
 
+def test_padding_says_how_the_padded_ids_were_made() -> None:
+    """Rule 6's substitution is recorded (model.Padding): the padded ids are the
+    unpadded ones with each span set to its pad value, spans sorted and disjoint;
+    the outcomes of the other rules carry none."""
+    p = Prompt().text(2)
+    p.image(4, 6, hash=12345)
+    p.text(3)
+    p.image(2, 4, hash=777)
+    out = ok(p.request())
+    assert out.rule is Rule.NORMAL
+    pad = out.request.padding
+    assert pad is not None
+    assert pad.result is out.request.input_ids and pad.unpadded is out.request.input_ids_unpadded
+    spans = [(int(a), int(b) + 1) for it in out.request.mm.items for a, b in it.offsets]
+    assert list(zip(pad.starts.tolist(), pad.stops.tolist(), strict=True)) == spans
+    assert spans[0] == (3, 9) and spans[0][1] < spans[1][0]
+    assert pad.values.tolist() == [it.pad_value for it in out.request.mm.items]
+    filled = pad.unpadded.copy()
+    for a, b, v in zip(pad.starts.tolist(), pad.stops.tolist(), pad.values.tolist(), strict=True):
+        filled[a:b] = v
+    assert np.array_equal(filled, out.request.input_ids)
+    text = ok(Request(rid="t", input_ids=np.arange(5, dtype=np.int64)))
+    assert text.request.padding is None
+    upstream = ok(upstream_request(_upstream_prompt()))
+    assert upstream.rule is Rule.UPSTREAM and upstream.request.padding is None
+
+
 def test_rule1_empty_multimodal_inputs_is_text() -> None:
     req = Request(rid="t", input_ids=np.arange(5, dtype=np.int64), mm=MultimodalInputs(items=[]))
     out = ok(req)

@@ -25,6 +25,7 @@ Run with: python -m pytest tests/test_wire_fast.py -q
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -326,14 +327,64 @@ def test_materialized_unpadded_is_received_bytes() -> None:
     assert _element(frames[1], 21) == raw_ids  # verbatim, non-canonical kept
     padded = msgpack.unpackb(_element(frames[1], 4))
     assert padded[3:9] == [out.request.mm.items[0].pad_value] * 6
-    # the ids before the pads as received, the pads in smallest forms (the
-    # stretch written may run on past them: a block of eight written at once)
+    # written from the materializer's Padding: every id outside the pad run as
+    # received (5 bytes each here), the run in its value's smallest form
+    padding = out.request.padding
+    assert padding is not None and padding.result is out.request.input_ids
+    assert padding.unpadded is req.input_ids
+    assert (padding.starts.tolist(), padding.stops.tolist()) == ([3], [9])
     pad = msgpack.packb(out.request.mm.items[0].pad_value)
-    assert _element(frames[1], 4).startswith(b"\x9b" + raw_ids[3:18] + pad * 6)
+    assert _element(frames[1], 4) == b"\x9b" + raw_ids[3:18] + pad * 6 + raw_ids[48:]
     # the item: received bytes with hash / pad_value replaced
     again = wire.decode_request(frames[1], frames[2:])
     assert again.mm.items[0].pad_value == out.request.mm.items[0].pad_value
     assert again.input_ids_unpadded.tolist() == ids
+
+
+def test_padding_is_used_only_while_it_describes_the_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The padded ids are written from the Padding (no array compared) while the
+    request's input_ids is still the array it describes; replaced, they are
+    encoded as any other array, never from stale spans."""
+    req = workloads.build_request(workloads.profile_for("qwen3_5"), 4096, with_hash=True)
+    frames = [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+    got = wire.decode_message(frames)
+    out = Materializer(load_profile("qwen3_5")).run(got.request)
+    assert isinstance(out, Materialized) and out.request.padding is not None
+    padded = out.request.input_ids
+    expected = msgpack.packb(padded.tolist())  # the received ids are smallest forms
+    with monkeypatch.context() as mp:  # only the filled path may run
+        mp.setattr(wire, "encode_int_array_like", _never)
+        assert _element(wire.encode_materialized(out)[1], 4) == expected
+    # another array of the same length: the Padding no longer describes it
+    other = padded.copy()
+    other[::7] = 3
+    replaced = dataclasses.replace(out.request, input_ids=other)
+    with monkeypatch.context() as mp:
+        mp.setattr(wire, "encode_int_array_filled", _never)
+        assert _element(wire.encode_request(replaced)[0], 4) == msgpack.packb(other.tolist())
+    # input_ids_unpadded replaced: the padded ids are still the Padding's result,
+    # made from the received array it names (whose bytes are copied)
+    moved = dataclasses.replace(out.request, input_ids_unpadded=got.request.input_ids.copy())
+    with monkeypatch.context() as mp:
+        calls: list[Any] = []
+        mp.setattr(wire, "encode_int_array_filled", _counted(wire.encode_int_array_filled, calls))
+        payload = wire.encode_request(moved)[0]
+    assert _element(payload, 4) == expected and len(calls) == 1
+    assert _element(payload, 21) == msgpack.packb(got.request.input_ids.tolist())
+
+
+def _never(*args: Any) -> Any:
+    raise AssertionError("this encoder must not run")
+
+
+def _counted(f: Any, calls: list[Any]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls.append(args)
+        return f(*args)
+
+    return counted
 
 
 @needs_vectors

@@ -211,9 +211,11 @@ class Padding(msgspec.Struct, frozen=True, eq=False, gc=False):
     The materializer sets it on the request it returns, whose ``input_ids``
     is ``result`` and ``input_ids_unpadded`` is ``unpadded``. An encoder may
     then write the padded ids from the spans and the bytes ``unpadded`` was
-    decoded from, reading neither array (the msgpack codec does); it holds
-    only while both fields are still those arrays (identity says it), and
-    nobody writes into them (nothing in the service does).
+    decoded from, reading neither array (the msgpack codec does). It says
+    how ``result`` was made: it applies while the request's ``input_ids`` is
+    still ``result`` (identity says it; whatever ``input_ids_unpadded`` has
+    become) and nobody writes into the two arrays (nothing in the service
+    does: a change assigns a new array).
     """
 
     result: np.ndarray
