@@ -959,6 +959,10 @@ OUTSIDE_THE_FORM = {
     "negative_dim": _form_item(feature=["float32", [-64, 2], 1]),
     "bytes_mismatch": _form_item(feature=["float32", [64, 3], 1]),
     "unknown_dtype": _form_item(feature=["float33", [64, 2], 1]),
+    # names the walk looks up by their bytes, against the first item's "float32"
+    "dtype_name_longer": _form_item(feature=["float32x", [64, 2], 1]),
+    "dtype_name_shorter": _form_item(feature=["float3", [64, 2], 1]),
+    "dtype_name_not_utf8": _form_item(feature=[msgspec.Raw(b"\xa7float3\xff"), [64, 2], 1]),
     "four_part_tensor": _form_item(feature=["float32", [64, 2], 1, None]),
     "float_dim": _form_item(feature=["float32", [64.0, 2], 1]),
     "str_modality": _form_item(modality="image"),
