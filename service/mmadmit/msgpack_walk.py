@@ -823,6 +823,36 @@ def _seek(
 @cython.cfunc
 @cython.nogil
 @cython.exceptval(check=False)
+def _copy_received(
+    o: u8[::1],
+    at: ssize,
+    p: cython.const[u8][::1],
+    h: ssize,
+    mk: cython.const[i64][::1],
+    ci: ssize,
+    cpos: ssize,
+    i: ssize,
+    j: ssize,
+) -> tuple[ssize, ssize, ssize]:
+    """Elements ``i`` to ``j - 1`` (``i < j``, the cursor at or before ``i``: element
+    ``ci`` starts at ``p[cpos]``) copied from their received bytes to ``o[at]``:
+    ``(end offset, ci, cpos)`` with the cursor moved to ``j``; an end offset of -1
+    if ``p`` (its elements from ``p[h]``) and the marks ``mk`` do not hold up."""
+    a: ssize
+    b: ssize
+    ci, a = _seek(p, h, mk, ci, cpos, i)
+    ci, b = _seek(p, h, mk, ci, a, j)
+    # marks that lie may put a and b anywhere in p: never more bytes than j - i
+    # ints can take (what the output was sized for)
+    if a < 0 or b < a or b - a > 9 * (j - i):
+        return -1, ci, cpos
+    _copy(o, at, p, a, b - a)
+    return at + b - a, ci, b
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _write_like(
@@ -839,22 +869,14 @@ def _write_like(
     n: ssize = v.shape[0]
     i: ssize = 0
     j: ssize
-    a: ssize
-    b: ssize
     ci: ssize = 0  # the cursor: element ci starts at p[cpos]; it only moves forward
     cpos: ssize = h
     while i < n:
         j = _same_until(v, old, i)
         if j > i:  # elements i..j-1 unchanged: their received bytes
-            ci, a = _seek(p, h, mk, ci, cpos, i)
-            ci, b = _seek(p, h, mk, ci, a, j)
-            # marks that lie may put a and b anywhere in p: never more bytes
-            # than j - i ints can take (what the output was sized for)
-            if a < 0 or b < a or b - a > 9 * (j - i):
+            at, ci, cpos = _copy_received(o, at, p, h, mk, ci, cpos, i, j)
+            if at < 0:
                 return -1
-            _copy(o, at, p, a, b - a)
-            at += b - a
-            cpos = b
             i = j
         if i < n:  # changed: encoded until unchanged again
             at, i = _write_ints(o, at, v, old, i, True)
@@ -920,8 +942,6 @@ def _write_filled(
     elements from ``p[h]``) and ``mk`` do not hold up."""
     count: ssize = starts.shape[0]
     k: ssize
-    a: ssize
-    b: ssize
     s: ssize
     e: ssize
     i: ssize = 0  # the elements before i are written
@@ -938,15 +958,9 @@ def _write_filled(
         else:
             s, e = n, n
         if s > i:  # elements i..s-1 unchanged: their received bytes
-            ci, a = _seek(p, h, mk, ci, cpos, i)
-            ci, b = _seek(p, h, mk, ci, a, s)
-            # marks that lie may put a and b anywhere in p: never more bytes
-            # than s - i ints can take (what the output was sized for)
-            if a < 0 or b < a or b - a > 9 * (s - i):
+            at, ci, cpos = _copy_received(o, at, p, h, mk, ci, cpos, i, s)
+            if at < 0:
                 return -2
-            _copy(o, at, p, a, b - a)
-            at += b - a
-            cpos = b
         if e > s:  # the span: one value, its smallest form repeated
             t, payload, size = _form(fill[k])
             at = _repeat(o, at, t, payload, size, e - s)
