@@ -982,14 +982,13 @@ def _int_array(extra: WireExtra, values: np.ndarray, padding: Padding | None = N
     ``padding`` (the materializer's, ``values`` its result), the unpadded ids'
     bytes and the pad spans, no array read; otherwise the first received array
     of its length, compared with it (the padded ids keep the unpadded ones' text)."""
+    made = padding if padding is not None and padding.result is values else None
     for decoded, raw, marks in extra.ints:
         if decoded is values:
             return raw
-        if padding is not None and decoded is padding.unpadded and padding.result is values:
+        if made is not None and decoded is made.unpadded:
             return msgspec.Raw(
-                encode_int_array_filled(
-                    decoded, raw, marks, padding.starts, padding.stops, padding.values
-                )
+                encode_int_array_filled(decoded, raw, marks, made.starts, made.stops, made.values)
             )
     for decoded, raw, marks in extra.ints:
         if len(decoded) == len(values):
