@@ -938,6 +938,30 @@ def test_build_items_on_mutated_bytes_never_differs_from_the_reference() -> None
     assert taken > 50  # the mutations also hit values the walk still takes (ints, sizes)
 
 
+def test_build_items_names_past_the_kept_ones_as_the_reference() -> None:
+    """Tensor names are kept per item index (256) and side key (16, first come):
+    300 items, each with its own side key, are named as the reference names
+    them, and a kept name is the same object in every request built."""
+    grid = ["int64", [1, 3], Ext(3, np.array([1, 2, 2], np.int64).tobytes())]
+    items = [
+        [1, i, None, [[3 + i, 3 + i]], ["uint8", [512], 1], None, {f"k{i}-{id(grid)}": grid}]
+        + [None] * 3
+        for i in range(300)
+    ]
+    view = memoryview(ENC.encode(items))
+    aux = [bytes(512)]
+    expected = _reference(view, aux)
+    assert expected is not None
+    for walk in _walks():
+        assert _built(walk, view, aux) == expected, walk.__name__
+        first = walk.build_items(view, view, aux, None, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
+        again = walk.build_items(view, view, aux, None, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
+        assert first is not None and again is not None
+        assert first[0][7].feature.name is again[0][7].feature.name  # kept
+        assert first[0][299].feature.name == (299, "feature")  # past 256: made
+        assert first[0][299].feature.name is not again[0][299].feature.name
+
+
 def _form_item(**change: Any) -> list[Any]:
     fields = [f.name for f in msgspec.structs.fields(wire._LooseItem)]
     item: list[Any] = [1, 5, None, [[3, 18]], ["float32", [64, 2], 1], None, {}, None, None, None]
@@ -970,6 +994,10 @@ OUTSIDE_THE_FORM = {
     "encoded": _form_item(encoded=1),
     "handshake": _form_item(encode_handshake={"h": 1}),
     "int_key": _form_item(model_specific_data={1: GRID}),
+    # side keys are looked up by their bytes too
+    "side_key_not_utf8": _form_item(
+        model_specific_data=msgspec.Raw(b"\x81\xa2g\xff" + ENC.encode(GRID))
+    ),
     # the same key twice (the first in an aux frame): the reference keeps the last only
     "repeated_key": _form_item(
         model_specific_data=msgspec.Raw(

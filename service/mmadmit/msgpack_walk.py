@@ -1562,15 +1562,38 @@ def _str_span(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple[ssize, ss
     return pos + h, m
 
 
+# The names the tensors built are given (``(item index, key)``, what a message
+# names them by), made once per index and key: a tensor of item i gets the same
+# tuple every time. A side key is looked up by its bytes among the keys seen (a
+# bounded number, first come) and is the str made when it was first seen, its
+# hash kept; past the bounds (an index, a key) a name is made as before.
+_NAMED = cython.declare(ssize, 256)  # the item indexes with a kept name
+_FEATURE_NAMES = cython.declare(tuple, tuple([(i, "feature") for i in range(256)]))
+_SIDE_KEYS = cython.declare(list, [])  # (key bytes, key str, its names by index)
+_SIDE_KEYS_MAX = cython.declare(ssize, 16)
+
+
 @cython.cfunc
-def _str_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(text, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked), None otherwise."""
+def _side_key(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
+    """``(key, names, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked): the
+    key's str, the names of its tensors by item index (None: made as needed);
+    None if it is not a str."""
     at: ssize
     m: ssize
     at, m = _str_span(p, n, pos)
     if at < 0:
         return None
-    return _bytes_at(p, at, m).decode("utf-8"), at + m
+    entry: tuple
+    for entry in _SIDE_KEYS:
+        known: bytes = entry[0]
+        if len(known) == m and _same_bytes(p, at, known):
+            return entry[1], entry[2], at + m
+    key = _bytes_at(p, at, m).decode("utf-8")
+    names = None
+    if len(_SIDE_KEYS) < _SIDE_KEYS_MAX:
+        names = tuple([(i, key) for i in range(_NAMED)])
+        _SIDE_KEYS.append((_bytes_at(p, at, m), key, names))
+    return key, names, at + m
 
 
 # Tensor dtype names seen, with what they name: (the name's bytes, its DType).
@@ -1783,7 +1806,8 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
         if _nil(p, n, pos):
             pos += 1
         else:
-            got = _built_tensor(p, n, pos, env, (i, "feature"), features)
+            name = _FEATURE_NAMES[i] if i < _NAMED else (i, "feature")
+            got = _built_tensor(p, n, pos, env, name, features)
             if got is None:
                 return None
             feature, pos = got
@@ -1809,13 +1833,14 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
             if entries > n - pos:
                 return None
             for _k in range(entries):
-                got = _str_obj(p, n, pos)
+                got = _side_key(p, n, pos)
                 if got is None:
                     return None
-                key, pos = got
+                key, names, pos = got
                 if key in side:  # a repeated key: the reference keeps the last only
                     return None
-                got = _built_tensor(p, n, pos, env, (i, key), others)
+                name = names[i] if names is not None and i < _NAMED else (i, key)
+                got = _built_tensor(p, n, pos, env, name, others)
                 if got is None:  # a flag or any other value: the reference's
                     return None
                 side[key], pos = got
