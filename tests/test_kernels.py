@@ -90,8 +90,11 @@ def test_spans_native_and_fallback_agree(fallback) -> None:
         if kernels.HAVE_NATIVE:
             import mmadmit._kernels as ck
 
+            out = np.full_like(ids, -1)
+            ck.spans_fill(out, ids, starts, stops, values)
+            assert np.array_equal(out, want_fill)
             out = ids.copy()
-            ck.spans_fill(out, starts, stops, values)
+            ck.spans_fill(out, out, starts, stops, values)  # in place
             assert np.array_equal(out, want_fill)
             assert ck.spans_check(ids, starts, stops, expected) == want_bad
 
@@ -139,6 +142,8 @@ def test_spans_refuse_out_of_range() -> None:
     with pytest.raises(ValueError, match="out of range"):
         ck.spans_check(ids, a([2]), a([5]), a([0]))
     with pytest.raises(ValueError, match="out of range"):
-        ck.spans_fill(ids, a([-1]), a([1]), a([0]))
+        ck.spans_fill(ids, ids, a([-1]), a([1]), a([0]))
+    with pytest.raises(ValueError, match="equal lengths"):
+        ck.spans_fill(np.zeros(3, np.int64), ids, a([0]), a([1]), a([0]))
     with pytest.raises(TypeError, match="int64"):
-        ck.spans_fill(ids.astype(np.int32), a([0]), a([1]), a([0]))
+        ck.spans_fill(ids.astype(np.int32), ids, a([0]), a([1]), a([0]))

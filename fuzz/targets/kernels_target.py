@@ -2,7 +2,8 @@
 
 ``mrope_fill`` gets run plans that are mostly well formed (sorted, disjoint,
 inside the prompt) with fields replaced by boundary values; ``spans_check`` and
-``spans_fill`` get spans likewise; ``first_outside`` gets ids (a view on a
+``spans_fill`` get spans likewise (spans_fill also in any order, overlapping, in
+place or into another buffer, against a loop); ``first_outside`` gets ids (a view on a
 longer buffer half the time) and any int64 bounds, against numpy. Whether a
 plan or span set is inside the kernel's contract is decided here, in exact
 Python integers (:func:`plan_ok`, :func:`spans_ok`): inside, native and numpy
@@ -132,18 +133,30 @@ def _spans(d: Data) -> None:
         with native_mode(False):
             want = kernels.first_mismatch(ids, a_, z_, v_)
         assert got == want, f"spans_check {got} != numpy {want}"
-    out = ids.copy()
+    if d.flag(3):  # now and then spans in any order, overlapping: the last one wins
+        k = d.int_in(0, 4)
+        starts = [d.int_in(0, n) for _ in range(k)]
+        stops = [min(n, a + d.int_in(0, 8)) for a in starts]
+        vals = [d.int_in(0, 3) for _ in range(k)]
+        a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
+        ok, disjoint = True, False
+    in_place = d.flag()
+    out = ids.copy() if in_place else np.full(n, -7, np.int64)
+    before = out.copy()
     try:
-        kernels._BUILT.spans_fill(out, a_, z_, v_)
+        kernels._BUILT.spans_fill(out, out if in_place else ids, a_, z_, v_)
     except ValueError:
         assert not ok, "spans_fill refused valid spans"
-        assert np.array_equal(out, ids), "spans_fill wrote before refusing"
+        assert np.array_equal(out, before), "spans_fill wrote before refusing"
         return
     assert ok, "spans_fill accepted spans outside the prompt"
+    want_fill = ids.copy()
+    for a, z, v in zip(starts, stops, vals, strict=True):
+        want_fill[a:z] = v
+    assert np.array_equal(out, want_fill), f"spans_fill != the loop (in place: {in_place})"
     if disjoint:
         with native_mode(False):
-            want_fill = kernels.fill_spans(ids, a_, z_, v_)
-        assert np.array_equal(out, want_fill), "spans_fill != numpy"
+            assert np.array_equal(kernels.fill_spans(ids, a_, z_, v_), want_fill), "numpy fill"
 
 
 def _first_outside(d: Data) -> None:

@@ -17,8 +17,11 @@
  *   spans_check(ids, start, stop, expected) -> int
  *       Index of the first span k (in the given order) with a token in
  *       ids[start[k]:stop[k]] different from expected[k]; -1 when all match.
- *   spans_fill(out, start, stop, value) -> None
- *       out[start[k]:stop[k]] = value[k] for every span.
+ *   spans_fill(out, ids, start, stop, value) -> None
+ *       out = ids with out[start[k]:stop[k]] = value[k] for every span (out and
+ *       ids of one length; out may be ids itself). Sorted spans take one pass:
+ *       the stretches between them copied, each span filled; others a copy,
+ *       then the fill in the given order.
  *
  * Every index is validated before any access (ValueError otherwise): memory
  * safety never depends on the Python caller. Loops run without the GIL.
@@ -27,6 +30,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <string.h>
 
 #include "_native.h"
 
@@ -254,6 +258,38 @@ fill_spans(int64_t *out, const int64_t *a, const int64_t *z, const int64_t *v, P
     }
 }
 
+/* out[at:to] = ids[at:to] unless out is ids. */
+static void
+copy_stretch(int64_t *out, const int64_t *ids, int64_t at, int64_t to)
+{
+    if (out != ids && to > at) {
+        memmove(out + at, ids + at, (size_t)(to - at) * sizeof(int64_t));
+    }
+}
+
+/* spans_fill over validated spans (inside [0, n], start <= stop): sorted ones in
+ * one pass, every element written once (the span bytes are never copied and
+ * then overwritten); otherwise a copy, then the fill. */
+static void
+copy_fill_spans(int64_t *out, const int64_t *ids, int64_t n, const int64_t *a, const int64_t *z,
+                const int64_t *v, Py_ssize_t k)
+{
+    for (Py_ssize_t r = 1; r < k; r++) {
+        if (a[r] < z[r - 1]) {
+            copy_stretch(out, ids, 0, n);
+            fill_spans(out, a, z, v, k);
+            return;
+        }
+    }
+    int64_t at = 0; /* out[:at] is written */
+    for (Py_ssize_t r = 0; r < k; r++) {
+        copy_stretch(out, ids, at, a[r]);
+        fill_spans(out, a + r, z + r, v + r, 1);
+        at = z[r];
+    }
+    copy_stretch(out, ids, at, n);
+}
+
 static PyObject *
 kernels_spans_check(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -278,22 +314,27 @@ kernels_spans_check(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t na
 static PyObject *
 kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
-    static const char *const names[] = {"out", "start", "stop", "value"};
-    Py_buffer b[4];
-    if (get_bufs(args, nargs, 4, b, names, 1) < 0) {
+    static const char *const names[] = {"out", "ids", "start", "stop", "value"};
+    Py_buffer b[5];
+    if (get_bufs(args, nargs, 5, b, names, 1) < 0) {
         return NULL;
     }
-    if (check_spans(&b[0], &b[1], &b[2], &b[3]) < 0) {
-        release_all(b, 4);
+    if (b[0].len != b[1].len) {
+        PyErr_SetString(PyExc_ValueError, "out and ids must have equal lengths");
+        release_all(b, 5);
+        return NULL;
+    }
+    if (check_spans(&b[1], &b[2], &b[3], &b[4]) < 0) {
+        release_all(b, 5);
         return NULL;
     }
     int64_t *out = b[0].buf;
-    const int64_t *a = b[1].buf, *z = b[2].buf, *v = b[3].buf;
-    Py_ssize_t k = b[1].len / 8;
-    MM_BEGIN_ALLOW_THREADS_IF(b[0].len / 8 >= MM_GIL_MIN_ELEMENTS)
-    fill_spans(out, a, z, v, k);
+    const int64_t *ids = b[1].buf, *a = b[2].buf, *z = b[3].buf, *v = b[4].buf;
+    Py_ssize_t n = b[1].len / 8, k = b[2].len / 8;
+    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
+    copy_fill_spans(out, ids, n, a, z, v, k);
     MM_END_ALLOW_THREADS_IF
-    release_all(b, 4);
+    release_all(b, 5);
     Py_RETURN_NONE;
 }
 
@@ -353,7 +394,7 @@ static PyMethodDef kernels_methods[] = {
     {"spans_check", (PyCFunction)(void (*)(void))kernels_spans_check, METH_FASTCALL,
      "spans_check(ids, start, stop, expected) -> first bad span or -1"},
     {"spans_fill", (PyCFunction)(void (*)(void))kernels_spans_fill, METH_FASTCALL,
-     "spans_fill(out, start, stop, value) -> None"},
+     "spans_fill(out, ids, start, stop, value) -> None"},
     {"first_outside", (PyCFunction)(void (*)(void))kernels_first_outside, METH_FASTCALL,
      "first_outside(ids, lo, hi) -> first index outside [lo, hi) or -1"},
     {NULL, NULL, 0, NULL},

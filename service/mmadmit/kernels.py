@@ -91,10 +91,12 @@ def fill_spans(
     ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
 ) -> np.ndarray:
     """A copy of ``ids`` with ``ids[starts[k]:stops[k]] = values[k]`` (disjoint spans)."""
-    out = np.array(ids, dtype=np.int64, copy=True)
     if _kernels is not None:
-        _kernels.spans_fill(out, _i64(starts), _i64(stops), _i64(values))
+        src = _i64(ids)
+        out = np.empty(len(src), np.int64)  # every element written once, sorted spans in one pass
+        _kernels.spans_fill(out, src, _i64(starts), _i64(stops), _i64(values))
         return out
+    out = np.array(ids, dtype=np.int64, copy=True)
     if len(starts) <= _SLICE_FILL_MAX_SPANS:
         for a, b, v in zip(starts.tolist(), stops.tolist(), values.tolist(), strict=True):
             out[a:b] = v
