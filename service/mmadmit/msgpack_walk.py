@@ -1568,9 +1568,23 @@ def _str_span(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple[ssize, ss
 # bounded number, first come) and is the str made when it was first seen, its
 # hash kept; past the bounds (an index, a key) a name is made as before.
 _NAMED = cython.declare(ssize, 256)  # the item indexes with a kept name
-_FEATURE_NAMES = cython.declare(tuple, tuple([(i, "feature") for i in range(256)]))
+
+
+@cython.cfunc
+def _names_of(key: str) -> tuple:
+    """The names of ``key``'s tensors for the item indexes below ``_NAMED``."""
+    return tuple([(i, key) for i in range(_NAMED)])
+
+
+_FEATURE_NAMES = cython.declare(tuple, _names_of("feature"))
 _SIDE_KEYS = cython.declare(list, [])  # (key bytes, key str, its names by index)
 _SIDE_KEYS_MAX = cython.declare(ssize, 16)
+
+
+@cython.cfunc
+def _name(names: tuple | None, i: ssize, key: str) -> tuple:
+    """Item ``i``'s name for ``key``: kept in ``names`` (None: none kept), else made."""
+    return names[i] if names is not None and i < _NAMED else (i, key)
 
 
 @cython.cfunc
@@ -1583,15 +1597,13 @@ def _side_key(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
     at, m = _str_span(p, n, pos)
     if at < 0:
         return None
-    entry: tuple
-    for entry in _SIDE_KEYS:
-        known: bytes = entry[0]
-        if len(known) == m and _same_bytes(p, at, known):
-            return entry[1], entry[2], at + m
+    entry = _seen_at(_SIDE_KEYS, p, at, m)
+    if entry is not None:
+        return entry[1], entry[2], at + m
     key = _bytes_at(p, at, m).decode("utf-8")
     names = None
     if len(_SIDE_KEYS) < _SIDE_KEYS_MAX:
-        names = tuple([(i, key) for i in range(_NAMED)])
+        names = _names_of(key)
         _SIDE_KEYS.append((_bytes_at(p, at, m), key, names))
     return key, names, at + m
 
@@ -1622,15 +1634,25 @@ def _same_bytes(p: cython.const[u8][::1], at: ssize, key: bytes) -> cython.bint:
 
 
 @cython.cfunc
+def _seen_at(seen: list, p: cython.const[u8][::1], at: ssize, m: ssize) -> tuple:
+    """The entry of ``seen`` (tuples whose first element is a name's bytes) for the
+    ``m`` bytes at ``p[at]``, None if there is none."""
+    entry: tuple
+    for entry in seen:
+        key: bytes = entry[0]
+        if len(key) == m and _same_bytes(p, at, key):
+            return entry
+    return None
+
+
+@cython.cfunc
 def _dtype_named_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> object:
     """The DType the ``m`` name bytes at ``p[at]`` name when that name was seen
     before, else the name as a str (remembered with its DType if it names one):
     the tensor check takes either, and words a name that names nothing."""
-    entry: tuple
-    for entry in _DTYPE_NAMES:
-        key: bytes = entry[0]
-        if len(key) == m and _same_bytes(p, at, key):
-            return entry[1]
+    entry = _seen_at(_DTYPE_NAMES, p, at, m)
+    if entry is not None:
+        return entry[1]
     text = _bytes_at(p, at, m).decode("utf-8")
     if len(_DTYPE_NAMES) < _DTYPE_NAMES_MAX:
         try:
@@ -1806,8 +1828,7 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
         if _nil(p, n, pos):
             pos += 1
         else:
-            name = _FEATURE_NAMES[i] if i < _NAMED else (i, "feature")
-            got = _built_tensor(p, n, pos, env, name, features)
+            got = _built_tensor(p, n, pos, env, _name(_FEATURE_NAMES, i, "feature"), features)
             if got is None:
                 return None
             feature, pos = got
@@ -1839,8 +1860,7 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
                 key, names, pos = got
                 if key in side:  # a repeated key: the reference keeps the last only
                     return None
-                name = names[i] if names is not None and i < _NAMED else (i, key)
-                got = _built_tensor(p, n, pos, env, name, others)
+                got = _built_tensor(p, n, pos, env, _name(names, i, key), others)
                 if got is None:  # a flag or any other value: the reference's
                     return None
                 side[key], pos = got
