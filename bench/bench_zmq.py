@@ -1,6 +1,6 @@
 """ZMQ reply-mode admission benchmark (mmadmit.zmq_ingest). Not a test.
 
-    python bench/bench_zmq.py [--quick] [--workers 2] [--only ratios|excess]
+    python bench/bench_zmq.py [--quick] [--workers 2] [--only ratios|excess|items]
 
 Two parts, each server in its own process, all measured from one client
 process in the same run (``--only`` runs one part; ``--quick`` is a smoke run
@@ -57,6 +57,14 @@ decoding, materializing (hashing, without hashes), encoding, a worker hop
 when one is taken. Targets (hashes supplied, issue #18): both families 8K
 <= 0.35 ms; 32K Qwen3.5 <= 1.0 ms, Qwen3-Omni <= 0.45 ms; 128K Qwen3.5
 <= 2.0 ms, Qwen3-Omni <= 1.3 ms.
+
+**Items** (``--only items``, a diagnostic, not part of the default run): the
+same excess for Qwen3-Omni at 8K, 32K and 128K tokens while only the number
+of items changes (``build_request``'s media fraction 0.7, 0.35, 0.1 and 0:
+the same token count, fewer and fewer placeholder runs, every hash
+supplied). A least-squares line through each size's cells splits the excess
+into a part per item and the rest (its intercept: the excess the same tokens
+would have with items that cost nothing), set beside the size's target.
 """
 
 from __future__ import annotations
@@ -456,11 +464,16 @@ class ExcessCell:
         return "supplied" if self.hashes else "without"
 
 
-def excess_request(family: str, tokens: int, hashes: bool) -> Request:
+def excess_request(
+    family: str, tokens: int, hashes: bool, media_fraction: float = 0.7
+) -> Request:
     """bench/workloads.py's request (features of 32 bytes a media token, always sent):
     ``hashes`` keeps every item's content hash (nothing to hash), else none is sent
-    and mmadmit hashes every feature."""
-    return workloads.build_request(workloads.profile_for(family), tokens, with_hash=hashes)
+    and mmadmit hashes every feature; ``media_fraction``: the share of placeholder
+    tokens (fewer items at the same token count)."""
+    return workloads.build_request(
+        workloads.profile_for(family), tokens, with_hash=hashes, media_fraction=media_fraction
+    )
 
 
 def _rid(i: int) -> str:
@@ -582,6 +595,48 @@ def print_excess(cells: list[ExcessCell], rounds: int, per_round: int) -> None:
         )
 
 
+ITEMS_FAMILY = "qwen3_omni_moe"
+ITEMS_FRACTIONS = (0.7, 0.35, 0.1, 0.0)  # media fractions: 128, 64, 19 and 0 items at 128K
+
+
+def _n_items(cell: ExcessCell) -> int:
+    return 0 if cell.template.mm is None else len(cell.template.mm.items)
+
+
+def items_fit(cells: list[ExcessCell]) -> tuple[float, float]:
+    """Least squares of excess (ms) over item count: (ms per item, intercept ms)."""
+    x = np.array([_n_items(c) for c in cells], np.float64)
+    y = np.array([c.excess_ms for c in cells], np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
+def print_items(cells: list[ExcessCell], rounds: int, per_round: int) -> None:
+    print(
+        f"items: {ITEMS_FAMILY}, hashes supplied, the same token count with fewer items "
+        f"(media fractions {', '.join(str(f) for f in ITEMS_FRACTIONS)}); {rounds} rounds x "
+        f"{per_round} pairs per cell, cells rotated per round; excess = median over pairs"
+    )
+    print()
+    print("| tokens | items | mmadmit ms | reply-echo ms | excess ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for c in cells:
+        print(
+            f"| {c.tokens} | {_n_items(c)} | {statistics.median(c.mmadmit_s) * 1e3:.2f} | "
+            f"{statistics.median(c.echo_s) * 1e3:.2f} | {c.excess_ms:.2f} |"
+        )
+    print()
+    print("| tokens | us per item (fit) | excess at 0 items (fit intercept) ms | target ms |")
+    print("|---:|---:|---:|---:|")
+    for tokens in EXCESS_TOKENS:
+        mine = [c for c in cells if c.tokens == tokens]
+        if len(mine) < 2:
+            continue
+        slope, intercept = items_fit(mine)
+        target = EXCESS_TARGET_MS[(ITEMS_FAMILY, tokens)]
+        print(f"| {tokens} | {slope * 1e3:.1f} | {intercept:.2f} | <= {target} |")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -643,8 +698,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument(
         "--only",
-        choices=["ratios", "excess"],
-        help="run one part: the ratio tables, or mmadmit's excess over the reply echo",
+        choices=["ratios", "excess", "items"],
+        help="run one part: the ratio tables, mmadmit's excess over the reply echo, or "
+        "that excess as the item count changes (a diagnostic, not in the default run)",
     )
     args = parser.parse_args()
     if args.serve:
@@ -654,6 +710,7 @@ def main() -> None:
     _use_uvloop()
     run_ratios = args.only in (None, "ratios")
     run_excess = args.only in (None, "excess")
+    run_items = args.only == "items"
     scale = 0.25 if args.quick else 1.0
     # name -> (template, rounds, n latency per round, n throughput per round, concurrency)
     workloads = {
@@ -670,6 +727,12 @@ def main() -> None:
             for hashes in (True, False)
         ]
         if run_excess
+        else [
+            ExcessCell(ITEMS_FAMILY, tokens, True, excess_request(ITEMS_FAMILY, tokens, True, f), [], [])
+            for tokens in EXCESS_TOKENS
+            for f in ITEMS_FRACTIONS
+        ]
+        if run_items
         else []
     )
     if run_ratios:
@@ -693,6 +756,8 @@ def main() -> None:
     wanted: list[tuple[str, str]] = []
     if run_ratios:
         wanted += [(kind, "qwen3_5") for kind in RATIO_KINDS]
+    if run_items:
+        wanted += [(kind, ITEMS_FAMILY) for kind in ("mmadmit", "reply-echo")]
     if run_excess:
         for family in FAMILIES:
             wanted += [
@@ -730,6 +795,12 @@ def main() -> None:
                 for family in FAMILIES
             }
             measure_excess(pairs, cells, excess_rounds, excess_per_round)
+        if run_items:
+            pair = (
+                servers[("mmadmit", ITEMS_FAMILY)].endpoint,
+                servers[("reply-echo", ITEMS_FAMILY)].endpoint,
+            )
+            measure_excess({ITEMS_FAMILY: pair}, cells, excess_rounds, excess_per_round)
     finally:
         for server in servers.values():
             server.close()
@@ -750,6 +821,9 @@ def main() -> None:
     if run_excess:
         print()
         print_excess(cells, excess_rounds, excess_per_round)
+    if run_items:
+        print()
+        print_items(cells, excess_rounds, excess_per_round)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def mode(name: str) -> Iterator[None]:
     """Run the codec in one of MODES (see the module docstring)."""
     with pytest.MonkeyPatch.context() as mp:
         if name == "encoded":
-            mp.setattr(wire._ItemSrc, "unchanged", lambda self, item: False)
+            mp.setattr(wire, "_SPLICE_ITEMS", False)
             mp.setattr(
                 wire,
                 "_int_array",
@@ -82,6 +82,7 @@ def mode(name: str) -> Iterator[None]:
                 "_len",
                 "_check",
                 "_items",
+                "_splice",
             ):
                 mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
         yield
@@ -420,19 +421,61 @@ def _general_bytes(req: Request) -> list[Any]:
         return _frames(wire.encode_request(req), req)
 
 
-def test_splice_changes_only_hash_and_pad() -> None:
+# (hash, pad_value) pairs around every msgpack int form's bounds
+_HASH_PAD = [
+    (2**64 - 1, 7),
+    (None, -(2**40)),
+    (2**63, -(2**63)),
+    (2**63 - 1, -33),
+    (0, -32),
+    (127, -129),
+    (128, None),
+    (255, -(2**15) - 1),
+    (256, 2**32),
+    (2**32 - 1, -(2**31) - 1),
+]
+
+
+@pytest.mark.parametrize("name", ["codec", "fallback"])
+def test_splice_changes_only_hash_and_pad(name: str) -> None:
     _, req = _decoded()
     items = req.mm.items
-    items[0].hash, items[0].pad_value = 2**64 - 1, 7
-    items[1].hash, items[1].pad_value = None, -(2**40)
-    items[2] = rules.with_pad(items[2], 123, 456)
-    assert _frames(wire.encode_request(req), req) == _general_bytes(req)
+    assert len(items) > len(_HASH_PAD)
+    for k, (h, pad) in enumerate(_HASH_PAD):
+        items[k].hash, items[k].pad_value = h, pad
+    items[len(_HASH_PAD)] = rules.with_pad(items[len(_HASH_PAD)], 123, 456)
+    with mode(name):
+        got = _frames(wire.encode_request(req), req)
+    assert got == _general_bytes(req)
     back = _reencode(req)
-    assert [(it.hash, it.pad_value) for it in back.mm.items[:3]] == [
-        (2**64 - 1, 7),
-        (None, -(2**40)),
+    assert [(it.hash, it.pad_value) for it in back.mm.items[: len(_HASH_PAD) + 1]] == [
+        *_HASH_PAD,
         (123, 456),
     ]
+
+
+@pytest.mark.parametrize("name", ["codec", "fallback"])
+@pytest.mark.parametrize("value", [True, 2**64, -(2**63) - 1, 1.0])
+def test_splice_leaves_other_values_to_the_encoder(name: str, value: Any) -> None:
+    """A hash or pad_value that is not an int of the msgpack range is not written by
+    the splice: the item goes to the general encoder, which encodes it or refuses
+    it as before."""
+    _, req = _decoded()
+    it = req.mm.items[0]
+    encoded: list[Any] = []
+
+    def encode_item(item: Any) -> bytes:
+        encoded.append(item)
+        return b"\xc0"
+
+    for field in ("hash", "pad_value"):
+        saved = getattr(it, field)
+        setattr(it, field, value)
+        encoded.clear()
+        with mode(name):
+            ic.splice_items(req.mm.items[:2], it.extra.aux, wire._ItemSrc, encode_item)
+        assert encoded == [it], field
+        setattr(it, field, saved)
 
 
 def test_splice_follows_item_order() -> None:
@@ -466,7 +509,15 @@ def test_changed_item_is_encoded_not_spliced(change: str) -> None:
         t = it.feature
         assert t is not None
         it.feature = Tensor(t.dtype, (t.shape[0] // 2, t.shape[1] * 2), t.data)
-    assert not it.extra.unchanged(it)
+    encoded: list[Any] = []
+
+    def encode_item(item: Any) -> bytes:
+        encoded.append(item)
+        return b"\xc0"
+
+    # the rule itself: the changed item goes to the encoder, an unchanged one is spliced
+    ic.splice_items(req.mm.items[:2], it.extra.aux, wire._ItemSrc, encode_item)
+    assert encoded == [it]
     assert _frames(wire.encode_request(req), req) == _general_bytes(req)
     back = _reencode(req).mm.items[0]
     assert snapshot_item(back) == snapshot_item(it)
@@ -1056,3 +1107,17 @@ def test_native_off_decodes_items_with_the_reference(monkeypatch: pytest.MonkeyP
     on = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
     assert on == off
     assert calls == ([1] if ic._BUILT is not None else [1, 1])
+
+
+@pytest.mark.parametrize("name", ["codec", "fallback"])
+@pytest.mark.parametrize(
+    "change", [{"end": 10**6}, {"off1": 0}, {"off3": 1}, {"start": -1}], ids=str
+)
+def test_splice_refuses_a_source_outside_its_bytes(name: str, change: dict[str, int]) -> None:
+    """Offsets that do not lie in order inside the received bytes (never made by the
+    decoders: a bug) end in an error, never in a read outside the buffer."""
+    _, req = _decoded()
+    it = req.mm.items[1]
+    it.extra = msgspec.structs.replace(it.extra, **change)
+    with mode(name), pytest.raises(ValueError, match="splice_items: item 1's source"):
+        wire.encode_request(req)

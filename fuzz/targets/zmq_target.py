@@ -52,17 +52,17 @@ def _materializer(name: str, tight: bool = False) -> Materializer:
 
 @contextlib.contextmanager
 def _mode(name: str) -> Iterator[None]:
-    saved = wire._ItemSrc.unchanged, wire._int_array
+    saved = wire._SPLICE_ITEMS, wire._int_array
     try:
         if name == "encoded":
-            wire._ItemSrc.unchanged = lambda self, item: False  # type: ignore[method-assign]
+            wire._SPLICE_ITEMS = False
             wire._int_array = lambda extra, values, padding=None: msgspec.Raw(
                 encode_int_array(values)
             )
         with native_mode(name != "fallback"):
             yield
     finally:
-        wire._ItemSrc.unchanged, wire._int_array = saved  # type: ignore[method-assign]
+        wire._SPLICE_ITEMS, wire._int_array = saved  # type: ignore[method-assign]
 
 
 def _run(m: Materializer, frames: list[Any], mode: str) -> tuple[list[bytes], Abort | None]:

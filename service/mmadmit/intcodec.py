@@ -74,6 +74,7 @@ __all__ = [
     "encode_int_array_like",
     "int_rows",
     "offsets_of",
+    "splice_items",
     "split_array",
 ]
 
@@ -267,6 +268,15 @@ def build_items(raw: Any, *args: Any) -> tuple[list[Any], list[int], list[int]] 
     runs compiled only; the tests run both builds against the reference.
     """
     return _items_impl(_as_bytes(raw), *args)
+
+
+def splice_items(
+    items: list[Any], aux: list[Any], src_type: type, encode_item: Any, splice: bool = True
+) -> memoryview:
+    """The msgpack array of ``items``, spliced from their received bytes where the
+    model still says what they say (:func:`mmadmit.msgpack_walk.splice_items`,
+    which states the rule), compiled or interpreted (the same source)."""
+    return _splice_impl(items, aux, src_type, encode_item, splice)
 
 
 # --------------------------------------------------------------------------
@@ -592,13 +602,15 @@ _rows_impl = _rows_py
 _len_impl = _len_py
 _check_impl = _check_py
 _items_impl = _items_py
+_splice_py = msgpack_walk.splice_items
+_splice_impl: Any = _splice_py
 
 
 def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl
+    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl, _splice_impl
     HAVE_NATIVE = on and _BUILT is not None
     if HAVE_NATIVE:
         _decode_impl = _decode_native
@@ -611,6 +623,7 @@ def _use_native(on: bool) -> bool:
         _len_impl = _len_native
         _check_impl = _check_native
         _items_impl = _items_native
+        _splice_impl = _BUILT.splice_items
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
@@ -622,6 +635,7 @@ def _use_native(on: bool) -> bool:
         _len_impl = _len_py
         _check_impl = _check_py
         _items_impl = _items_py
+        _splice_impl = _splice_py
     return HAVE_NATIVE
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import cython
 import numpy as np
+from msgspec.structs import astuple
 
 from .dtypes import parse_dtype
 from .errors import InvalidRequest
@@ -68,6 +69,7 @@ __all__ = [
     "encode_like",
     "int_rows",
     "range_message",
+    "splice_items",
     "split",
 ]
 
@@ -1876,3 +1878,184 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
     if pos != n:
         return None
     return items, features, others
+
+
+# --------------------------------------------------------------------------
+# Multimodal items: the reply's mm_items array, spliced from the received bytes.
+#
+# An item built from a received MultimodalDataItem keeps where its bytes are
+# (wire._ItemSrc, its ``extra``). When the item is re-encoded with the request it
+# was received in and the model still says what those bytes say, its bytes are
+# re-emitted with only elements 1 and 2 (hash, pad_value) written again. The
+# condition, in full: ``src.aux is aux`` (its tensors' aux indices are this
+# message's), ``src.count >= 10`` (every field there), the same modality
+# (``==``), the very feature tensor (``is``) and a side dict equal to the one
+# decoded (``==``: tensor equality is identity), hash and pad_value each None or
+# an int of the msgpack range. Any other item is encoded by the caller's
+# ``encode_item`` (its bytes are taken as they are).
+
+_INT64_MAX = cython.declare(object, (1 << 63) - 1)
+_UINT64_MAX = cython.declare(object, (1 << 64) - 1)
+_INT64_MIN = cython.declare(object, -(1 << 63))
+_TWO64 = cython.declare(object, 1 << 64)
+_K_NONE = cython.declare(i64, 1)  # a hash or pad_value to write: nil
+_K_INT = cython.declare(i64, 2)  # an int64 (its smallest form)
+_K_UINT = cython.declare(i64, 3)  # a uint64 above INT64_MAX (0xcf and 8 bytes)
+
+
+@cython.cfunc
+def _int_kind(v: object, row: i64[::1], at: ssize) -> ssize:
+    """How ``v`` (None or an int) is written: its kind and value in ``row[at]``,
+    ``row[at + 1]`` (the uint64's bits as int64); its size in bytes, 0 if it is
+    neither (a bool, an int out of range: the caller encodes the item)."""
+    x: i64
+    t: cython.uint
+    payload: u64
+    size: ssize
+    if v is None:
+        row[at] = _K_NONE
+        return 1
+    if type(v) is not int:
+        return 0
+    if v > _INT64_MAX:
+        if v > _UINT64_MAX:
+            return 0
+        row[at] = _K_UINT
+        row[at + 1] = v - _TWO64  # the same 64 bits as an int64
+        return 9
+    if v < _INT64_MIN:
+        return 0
+    x = v
+    row[at] = _K_INT
+    row[at + 1] = x
+    t, payload, size = _form(x)
+    return size
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _put_kind(o: u8[::1], at: ssize, kind: i64, x: i64) -> ssize:
+    """Write the value :func:`_int_kind` described at ``o[at]`` (9 writable bytes);
+    where the next value goes."""
+    if kind == _K_NONE:
+        o[at] = 0xC0
+        return at + 1
+    if kind == _K_UINT:
+        _put9(o, at, 0xCF, _wrap(cython.cast(u64, x)))
+        return at + 9
+    return _put(o, at, x)
+
+
+@cython.cfunc
+def _indexes(cls: object, names: tuple) -> tuple:
+    """Where each of ``names`` is among the msgspec Struct ``cls``'s fields (what
+    ``astuple`` gives, in that order)."""
+    fields: tuple = cls.__struct_fields__
+    return tuple([fields.index(name) for name in names])
+
+
+_ITEM_READ = ("extra", "modality", "feature", "side", "hash", "pad_value")
+_SRC_READ = ("aux", "count", "modality", "feature", "side", "buf", "start", "off1", "off3", "end")
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def splice_items(
+    items: list, aux: list, src_type: object, encode_item: object, splice: cython.bint = True
+) -> memoryview:
+    """The msgpack array of ``items`` (the reply's mm_items): each item that may be
+    spliced (see above; none when ``splice`` is False) as its received bytes with
+    hash and pad_value written again, every other one as ``encode_item(item)``'s
+    bytes. A view of a fresh buffer, as :func:`encode` returns.
+
+    Items and their sources are msgspec Structs, read as ``astuple`` gives their
+    fields (one call each instead of an attribute lookup per field)."""
+    n: ssize = len(items)
+    parts: list = [None] * n  # the received bytes of a spliced item, or its encoding
+    table = np.zeros((n, 8), dtype=np.int64)
+    # a spliced item's row: start, off1, off3, end, then hash and pad_value as
+    # _int_kind writes them (kind, value); an encoded item's row: zeros
+    tv: i64[:, ::1] = table
+    total: ssize = 5
+    i: ssize
+    m: ssize
+    k: ssize
+    item_type: object = None
+    # where each field read is in astuple's tuples (_ITEM_READ's, _SRC_READ's order)
+    i_extra: ssize = 0
+    i_mod: ssize = 0
+    i_feat: ssize = 0
+    i_side: ssize = 0
+    i_hash: ssize = 0
+    i_pad: ssize = 0
+    sx: tuple = _indexes(src_type, _SRC_READ) if splice else (0,) * len(_SRC_READ)
+    s_aux: ssize = sx[0]
+    s_count: ssize = sx[1]
+    s_mod: ssize = sx[2]
+    s_feat: ssize = sx[3]
+    s_side: ssize = sx[4]
+    s_buf: ssize = sx[5]
+    s_start: ssize = sx[6]
+    s_off1: ssize = sx[7]
+    s_off3: ssize = sx[8]
+    s_end: ssize = sx[9]
+    for i in range(n):
+        item = items[i]
+        if splice:
+            if type(item) is not item_type:
+                item_type = type(item)
+                i_extra, i_mod, i_feat, i_side, i_hash, i_pad = _indexes(item_type, _ITEM_READ)
+            it: tuple = astuple(item)
+            src = it[i_extra]
+            if type(src) is src_type:
+                st: tuple = astuple(src)
+                if (
+                    st[s_aux] is aux
+                    and st[s_count] >= _ITEM_ELEMS
+                    and it[i_mod] == st[s_mod]
+                    and it[i_feat] is st[s_feat]
+                    and it[i_side] == st[s_side]
+                ):
+                    row: i64[::1] = tv[i]
+                    k = _int_kind(it[i_hash], row, 4)
+                    m = _int_kind(it[i_pad], row, 6)
+                    if k and m:
+                        row[0] = st[s_start]
+                        row[1] = st[s_off1]
+                        row[2] = st[s_off3]
+                        row[3] = st[s_end]
+                        if not 0 <= row[0] <= row[1] <= row[2] <= row[3]:
+                            raise ValueError(f"splice_items: item {i}'s source is not in order")
+                        parts[i] = st[s_buf]
+                        total += (row[1] - row[0]) + k + m + (row[3] - row[2])
+                        continue
+                    row[4] = row[6] = 0
+        got = memoryview(encode_item(item)).cast("B")
+        parts[i] = got
+        total += got.shape[0]
+    out = np.empty(total + 9, dtype=np.uint8)  # 9: _put9 writes a whole word
+    o: u8[::1] = out
+    at: ssize = _put_header(o, n)
+    p: cython.const[u8][::1]
+    q: cython.const[u8][::1]
+    buf: object = None  # the received bytes q views (one view for every spliced item)
+    for i in range(n):
+        part = parts[i]
+        if tv[i, 4] == 0:  # encoded
+            p = part
+            m = p.shape[0]
+            _copy(o, at, p, 0, m)
+            at += m
+            continue
+        if part is not buf:
+            buf = part
+            q = buf
+        if tv[i, 3] > q.shape[0]:
+            raise ValueError(f"splice_items: item {i}'s source ends past its bytes")
+        _copy(o, at, q, tv[i, 0], tv[i, 1] - tv[i, 0])
+        at += tv[i, 1] - tv[i, 0]
+        at = _put_kind(o, at, tv[i, 4], tv[i, 5])
+        at = _put_kind(o, at, tv[i, 6], tv[i, 7])
+        _copy(o, at, q, tv[i, 2], tv[i, 3] - tv[i, 2])
+        at += tv[i, 3] - tv[i, 2]
+    return memoryview(out)[:at]

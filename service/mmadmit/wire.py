@@ -96,6 +96,7 @@ from .intcodec import (
     encode_int_array_filled,
     encode_int_array_like,
     int_rows,
+    splice_items,
     split_array,
 )
 from .limits import (
@@ -469,8 +470,9 @@ class _ItemSrc(msgspec.Struct, gc=False):
     side dict are still those (tensors cannot change: identity says it),
     re-encoded with the request it was decoded in (the same ``aux``), is
     re-emitted as its received bytes with elements 1 and 2 replaced
-    (:func:`_encode_items`): its tensors keep their aux indices (received
-    frames keep theirs) and their inline data, every other element its bytes.
+    (:func:`mmadmit.msgpack_walk.splice_items`, which states the rule): its
+    tensors keep their aux indices (received frames keep theirs) and their
+    inline data, every other element its bytes.
     """
 
     buf: memoryview
@@ -490,15 +492,6 @@ class _ItemSrc(msgspec.Struct, gc=False):
         if self.raw_elems is None:
             self.raw_elems = _split(self.buf[self.start : self.end], "item")
         return self.raw_elems
-
-    def unchanged(self, item: Item) -> bool:
-        """Whether ``item`` can be spliced: all 10 fields, the same modality and tensors."""
-        return (
-            self.count >= _ITEM_FIELDS
-            and item.modality == self.modality
-            and item.feature is self.feature
-            and item.side == self.side  # Tensor equality is identity
-        )
 
 
 def _check_items(view: memoryview, reader: _TensorReader) -> None:
@@ -900,26 +893,24 @@ def _item_elems(extra: Any) -> list[msgspec.Raw]:
 def _encode_items(
     items: list[Item], writer: _FrameWriter, drop_features: bool, aux: list[memoryview]
 ) -> msgspec.Raw:
-    """The mm_items array; ``aux``: the received frames the request's writer starts from."""
-    pieces: list[Any] = [_array_header(len(items))]
-    for item in items:
-        src = item.extra
-        if (
-            not drop_features
-            and type(src) is _ItemSrc
-            and src.aux is aux  # its aux indices are this message's
-            and src.unchanged(item)
-        ):
-            # received bytes, hash and pad_value replaced (a fixarray of 2, header dropped)
-            buf = src.buf
-            pieces += (
-                buf[src.start : src.off1],
-                _ENC.encode((item.hash, item.pad_value))[1:],
-                buf[src.off3 : src.end],
-            )
-        else:
-            pieces.append(_encode_item(item, writer, drop_features))
-    return msgspec.Raw(b"".join(pieces))
+    """The mm_items array; ``aux``: the received frames the request's writer starts from.
+    An item decoded from this message whose fields are still those decoded is its
+    received bytes with hash and pad_value written again (features dropped: none is);
+    :func:`mmadmit.msgpack_walk.splice_items` states the rule."""
+    return msgspec.Raw(
+        splice_items(
+            items,
+            aux,
+            _ItemSrc,
+            lambda item: _encode_item(item, writer, drop_features),
+            _SPLICE_ITEMS and not drop_features,
+        )
+    )
+
+
+# Items spliced from their received bytes (tests and the zmq fuzz target turn it
+# off to compare the replies with every item encoded).
+_SPLICE_ITEMS = True
 
 
 def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
