@@ -216,14 +216,14 @@ def test_compiled_and_interpreted_checks_agree() -> None:
     try:
         for _ in range(3000):
             args = _random_tensor_args(rng) if rng.random() < 0.5 else _consistent_or_mutated(rng)
-            model._check = model._BUILT.check
+            model._route_checks(model._BUILT.check)
             compiled = _outcome(args)
-            model._check = tensorcheck.check
+            model._route_checks(tensorcheck.check)
             interpreted = _outcome(args)
             assert compiled == interpreted, args
             refused += compiled[0] == "refused"
     finally:
-        model._check = saved
+        model._route_checks(saved)
     assert 600 < refused < 2400, refused
 
 
@@ -232,3 +232,9 @@ def test_the_native_switch_picks_the_build() -> None:
 
     assert model._check is (model._BUILT.check if model.HAVE_NATIVE else tensorcheck.check)
     assert model.HAVE_NATIVE == (native.enabled() and model._BUILT is not None)
+    # Tensor.__post_init__ is the build's own post_init; with native off it routes
+    # every tensor to the interpreted check
+    post = model._BUILT if model._BUILT is not None else tensorcheck
+    assert Tensor.__post_init__ is post.post_init
+    want = None if model._check is post.check else tensorcheck.check
+    assert post._route is want

@@ -355,13 +355,13 @@ def _tensor_args(d: Data) -> tuple[object, ...]:
 
 def _tensor_outcome(check: object, args: tuple[object, ...]) -> object:
     saved = model._check
-    model._check = check  # type: ignore[assignment]
+    model._route_checks(check)
     try:
         t = Tensor(*args)  # type: ignore[arg-type]
     except AdmissionError as exc:
         return ("refused", type(exc).__name__, exc.code, exc.message)
     finally:
-        model._check = saved
+        model._route_checks(saved)
     return ("built", t.dtype, t.shape, bytes(t.data), t.data.format, t.data.ndim, t.name)
 
 

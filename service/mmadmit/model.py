@@ -46,6 +46,14 @@ class TensorName(NamedTuple):
         return self.key if self.item is None else f"item {self.item} {self.key}"
 
 
+try:
+    from . import _tensorcheck_c as _BUILT  # type: ignore[attr-defined]
+except ImportError:  # no compiler (or no Cython) at install time: tensorcheck.py interpreted
+    _BUILT = None
+# the build whose post_init is Tensor.__post_init__ (_route_checks routes it)
+_POST: Any = _BUILT if _BUILT is not None else tensorcheck
+
+
 class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     """Raw tensor bytes with a dtype and a shape, consistent by construction.
 
@@ -73,9 +81,11 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
 
     A ``msgspec.Struct`` (frozen, no GC tracking) because it is built for
     every tensor of every request: construction runs in C, the checks in
-    ``__post_init__``, which calls :func:`mmadmit.tensorcheck.check` (their
-    one source, compiled unless native code is off). Equality is identity (two
-    tensors are never compared by their bytes).
+    ``__post_init__``: :func:`mmadmit.tensorcheck.post_init` itself, compiled
+    when built (no Python frame per tensor), which runs
+    :func:`mmadmit.tensorcheck.check` (the checks' one source) of the build
+    native code selects. Equality is identity (two tensors are never
+    compared by their bytes).
     """
 
     dtype: DType  # a wire dtype name is accepted too, resolved when built
@@ -84,8 +94,7 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     name: Any = "tensor"
     limits: Limits | None = None
 
-    def __post_init__(self) -> None:
-        _check(self)  # mmadmit.tensorcheck: compiled unless native code is off
+    __post_init__ = _POST.post_init  # mmadmit.tensorcheck: compiled unless native code is off
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype.name}, {list(self.shape)}, {self.data.nbytes} bytes)"
@@ -118,20 +127,27 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
         return arr.reshape(self.shape)
 
 
-try:
-    from . import _tensorcheck_c as _BUILT  # type: ignore[attr-defined]
-except ImportError:  # no compiler (or no Cython) at install time: tensorcheck.py interpreted
-    _BUILT = None
+assert Tensor.__struct_fields__ == tensorcheck.FIELDS, Tensor.__struct_fields__
 
 _check = tensorcheck.check
 HAVE_NATIVE = False
 
 
+def _route_checks(check: Any) -> None:
+    """Check every tensor built from now on with ``check`` (one build's
+    ``tensorcheck.check``; tests and the fuzz targets pick one). ``Tensor``'s
+    ``__post_init__`` is the ``post_init`` of the build it was made with, which
+    runs its own check unless it is routed elsewhere."""
+    global _check
+    _check = check
+    _POST.route(None if check is _POST.check else check)
+
+
 def _use_native(on: bool) -> bool:
     """Tensor checks compiled (when built and ``on``) or interpreted."""
-    global _check, HAVE_NATIVE
+    global HAVE_NATIVE
     HAVE_NATIVE = on and _BUILT is not None
-    _check = _BUILT.check if HAVE_NATIVE else tensorcheck.check
+    _route_checks(_BUILT.check if HAVE_NATIVE else tensorcheck.check)
     return HAVE_NATIVE
 
 

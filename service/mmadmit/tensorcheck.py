@@ -27,6 +27,7 @@ from typing import Any
 
 import cython
 import msgspec
+from msgspec.structs import astuple
 
 from .dtypes import DType, parse_dtype
 from .errors import InvalidRequest
@@ -57,25 +58,55 @@ def _limits_bounds(limits: Any) -> tuple:
     return cached
 
 
+# Tensor's fields, in order (mmadmit.model checks its class against it): the check
+# reads them with one astuple call (a getattr each costs compiled code ~150
+# instructions).
+FIELDS = ("dtype", "shape", "data", "name", "limits")
+# None: post_init runs this build's check; else the check every tensor goes to
+# (mmadmit.model routes tensors to the interpreted build when native code is off)
+_route: Any = None
+
+
+def route(check_fn: Any) -> None:
+    """Send every tensor :func:`post_init` sees to ``check_fn`` (None: this build's
+    :func:`check`)."""
+    global _route
+    _route = check_fn
+
+
+def post_init(t: Any) -> None:
+    """``Tensor.__post_init__``: :func:`check`, or the check :func:`route` set. The
+    class holds this function itself (``msgspec`` calls it on every new tensor),
+    so a compiled build runs no Python frame per tensor."""
+    f = _route
+    if f is not None:
+        f(t)
+    else:
+        _check(t)
+
+
 def check(t: Any) -> None:
     """Check the tensor ``t`` being built, normalizing its fields (see the module)."""
-    dtype = t.dtype
-    shape = t.shape
-    data = t.data
-    limits = t.limits
+    _check(t)
+
+
+@cython.cfunc
+def _check(t: Any) -> None:
+    """:func:`check`."""
+    dtype, shape, data, name, limits = astuple(t)
     if type(dtype) is not DType:
         found = DTYPES.get(dtype) if type(dtype) is str else None
-        dtype = found if found is not None else _dtype_named(dtype, _label(t.name))
+        dtype = found if found is not None else _dtype_named(dtype, _label(name))
         _force(t, "dtype", dtype)
     if type(shape) is not tuple:
         if not isinstance(shape, (list, tuple)):
-            raise _bad_shape(_label(t.name), shape)
+            raise _bad_shape(_label(name), shape)
         shape = tuple(shape)
         _force(t, "shape", shape)
     nbytes = dtype.itemsize
     for d in shape:  # the element count, each dimension checked on the way
         if type(d) is not int or d < 0:
-            raise _bad_shape(_label(t.name), shape)
+            raise _bad_shape(_label(name), shape)
         nbytes *= d
     if limits is not None:
         _, max_bytes, max_rank, max_dim = _limits_bounds(limits)
@@ -85,17 +116,17 @@ def check(t: Any) -> None:
         # a dimension is at most the element count, unless another one is 0
         or (not 0 < nbytes <= max_dim and shape and max(shape) > max_dim)
     ):
-        name = _label(t.name)
+        name = _label(name)
         check_shape(name, shape, limits)  # rank and dimensions first
         raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
     size: cython.Py_ssize_t = _byte_len(data)  # -1: not a flat byte view
     if size < 0:
-        data = _byte_view(data, t.name)
+        data = _byte_view(data, name)
         _force(t, "data", data)
         size = data.nbytes
     if size != nbytes:
         raise InvalidRequest(
-            f"{_label(t.name)}: {data.nbytes} data bytes but shape {list(shape)} of "
+            f"{_label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
             f"{dtype.name} needs {nbytes}"
         )
 
