@@ -19,6 +19,10 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   its changed stretches are encoded; :func:`encode_filled`: the same when
   what changed is known (spans set to one value each, the pad runs), from
   the bytes and the spans alone.
+* :func:`build_items` and :func:`splice_items`: a request's multimodal items
+  built from their received bytes (the common form; wire.py's reference
+  decoder otherwise), and the reply's items array written back from those
+  bytes with only hash and pad_value written again.
 * :func:`split`, :func:`array_spans`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
   its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
@@ -1972,9 +1976,10 @@ def splice_items(
     fields (one call each instead of an attribute lookup per field)."""
     n: ssize = len(items)
     parts: list = [None] * n  # the received bytes of a spliced item, or its encoding
-    table = np.zeros((n, 8), dtype=np.int64)
+    table = np.zeros((n, 9), dtype=np.int64)
     # a spliced item's row: start, off1, off3, end, then hash and pad_value as
-    # _int_kind writes them (kind, value); an encoded item's row: zeros
+    # _int_kind writes them (kind, value), then the two's size; an encoded item's
+    # row: zeros
     tv: i64[:, ::1] = table
     total: ssize = 5
     i: ssize
@@ -2027,6 +2032,7 @@ def splice_items(
                         if not 0 <= row[0] <= row[1] <= row[2] <= row[3]:
                             raise ValueError(f"splice_items: item {i}'s source is not in order")
                         parts[i] = st[s_buf]
+                        row[8] = k + m
                         total += (row[1] - row[0]) + k + m + (row[3] - row[2])
                         continue
                     row[4] = row[6] = 0
@@ -2044,6 +2050,8 @@ def splice_items(
         if tv[i, 4] == 0:  # encoded
             p = part
             m = p.shape[0]
+            if at + m > total:  # pass one counted these very bytes: a bug
+                raise ValueError(f"splice_items: item {i} is longer than counted")
             _copy(o, at, p, 0, m)
             at += m
             continue
@@ -2052,6 +2060,8 @@ def splice_items(
             q = buf
         if tv[i, 3] > q.shape[0]:
             raise ValueError(f"splice_items: item {i}'s source ends past its bytes")
+        if at + (tv[i, 1] - tv[i, 0]) + tv[i, 8] + (tv[i, 3] - tv[i, 2]) > total:
+            raise ValueError(f"splice_items: item {i} is longer than counted")
         _copy(o, at, q, tv[i, 0], tv[i, 1] - tv[i, 0])
         at += tv[i, 1] - tv[i, 0]
         at = _put_kind(o, at, tv[i, 4], tv[i, 5])
