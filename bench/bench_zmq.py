@@ -59,12 +59,14 @@ when one is taken. Targets (hashes supplied, issue #18): both families 8K
 <= 2.0 ms, Qwen3-Omni <= 1.3 ms.
 
 **Items** (``--only items``, a diagnostic, not part of the default run): the
-same excess for Qwen3-Omni at 8K, 32K and 128K tokens while only the number
-of items changes (``build_request``'s media fraction 0.7, 0.35, 0.1 and 0:
-the same token count, fewer and fewer placeholder runs, every hash
-supplied). A least-squares line through each size's cells splits the excess
-into a part per item and the rest (its intercept: the excess the same tokens
-would have with items that cost nothing), set beside the size's target.
+same excess for Qwen3-Omni at 8K, 32K and 128K tokens while the number of
+items changes (``build_request``'s media fraction 0.7, 0.35, 0.1 and 0: the
+same token count, fewer and fewer items, every hash supplied). A
+least-squares line through each size's cells with items splits the excess
+into a part per item and the rest (its intercept: what the request would
+cost if its items cost nothing), set beside the size's target and the excess
+of the request with no items at all (no spans to check or pad, text
+positions only: a floor below any multimodal request).
 """
 
 from __future__ import annotations
@@ -464,9 +466,7 @@ class ExcessCell:
         return "supplied" if self.hashes else "without"
 
 
-def excess_request(
-    family: str, tokens: int, hashes: bool, media_fraction: float = 0.7
-) -> Request:
+def excess_request(family: str, tokens: int, hashes: bool, media_fraction: float = 0.7) -> Request:
     """bench/workloads.py's request (features of 32 bytes a media token, always sent):
     ``hashes`` keeps every item's content hash (nothing to hash), else none is sent
     and mmadmit hashes every feature; ``media_fraction``: the share of placeholder
@@ -626,15 +626,20 @@ def print_items(cells: list[ExcessCell], rounds: int, per_round: int) -> None:
             f"{statistics.median(c.echo_s) * 1e3:.2f} | {c.excess_ms:.2f} |"
         )
     print()
-    print("| tokens | us per item (fit) | excess at 0 items (fit intercept) ms | target ms |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| tokens | us per item (fit) | excess with items that cost nothing (its intercept) ms "
+        "| excess with no items ms | target ms |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     for tokens in EXCESS_TOKENS:
-        mine = [c for c in cells if c.tokens == tokens]
+        mine = [c for c in cells if c.tokens == tokens and _n_items(c)]
+        bare = [c.excess_ms for c in cells if c.tokens == tokens and not _n_items(c)]
         if len(mine) < 2:
             continue
         slope, intercept = items_fit(mine)
         target = EXCESS_TARGET_MS[(ITEMS_FAMILY, tokens)]
-        print(f"| {tokens} | {slope * 1e3:.1f} | {intercept:.2f} | <= {target} |")
+        none = f"{bare[0]:.2f}" if bare else "-"
+        print(f"| {tokens} | {slope * 1e3:.1f} | {intercept:.2f} | {none} | <= {target} |")
 
 
 # --------------------------------------------------------------------------- main
@@ -728,8 +733,8 @@ def main() -> None:
         ]
         if run_excess
         else [
-            ExcessCell(ITEMS_FAMILY, tokens, True, excess_request(ITEMS_FAMILY, tokens, True, f), [], [])
-            for tokens in EXCESS_TOKENS
+            ExcessCell(ITEMS_FAMILY, n, True, excess_request(ITEMS_FAMILY, n, True, f), [], [])
+            for n in EXCESS_TOKENS
             for f in ITEMS_FRACTIONS
         ]
         if run_items
