@@ -94,7 +94,9 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     name: Any = "tensor"
     limits: Limits | None = None
 
-    __post_init__ = _POST.post_init  # mmadmit.tensorcheck: compiled unless native code is off
+    # mmadmit.tensorcheck.post_init, compiled when built: msgspec calls it on every new
+    # tensor (mypy wants a method; a compiled function held by the class runs no frame)
+    __post_init__ = _POST.post_init  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype.name}, {list(self.shape)}, {self.data.nbytes} bytes)"
