@@ -51,6 +51,7 @@ compiled, slicing interpreted); and the imports at the top.
 from __future__ import annotations
 
 import cython
+import msgspec
 import numpy as np
 from msgspec.structs import astuple
 
@@ -1908,6 +1909,14 @@ _K_UINT = cython.declare(i64, 3)  # a uint64 above INT64_MAX (0xcf and 8 bytes)
 
 
 @cython.cfunc
+@cython.inline
+def _int_ok(v: object) -> cython.bint:
+    """``v`` is None or an int msgpack carries (int64 or uint64): one the splice
+    writes (a bool, a float, a larger int: the item is encoded instead)."""
+    return v is None or (type(v) is int and _INT64_MIN <= v <= _UINT64_MAX)
+
+
+@cython.cfunc
 def _int_kind(v: object, row: i64[::1], at: ssize) -> ssize:
     """How ``v`` (None or an int) is written: its kind and value in ``row[at]``,
     ``row[at + 1]`` (the uint64's bits as int64); its size in bytes, 0 if it is
@@ -1919,16 +1928,12 @@ def _int_kind(v: object, row: i64[::1], at: ssize) -> ssize:
     if v is None:
         row[at] = _K_NONE
         return 1
-    if type(v) is not int:
+    if not _int_ok(v):
         return 0
     if v > _INT64_MAX:
-        if v > _UINT64_MAX:
-            return 0
         row[at] = _K_UINT
         row[at + 1] = v - _TWO64  # the same 64 bits as an int64
         return 9
-    if v < _INT64_MIN:
-        return 0
     x = v
     row[at] = _K_INT
     row[at + 1] = x
@@ -1962,6 +1967,32 @@ _ITEM_READ = ("extra", "modality", "feature", "side", "hash", "pad_value")
 _SRC_READ = ("aux", "count", "modality", "feature", "side", "buf", "start", "off1", "off3", "end")
 
 
+@cython.cfunc
+@cython.inline
+def _may_splice(
+    it: tuple,
+    st: tuple,
+    aux: object,
+    i_mod: ssize,
+    i_feat: ssize,
+    i_side: ssize,
+    s_aux: ssize,
+    s_count: ssize,
+    s_mod: ssize,
+    s_feat: ssize,
+    s_side: ssize,
+) -> cython.bint:
+    """The rule (see above) but for hash and pad_value, on an item's fields ``it``
+    and its source's ``st`` (``astuple``'s; the ``i_``/``s_`` positions in them)."""
+    return (
+        st[s_aux] is aux
+        and st[s_count] >= _ITEM_ELEMS
+        and it[i_mod] == st[s_mod]
+        and it[i_feat] is st[s_feat]
+        and it[i_side] == st[s_side]
+    )
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def splice_items(
@@ -1974,6 +2005,8 @@ def splice_items(
 
     Items and their sources are msgspec Structs, read as ``astuple`` gives their
     fields (one call each instead of an attribute lookup per field)."""
+    if not cython.compiled:
+        return _splice_interpreted(items, aux, src_type, encode_item, splice)
     n: ssize = len(items)
     parts: list = [None] * n  # the received bytes of a spliced item, or its encoding
     table = np.zeros((n, 9), dtype=np.int64)
@@ -2014,12 +2047,8 @@ def splice_items(
             src = it[i_extra]
             if type(src) is src_type:
                 st: tuple = astuple(src)
-                if (
-                    st[s_aux] is aux
-                    and st[s_count] >= _ITEM_ELEMS
-                    and it[i_mod] == st[s_mod]
-                    and it[i_feat] is st[s_feat]
-                    and it[i_side] == st[s_side]
+                if _may_splice(
+                    it, st, aux, i_mod, i_feat, i_side, s_aux, s_count, s_mod, s_feat, s_side
                 ):
                     row: i64[::1] = tv[i]
                     k = _int_kind(it[i_hash], row, 4)
@@ -2069,3 +2098,53 @@ def splice_items(
         _copy(o, at, q, tv[i, 2], tv[i, 3] - tv[i, 2])
         at += tv[i, 3] - tv[i, 2]
     return memoryview(out)[:at]
+
+
+def _splice_interpreted(
+    items: list, aux: list, src_type: object, encode_item: object, splice: cython.bint
+) -> memoryview:
+    """:func:`splice_items` interpreted: the same rule (:func:`_may_splice`,
+    :func:`_int_ok`), the bytes joined from slices (numpy element writes and
+    the int forms computed in Python would cost ~15 us an item)."""
+    n: ssize = len(items)
+    head = np.empty(5, dtype=np.uint8)
+    pieces: list = [head[: _put_header(head, n)].tobytes()]
+    sx: tuple = _indexes(src_type, _SRC_READ) if splice else ()
+    item_type: object = None
+    ix: tuple = ()
+    for i in range(n):
+        item = items[i]
+        if splice:
+            if type(item) is not item_type:
+                item_type = type(item)
+                ix = _indexes(item_type, _ITEM_READ)
+            it = astuple(item)
+            src = it[ix[0]]
+            if type(src) is src_type:
+                st = astuple(src)
+                h, pad = it[ix[4]], it[ix[5]]
+                if (
+                    _may_splice(it, st, aux, ix[1], ix[2], ix[3], sx[0], sx[1], sx[2], sx[3], sx[4])
+                    and _int_ok(h)
+                    and _int_ok(pad)
+                ):
+                    buf, start, off1, off3, end = (
+                        st[sx[5]],
+                        st[sx[6]],
+                        st[sx[7]],
+                        st[sx[8]],
+                        st[sx[9]],
+                    )
+                    if not 0 <= start <= off1 <= off3 <= end:
+                        raise ValueError(f"splice_items: item {i}'s source is not in order")
+                    if end > len(buf):
+                        raise ValueError(f"splice_items: item {i}'s source ends past its bytes")
+                    pieces += (buf[start:off1], _ENCODE_INT(h), _ENCODE_INT(pad), buf[off3:end])
+                    continue
+        pieces.append(encode_item(item))
+    return memoryview(b"".join(pieces))
+
+
+# msgpack's smallest form of an int or None: the interpreted splice's (the compiled
+# one writes _form's, the same bytes: tests/test_wire_fast.py compares them)
+_ENCODE_INT = msgspec.msgpack.Encoder().encode
