@@ -1955,12 +1955,24 @@ def _put_kind(o: u8[::1], at: ssize, kind: i64, x: i64) -> ssize:
     return _put(o, at, x)
 
 
+# (Struct class, field names) -> their positions: found once per class (a Struct's
+# fields never change), a bounded number kept
+_INDEXES = cython.declare(dict, {})
+_INDEXES_MAX = cython.declare(ssize, 64)
+
+
 @cython.cfunc
 def _indexes(cls: object, names: tuple) -> tuple:
     """Where each of ``names`` is among the msgspec Struct ``cls``'s fields (what
     ``astuple`` gives, in that order)."""
-    fields: tuple = cls.__struct_fields__
-    return tuple([fields.index(name) for name in names])
+    key = (cls, names)
+    found = _INDEXES.get(key)
+    if found is None:
+        fields: tuple = cls.__struct_fields__
+        found = tuple([fields.index(name) for name in names])
+        if len(_INDEXES) < _INDEXES_MAX:
+            _INDEXES[key] = found
+    return found
 
 
 _ITEM_READ = ("extra", "modality", "feature", "side", "hash", "pad_value")
