@@ -177,7 +177,7 @@ class Materializer:
 
         # Rules 5 to 8.
         plan = self._plan(items, mm, original, need_pad=False)
-        new_items = _hash_remaining(items, plan)
+        new_items, hashed = _hash_remaining(items, plan)
         new_mm = _copy_mm(mm, new_items)
         if profile.uses_mrope:
             self._set_positions(new_mm, mm, len(original), plan.runs, ops)
@@ -193,7 +193,7 @@ class Materializer:
             req.extra,  # rule 8
             Padding(padded, original, spans.start, spans.stop, values),
         )
-        return Materialized(out, Rule.NORMAL)
+        return Materialized(out, Rule.NORMAL, hashed)
 
     # ------------------------------------------------------------------ rules
 
@@ -374,22 +374,25 @@ class Materializer:
         )
 
 
-def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> list[Item]:
-    """Rule 6 for the items the plan left to hash (no hash and no pad value supplied)."""
+def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> tuple[list[Item], int]:
+    """Rule 6 for the items the plan left to hash (no hash and no pad value supplied):
+    the items, and how many feature bytes were hashed."""
     new_items = plan.new_items
     if None not in new_items:
-        return new_items  # type: ignore[return-value]
+        return new_items, 0  # type: ignore[return-value]
     out: list[Item] = []
+    hashed = 0
     for i, new in enumerate(new_items):
         if new is None:
             item = items[i]
             assert item.feature is not None
             content_hash = feature_hash(item.feature.data)
+            hashed += item.feature.nbytes
             pad = rules.pad_value(MODALITY_OF[item.modality], content_hash)
             plan.pads[i] = pad
             new = rules.with_pad(item, content_hash, pad)
         out.append(new)
-    return out
+    return out, hashed
 
 
 class _Marked(AdmissionError):

@@ -265,10 +265,13 @@ class Rule(enum.Enum):
 
 @dataclass(eq=False)
 class Materialized:
-    """A successful outcome: the request with its derived fields set."""
+    """A successful outcome: the request with its derived fields set; ``hashed_bytes``:
+    the feature bytes the materializer hashed for it (items that came with neither a
+    hash nor a pad value), for the hashed-bytes counter."""
 
     request: Request
     rule: Rule
+    hashed_bytes: int = 0
 
     @property
     def passthrough(self) -> bool:

@@ -101,19 +101,6 @@ def token_bucket(tokens: int) -> str:
     return _TOKEN_BUCKET_MAX
 
 
-def hashed_feature_bytes(request: Request, outcome: Materialized) -> int:
-    """Feature bytes the materializer hashed for ``request`` (items that came without
-    a hash and left with one); 0 when nothing was hashed."""
-    mm, done = request.mm, outcome.request.mm
-    if mm is None or done is None:
-        return 0
-    total = 0
-    for before, after in zip(mm.items, done.items, strict=False):
-        if before.hash is None and after.hash is not None and before.feature is not None:
-            total += before.feature.nbytes
-    return total
-
-
 def request_size(request: Request | None) -> tuple[int, int]:
     """(tokens, items) of a decoded request; (0, 0) when it never decoded."""
     if request is None:
@@ -214,10 +201,8 @@ class Telemetry:
             kind, code = "aborted", outcome.code.value
         else:
             kind, code = "materialized", "OK"
-            if request is not None:
-                hashed = hashed_feature_bytes(request, outcome)
-                if hashed:
-                    self._hashed_by[transport].inc(hashed)
+            if outcome.hashed_bytes:
+                self._hashed_by[transport].inc(outcome.hashed_bytes)
         bucket = token_bucket(tokens)
         self._child((self._latency, transport, self.family, bucket)).observe(latency_s)
         mode = self.log_outcomes
@@ -458,7 +443,6 @@ __all__ = [
     "disable_created_metrics",
     "StatsCollector",
     "Telemetry",
-    "hashed_feature_bytes",
     "request_size",
     "token_bucket",
 ]
