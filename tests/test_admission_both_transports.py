@@ -449,6 +449,17 @@ async def test_metrics_endpoint_paths() -> None:
         assert (await http_get(address, "/metrics", method="POST"))[0] == 405
 
 
+async def test_transports_decode_under_the_materializers_limits() -> None:
+    """One Limits object for the whole server: a tensor a codec built under it is not
+    checked again by the materializer (an identity test), so a second object of
+    equal values would make every request's tensors be checked twice."""
+    async with running(hook=False, workers=1) as svc:
+        limits = svc.pool.materializer.limits
+        assert svc.handle.zmq.limits is limits
+        out = await zmq_admit(svc.zmq, small_request("lim-z"))
+        assert code_of(out) == "MATERIALIZED", out
+
+
 async def test_small_requests_run_inline_on_both_transports() -> None:
     """With the serve defaults, a small request with its hash supplied is answered
     inline on either transport; one whose feature must be hashed goes to a worker.

@@ -34,6 +34,12 @@ def test_defaults_match_cli_md() -> None:
     assert c.inline_max_tokens == 16384  # not in CLI.md: small requests skip the workers
 
 
+def test_limits_is_one_object_per_config() -> None:
+    config = build_config({}, environ={})
+    assert config.limits is config.limits  # codecs and materializer share it (identity)
+    assert config.limits.max_items == config.max_items
+
+
 def test_inline_max_tokens_accepts_zero_refuses_negative() -> None:
     assert build_config({}, environ={"MMADMIT_INLINE_MAX_TOKENS": "0"}).inline_max_tokens == 0
     with pytest.raises(ConfigError, match="--inline-max-tokens"):

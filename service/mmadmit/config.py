@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -433,8 +434,12 @@ class ServeConfig:
             return str(path.parent)
         return self.model
 
-    @property
+    @functools.cached_property
     def limits(self) -> Limits:
+        """The request limits, one object per configuration: the codecs build each
+        tensor under it and the materializer skips re-checking a tensor built under
+        the very object it holds (an identity test; a second ``Limits`` of equal
+        values would make it check every tensor of every request again)."""
         return Limits(
             max_tokens=self.max_tokens,
             max_items=self.max_items,
