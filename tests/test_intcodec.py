@@ -1137,6 +1137,33 @@ def test_encode_filled_refuses_spans_out_of_order_or_outside() -> None:
         ic.encode_int_array_filled(old[:-1], raw, marks, [1], [2], [1])
 
 
+@pytest.mark.parametrize("filled", FILLS)
+@pytest.mark.parametrize("n", [0, 1, 9, 65, 1000])
+def test_encode_filled_into_a_buffer_writes_in_place(filled: Any, n: int) -> None:
+    """With ``out``: the same bytes as a fresh buffer gets, written from ``start``
+    and nowhere else; room for 5 + 9 bytes an element is required from ``start``
+    (one byte less, a negative start or one past the end: ValueError, nothing
+    written), whichever build runs."""
+    rng = np.random.default_rng([15, n])
+    old, marks = _received(msgpack.packb(_runs(rng, n).tolist()))
+    raw = ic._as_bytes(msgpack.packb(old.tolist()))
+    spans = _spans(rng, n)
+    fresh = bytes(filled(old, raw, marks, *spans))
+    need = 5 + 9 * n
+    for start in (0, 3):
+        out = np.full(start + need + 4, 0xEE, np.uint8)
+        got = filled(old, raw, marks, *spans, out, start)
+        assert bytes(got) == fresh
+        assert bytes(out[start : start + len(fresh)]) == fresh
+        untouched = np.r_[out[:start], out[start + len(fresh) :]]
+        assert (untouched == 0xEE).all()
+    for room, start in ((need - 1, 0), (need + 2, 3), (need, -1), (need, need + 1)):
+        out = np.full(max(room, 0), 0xEE, np.uint8)
+        with pytest.raises(ValueError, match="the output has no room"):
+            filled(old, raw, marks, *spans, out, start)
+        assert (out == 0xEE).all()
+
+
 def marks_of(walk: Any, raw: bytes) -> np.ndarray:
     _, marks = walk.decode_marked(memoryview(raw))
     return marks

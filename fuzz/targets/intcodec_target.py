@@ -122,6 +122,23 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
             a = outcome(ic._BUILT.encode_filled, buf, mk, *spans)
             b = outcome(msgpack_walk.encode_filled, buf, mk, *spans)
             same(a, b, "encode_filled, spans or marks of any value")
+    # into a caller's buffer, from an offset: room and offset of any value (the
+    # bound is 5 + 9 bytes an element), the same outcome both builds and the
+    # fallback; what was written is what a fresh buffer gets
+    need = 5 + 9 * n
+    room = int(raw[0]) % (need + 24) if len(raw) else 0
+    start = int(raw[-1]) % (room + 3) - 1 if len(raw) else 0
+    outs = [np.zeros(room, np.uint8) for _ in range(3)]
+    a = outcome(ic._filled_native, old, buf, marks, starts, stops, fill, outs[0], start)
+    b = outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill, outs[1], start)
+    c = outcome(ic._filled_py, old, buf, None, starts, stops, fill, outs[2], start)
+    same(a, b, "encode_filled into a buffer")
+    same(a, c, "encode_filled into a buffer, fallback")
+    if a[0] == "ok":
+        fresh = outcome(ic._filled_native, old, buf, marks, starts, stops, fill)
+        assert fresh[1] == a[1], "encode_filled into a buffer: other bytes"
+        assert 0 <= start and start + len(a[1]) <= room, "encode_filled wrote past the room"
+        assert all(bytes(o[start : start + len(a[1])]) == a[1] for o in outs), "in place"
 
 
 def _encode(d: Data) -> None:

@@ -212,9 +212,13 @@ def encode_int_array_filled(
     starts: Any,
     stops: Any,
     fill: Any,
+    out: Any = None,
+    start: int = 0,
 ) -> bytes | memoryview:
     """:func:`encode_int_array` of ``old`` with ``old[starts[k]:stops[k]] = fill[k]``,
-    written from the bytes ``old`` was decoded from.
+    written from the bytes ``old`` was decoded from (with ``out``: written into
+    that byte buffer from ``start``, as :func:`mmadmit.msgpack_walk.encode_filled`
+    says).
 
     ``old``, ``raw`` and ``marks`` as for :func:`encode_int_array_like`. The
     spans say what changed, so no int array is read: the elements outside
@@ -230,7 +234,7 @@ def encode_int_array_filled(
         raise ValueError(f"{_PREFIX}encode_filled: old must be a 1-D int64 array")
     if not len(a) == len(b) == len(v):
         raise ValueError(f"{_PREFIX}encode_filled: starts, stops and fill differ in length")
-    return _filled_impl(old, _as_bytes(raw), marks, a, b, v)
+    return _filled_impl(old, _as_bytes(raw), marks, a, b, v, out, start)
 
 
 def array_spans(raw: Any) -> list[int]:
@@ -382,14 +386,17 @@ def _like_walk(
     return result
 
 
-def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans: Any) -> memoryview:
+def _filled_walk(
+    walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: Any
+) -> memoryview:
     """``walk.encode_filled`` (one build of the walker), after the checks that
-    ``old`` is the array ``buf`` holds (its length; marks None: read again)."""
+    ``old`` is the array ``buf`` holds (its length; marks None: read again);
+    ``spans_out``: starts, stops, fill, then optionally out and start."""
     if marks is None:
         _, marks = walk.decode_marked(buf)
     if walk.array_len(buf) != len(old):
         raise ValueError(f"{_PREFIX}encode_filled: the array and the bytes do not match")
-    result: memoryview = walk.encode_filled(buf, marks, *spans)
+    result: memoryview = walk.encode_filled(buf, marks, *spans_out)
     return result
 
 
@@ -400,8 +407,10 @@ def _filled_native(
     starts: npt.NDArray[np.int64],
     stops: npt.NDArray[np.int64],
     fill: npt.NDArray[np.int64],
+    out: Any = None,
+    start: int = 0,
 ) -> bytes | memoryview:
-    return _filled_walk(_BUILT, old, buf, marks, starts, stops, fill)
+    return _filled_walk(_BUILT, old, buf, marks, starts, stops, fill, out, start)
 
 
 def _like_native(
@@ -513,6 +522,8 @@ def _filled_py(
     starts: npt.NDArray[np.int64],
     stops: npt.NDArray[np.int64],
     fill: npt.NDArray[np.int64],
+    out: Any = None,
+    start: int = 0,
 ) -> bytes | memoryview:
     # As _like_py: where the received bytes are smallest forms, the walker's
     # result is the plain encoding of the filled array (the spans checked as
@@ -521,6 +532,13 @@ def _filled_py(
     if buf == _encode_py(old):
         if marks is not None and len(marks) != (n + 63) >> 6:
             raise ValueError(f"{_PREFIX}encode_filled: the bytes and marks do not match")
+        if out is not None:  # the walker's room check, in its order, with its message
+            room = memoryview(out).nbytes
+            if start < 0 or start > room or room - start < 5 + 9 * n:
+                raise ValueError(
+                    f"{_PREFIX}encode_filled: the output has no room for {5 + 9 * n} bytes "
+                    f"from offset {start}"
+                )
         if len(starts) and not (
             starts[0] >= 0
             and stops[-1] <= n
@@ -533,8 +551,13 @@ def _filled_py(
         filled = old.copy()
         for a, b, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
             filled[a:b] = v
-        return _encode_py(filled)
-    return _filled_walk(msgpack_walk, old, buf, marks, starts, stops, fill)
+        encoded = _encode_py(filled)
+        if out is None:
+            return encoded
+        view = memoryview(out).cast("B")
+        view[start : start + len(encoded)] = encoded
+        return view[start : start + len(encoded)]
+    return _filled_walk(msgpack_walk, old, buf, marks, starts, stops, fill, out, start)
 
 
 def _split_py(

@@ -981,6 +981,8 @@ def encode_filled(
     starts: cython.const[i64][::1],
     stops: cython.const[i64][::1],
     fill: cython.const[i64][::1],
+    out: object = None,
+    start: ssize = 0,
 ) -> memoryview:
     """:func:`encode` of the array decoded from ``raw`` (with ``marks``, see
     :func:`encode_like`) with ``[starts[k], stops[k])`` set to ``fill[k]``,
@@ -991,7 +993,14 @@ def encode_filled(
     whenever ``raw`` holds smallest forms (what msgpack encoders write), and
     always the same values. ValueError for spans that are not sorted,
     disjoint and inside the array, and for bytes and marks that do not belong
-    together."""
+    together.
+
+    With ``out`` (a writable byte buffer) the array is written into it from
+    offset ``start`` instead of a fresh buffer (the reply payload, written in
+    place), and the view of what was written is returned; ValueError, before
+    anything is written, unless ``out`` has room from ``start`` for the header
+    and 9 bytes a value (what the array may take). After any other ValueError
+    what was written into ``out`` means nothing."""
     count: ssize
     h: ssize
     count, h = _int_header(raw)
@@ -1000,9 +1009,16 @@ def encode_filled(
         raise ValueError(f"{_INT}encode_filled: starts, stops and fill differ in length")
     if marks.shape[0] != _marks_len(count):
         raise ValueError(f"{_INT}encode_filled: the bytes and marks do not match")
-    buf = np.empty(5 + 9 * count, dtype=np.uint8)  # header, then 9 bytes a value at most
-    o: u8[::1] = buf
-    at: ssize = _put_header(o, count)
+    need: ssize = 5 + 9 * count  # header, then 9 bytes a value at most
+    if out is None:
+        out = np.empty(need, dtype=np.uint8)
+        start = 0
+    o: u8[::1] = out
+    if start < 0 or start > o.shape[0] or o.shape[0] - start < need:
+        raise ValueError(
+            f"{_INT}encode_filled: the output has no room for {need} bytes from offset {start}"
+        )
+    at: ssize = start + _put_header(o[start:], count)
     if count >= _GIL_MIN:
         with cython.nogil:
             at = _write_filled(o, at, raw, h, count, marks, starts, stops, fill)
@@ -1012,7 +1028,7 @@ def encode_filled(
         raise ValueError(f"{_INT}encode_filled: the spans are not sorted, disjoint and inside")
     if at < 0:
         raise ValueError(f"{_INT}encode_filled: the bytes are not those of an int array")
-    return memoryview(buf)[:at]
+    return memoryview(out)[start:at]
 
 
 # --------------------------------------------------------------------------

@@ -967,20 +967,39 @@ def _wire_extra(req: Request) -> WireExtra:
     return WireExtra(raw=[], aux=[])
 
 
-def _int_array(extra: WireExtra, values: np.ndarray, padding: Padding | None = None) -> msgspec.Raw:
+class _Filled:
+    """The padded ids of a payload, encoded from the unpadded ids' received bytes and
+    the pad spans (:func:`~mmadmit.intcodec.encode_int_array_filled`), written by
+    :func:`_spliced` straight into the payload (``bound``: the bytes they may take)."""
+
+    __slots__ = ("bound", "made", "marks", "raw", "unpadded")
+
+    def __init__(self, unpadded: np.ndarray, raw: msgspec.Raw, marks: Any, made: Padding):
+        self.unpadded, self.raw, self.marks, self.made = unpadded, raw, marks, made
+        self.bound = 5 + 9 * len(unpadded)
+
+    def write(self, out: Any = None, start: int = 0) -> memoryview | bytes:
+        made = self.made
+        return encode_int_array_filled(
+            self.unpadded, self.raw, self.marks, made.starts, made.stops, made.values, out, start
+        )
+
+
+def _int_array(
+    extra: WireExtra, values: np.ndarray, padding: Padding | None = None
+) -> msgspec.Raw | _Filled:
     """The received bytes of ``values`` if it is an array decoded from them; else
     encoded, reusing the bytes of the received array it was made from: with
     ``padding`` (the materializer's, ``values`` its result), the unpadded ids'
-    bytes and the pad spans, no array read; otherwise the first received array
-    of its length, compared with it (the padded ids keep the unpadded ones' text)."""
+    bytes and the pad spans, no array read (a :class:`_Filled`, written where it
+    goes); otherwise the first received array of its length, compared with it
+    (the padded ids keep the unpadded ones' text)."""
     made = padding if padding is not None and padding.result is values else None
     for decoded, raw, marks in extra.ints:
         if decoded is values:
             return raw
         if made is not None and decoded is made.unpadded:
-            return msgspec.Raw(
-                encode_int_array_filled(decoded, raw, marks, made.starts, made.stops, made.values)
-            )
+            return _Filled(decoded, raw, marks, made)
     for decoded, raw, marks in extra.ints:
         if len(decoded) == len(values):
             return msgspec.Raw(encode_int_array_like(values, decoded, raw, marks))
@@ -1013,7 +1032,7 @@ def encode_request(
         if not raw:
             out[F_SAMPLING] = []
         for i, value in zip(_WRITTEN, written, strict=True):
-            out[i] = value
+            out[i] = msgspec.Raw(value.write()) if type(value) is _Filled else value
         payload = _joined(out)
     frames = writer.frames
     for i, (view, source) in enumerate(zip(extra.aux, extra.sources, strict=False)):
@@ -1029,20 +1048,43 @@ _WRITTEN = (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM, F_VALIDATION_ERROR)
 assert list(_WRITTEN) == sorted(set(_WRITTEN)) and _WRITTEN[-1] < N_FIELDS
 
 
-def _spliced(buf: memoryview, offsets: list[int], written: tuple[Any, ...]) -> bytes:
+def _spliced(
+    buf: memoryview, offsets: list[int], written: tuple[Any, ...]
+) -> bytes | memoryview:
     """The payload of ``len(offsets) - 1`` elements: ``written`` at ``_WRITTEN`` (raw
-    bytes as they are, other values encoded), every other element ``buf``'s."""
+    bytes as they are, a :class:`_Filled` written in place, other values
+    encoded), every other element ``buf``'s."""
     n = len(offsets) - 1
     pieces: list[Any] = [_array_header(n)]
     at = 0  # the first element not emitted yet
+    filled = None
     for i, value in zip(_WRITTEN, written, strict=True):
         if at < i:
             pieces.append(buf[offsets[at] : offsets[i]])
-        pieces.append(value if type(value) is _Raw else _ENC.encode(value))
+        kind = type(value)
+        if kind is _Filled:
+            filled = value
+            pieces.append(value)
+        else:
+            pieces.append(value if kind is _Raw else _ENC.encode(value))
         at = i + 1
     if at < n:
         pieces.append(buf[offsets[at] : offsets[n]])
-    return b"".join(pieces)
+    if filled is None:
+        return b"".join(pieces)
+    # One buffer, each piece copied into it once, the padded ids written in place
+    # (not into a buffer of their own and then copied again).
+    out = np.empty(sum(p.bound if p is filled else len(p) for p in pieces), np.uint8)
+    view = out.data
+    at = 0
+    for p in pieces:
+        if p is filled:
+            at += len(filled.write(out, at))
+        else:
+            end = at + len(p)
+            view[at:end] = p
+            at = end
+    return view[:at]
 
 
 def _joined(elems: list[Any]) -> bytes:
