@@ -386,9 +386,7 @@ def _like_walk(
     return result
 
 
-def _filled_walk(
-    walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: Any
-) -> memoryview:
+def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
     """``walk.encode_filled`` (one build of the walker), after the checks that
     ``old`` is the array ``buf`` holds (its length; marks None: read again);
     ``spans_out``: starts, stops, fill, then optionally out and start."""

@@ -1048,9 +1048,7 @@ _WRITTEN = (0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM, F_VALIDATION_ERROR)
 assert list(_WRITTEN) == sorted(set(_WRITTEN)) and _WRITTEN[-1] < N_FIELDS
 
 
-def _spliced(
-    buf: memoryview, offsets: list[int], written: tuple[Any, ...]
-) -> bytes | memoryview:
+def _spliced(buf: memoryview, offsets: list[int], written: tuple[Any, ...]) -> bytes | memoryview:
     """The payload of ``len(offsets) - 1`` elements: ``written`` at ``_WRITTEN`` (raw
     bytes as they are, a :class:`_Filled` written in place, other values
     encoded), every other element ``buf``'s."""
