@@ -126,8 +126,9 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     # bound is 5 + 9 bytes an element), the same outcome both builds and the
     # fallback; what was written is what a fresh buffer gets
     need = 5 + 9 * n
-    room = int(raw[0]) % (need + 24) if len(raw) else 0
-    start = int(raw[-1]) % (room + 3) - 1 if len(raw) else 0
+    pick = int((raw * np.arange(1, len(raw) + 1)).sum())  # every byte stirs it
+    room = need + pick % 24 if pick & 1 else (pick >> 1) % (need + 24)  # enough, or any
+    start = (pick >> 6) % (room - need + 3) - 1 if pick & 1 else (pick >> 6) % (room + 3) - 1
     outs = [np.zeros(room, np.uint8) for _ in range(3)]
     a = outcome(ic._filled_native, old, buf, marks, starts, stops, fill, outs[0], start)
     b = outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill, outs[1], start)
