@@ -1,0 +1,191 @@
+"""Where a request's time goes inside ``mmadmit serve``: a diagnostic for issue #18. Not a test.
+
+    python bench/bench_stages.py [--pairs 300] [--cells qwen3_omni_moe:32768,...]
+
+Per cell (``bench/workloads.py``'s request, every hash supplied), one mmadmit
+ZMQ server as ``bench_zmq.py`` runs it, with timers around its stages
+(``time.perf_counter`` in wrappers set at start-up, about 0.2 us each), and one
+reply echo; the client runs ``--pairs`` pairs (one mmadmit round trip, then
+one echo round trip, as ``bench_zmq.py --only excess`` does). The server's
+stages, median ms per request:
+
+* ``decode``: ``wire.decode_message`` (payload split, token ids, items);
+* ``materialize``: ``Materializer.run``, inline on the event loop here;
+* ``encode``: ``wire.encode_materialized`` (the reply frames);
+* ``send``: ``Reply.emit_now`` (the frames handed to libzmq; on 2 cores it
+  also holds whatever time the woken I/O thread takes from this one, so it
+  moves by 0.1-0.4 ms from run to run, in a reply echo too);
+* ``handler``: the whole receive callback (``ZmqIngest._on_message``: all of
+  the above plus admission, the pool's ticket and telemetry).
+
+Beside each, the same stage in this process, warm: the same request's
+frames decoded, materialized and encoded back to back (no sockets, nothing
+else running), and their ratio. A ratio well above 1 is the price of a cold
+machine state: between two requests the client and the echo run, and the
+server's caches, TLB and branch history are no longer its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+STAGES = ("decode", "materialize", "encode", "send", "handler")
+DEFAULT_CELLS = "qwen3_5:8192,qwen3_omni_moe:8192,qwen3_omni_moe:32768,qwen3_omni_moe:131072"
+
+
+def _timed(owner: Any, name: str, samples: list[float]) -> None:
+    """Replace ``owner.name`` by a wrapper that appends each call's seconds."""
+    fn = getattr(owner, name)
+    clock = time.perf_counter
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            samples.append(clock() - t0)
+
+    setattr(owner, name, wrapper)
+
+
+def serve_staged(model: str, out_path: str) -> None:
+    """``bench_zmq``'s mmadmit server with stage timers; SIGUSR1 writes them to
+    ``out_path`` (JSON, seconds per call) and exits."""
+    import bench_zmq
+    from mmadmit import materializer, wire, zmq_ingest, zmq_output
+
+    samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    _timed(wire, "decode_message", samples["decode"])
+    _timed(materializer.Materializer, "run", samples["materialize"])
+    _timed(wire, "encode_materialized", samples["encode"])
+    _timed(zmq_output.Reply, "emit_now", samples["send"])
+    _timed(zmq_ingest.ZmqIngest, "_on_message", samples["handler"])
+
+    def dump(*_: Any) -> None:
+        Path(out_path).write_text(json.dumps(samples))
+        os._exit(0)
+
+    signal.signal(signal.SIGUSR1, dump)
+    bench_zmq.serve("mmadmit", 2, model)
+
+
+def in_process(family: str, tokens: int, n: int = 200) -> dict[str, float]:
+    """Median seconds of decode, materialize and encode of the cell's request, warm."""
+    import bench_zmq
+    import zmq
+    from mmadmit import wire
+    from mmadmit.config import build_config
+    from mmadmit.materializer import Materializer
+    from mmadmit.runtime import tune_process
+
+    tune_process()
+    config = build_config({"model": family, "device": "cpu"})
+    limits = config.limits
+    mat = Materializer(config.load_profile(), limits)
+    req = bench_zmq.excess_request(family, tokens, True)
+    frames = [zmq.Frame(f) for f in [bytes([wire.MSG_ADD]), *wire.encode_request(req)]]
+    times: dict[str, list[float]] = {"decode": [], "materialize": [], "encode": []}
+    clock = time.perf_counter
+    for i in range(n + 20):
+        t0 = clock()
+        msg = wire.decode_message(frames, limits)
+        t1 = clock()
+        assert msg.request is not None
+        outcome = mat.run(msg.request)
+        t2 = clock()
+        wire.encode_materialized(outcome)  # type: ignore[arg-type]
+        t3 = clock()
+        if i >= 20:
+            times["decode"].append(t1 - t0)
+            times["materialize"].append(t2 - t1)
+            times["encode"].append(t3 - t2)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float], float]:
+    """The staged server's median seconds per stage for ``pairs`` recorded pairs,
+    and the median excess (s) of those pairs."""
+    import bench_zmq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "stages.json")
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-staged", family, out_path],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        echo = None
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().split()
+            if not line or line[0] != "READY":
+                raise SystemExit(f"{family}: the staged server did not start")
+            echo = bench_zmq.ServerProcess("reply-echo", 2, family)
+            template = bench_zmq.excess_request(family, tokens, True)
+            cell = bench_zmq.ExcessCell(family, tokens, True, template, [], [])
+            client = bench_zmq.ExcessClient({family: (line[1], echo.endpoint)})
+            try:
+                client.warm_up(cell)
+                client.pairs(cell, 20, record=False)
+                client.pairs(cell, pairs)
+            finally:
+                client.close()
+            proc.send_signal(signal.SIGUSR1)
+            proc.wait(30)
+            samples = json.loads(Path(out_path).read_text())
+        finally:
+            if echo is not None:
+                echo.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    medians = {stage: statistics.median(samples[stage][-pairs:]) for stage in STAGES}
+    return medians, cell.excess_ms / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=300, help="recorded pairs per cell")
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help="family:tokens,...")
+    parser.add_argument("--serve-staged", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_staged:
+        serve_staged(*args.serve_staged)
+        return
+    t0 = time.monotonic()
+    print(
+        "stages of `mmadmit serve` (ZMQ, inline, hashes supplied), median ms per request; "
+        f"in-process: the same stage warm, back to back; {args.pairs} pairs per cell\n"
+    )
+    print("| family | tokens | stage | in server | in process, warm | ratio |")
+    print("|---|---:|---|---:|---:|---:|")
+    for cell in args.cells.split(","):
+        family, tokens_s = cell.split(":")
+        tokens = int(tokens_s)
+        served, excess = measure(family, tokens, args.pairs)
+        warm = in_process(family, tokens)
+        for stage in STAGES:
+            w = warm.get(stage)
+            shown_w = "-" if w is None else f"{w * 1e3:.3f}"
+            ratio = "-" if w is None else f"{served[stage] / w:.1f}x"
+            row = f"| {family} | {tokens} | {stage} | {served[stage] * 1e3:.3f} |"
+            print(f"{row} {shown_w} | {ratio} |")
+        print(f"| {family} | {tokens} | excess (pairs) | {excess * 1e3:.3f} | | |")
+    print(f"\ncommand: python bench/bench_stages.py; total {time.monotonic() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
