@@ -1035,9 +1035,15 @@ def encode_request(
             out[i] = msgspec.Raw(value.write()) if type(value) is _Filled else value
         payload = _joined(out)
     frames = writer.frames
-    for i, (view, source) in enumerate(zip(extra.aux, extra.sources, strict=False)):
-        if frames[i] is view:  # still the received frame (not blanked): send its object
-            frames[i] = source
+    sources = extra.sources
+    if not drop_features and len(sources) == len(extra.aux):
+        # the writer only appends: every received frame is still at its index, sent
+        # as the object it arrived in
+        frames[: len(sources)] = sources
+    else:
+        for i, (view, source) in enumerate(zip(extra.aux, sources, strict=False)):
+            if frames[i] is view:  # still the received frame (not blanked): send its object
+                frames[i] = source
     return [payload, *frames]
 
 
