@@ -84,19 +84,14 @@ def serve_staged(model: str, out_path: str) -> None:
 
 def in_process(family: str, tokens: int, n: int = 200) -> dict[str, float]:
     """Median seconds of decode, materialize and encode of the cell's request, warm."""
-    import bench_zmq
+    import workloads
     import zmq
     from mmadmit import wire
-    from mmadmit.config import build_config
-    from mmadmit.materializer import Materializer
     from mmadmit.runtime import tune_process
 
     tune_process()
-    config = build_config({"model": family, "device": "cpu"})
-    limits = config.limits
-    mat = Materializer(config.load_profile(), limits)
-    req = bench_zmq.excess_request(family, tokens, True)
-    frames = [zmq.Frame(f) for f in [bytes([wire.MSG_ADD]), *wire.encode_request(req)]]
+    limits, mat, sent = workloads.staged(family, tokens)  # the excess cells' request
+    frames = [zmq.Frame(f) for f in sent]  # as the service receives them
     times: dict[str, list[float]] = {"decode": [], "materialize": [], "encode": []}
     clock = time.perf_counter
     for i in range(n + 20):
