@@ -72,6 +72,7 @@ __all__ = [
     "encode_int_array",
     "encode_int_array_filled",
     "encode_int_array_like",
+    "encoded_bound",
     "int_rows",
     "offsets_of",
     "splice_items",
@@ -235,6 +236,13 @@ def encode_int_array_filled(
     if not len(a) == len(b) == len(v):
         raise ValueError(f"{_PREFIX}encode_filled: starts, stops and fill differ in length")
     return _filled_impl(old, _as_bytes(raw), marks, a, b, v, out, start)
+
+
+def encoded_bound(n: int) -> int:
+    """The most bytes an encoded array of ``n`` ints takes (what
+    :func:`encode_int_array_filled` needs of the room in ``out``)."""
+    bound: int = msgpack_walk.encoded_bound(n)
+    return bound
 
 
 def array_spans(raw: Any) -> list[int]:
@@ -531,10 +539,10 @@ def _filled_py(
         if marks is not None and len(marks) != (n + 63) >> 6:
             raise ValueError(f"{_PREFIX}encode_filled: the bytes and marks do not match")
         if out is not None:  # the walker's room check, in its order, with its message
-            room = memoryview(out).nbytes
-            if start < 0 or start > room or room - start < 5 + 9 * n:
+            room, need = memoryview(out).nbytes, msgpack_walk.encoded_bound(n)
+            if start < 0 or start > room or room - start < need:
                 raise ValueError(
-                    f"{_PREFIX}encode_filled: the output has no room for {5 + 9 * n} bytes "
+                    f"{_PREFIX}encode_filled: the output has no room for {need} bytes "
                     f"from offset {start}"
                 )
         if len(starts) and not (

@@ -751,6 +751,13 @@ def _write_ints(
     return at, i
 
 
+@cython.ccall
+def encoded_bound(n: ssize) -> ssize:
+    """The most bytes an array of ``n`` ints takes: a 5-byte header, then 9 bytes a
+    value (what every encoder here sizes its output for, and checks room against)."""
+    return 5 + 9 * n
+
+
 @cython.cfunc
 @cython.inline
 def _put_header(o: u8[::1], n: ssize) -> ssize:
@@ -772,7 +779,7 @@ def encode(v: cython.const[i64][::1]) -> memoryview:
     n: ssize = v.shape[0]
     if n > MAX_ARRAY_COUNT:
         raise ValueError(f"{_INT}{n} elements exceed the array32 limit")
-    buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
+    buf = np.empty(encoded_bound(n), dtype=np.uint8)
     o: u8[::1] = buf
     at: ssize = _put_header(o, n)
     if n >= _GIL_MIN:
@@ -915,7 +922,7 @@ def encode_like(
     count, h = _int_header(raw)
     if old.shape[0] != n or count != n or marks.shape[0] != _marks_len(n):
         raise ValueError(f"{_INT}encode_like: the arrays, bytes and marks do not match")
-    buf = np.empty(5 + 9 * n, dtype=np.uint8)  # header, then 9 bytes a value at most
+    buf = np.empty(encoded_bound(n), dtype=np.uint8)
     o: u8[::1] = buf
     at: ssize = _put_header(o, n)
     if n >= _GIL_MIN:
@@ -1009,7 +1016,7 @@ def encode_filled(
         raise ValueError(f"{_INT}encode_filled: starts, stops and fill differ in length")
     if marks.shape[0] != _marks_len(count):
         raise ValueError(f"{_INT}encode_filled: the bytes and marks do not match")
-    need: ssize = 5 + 9 * count  # header, then 9 bytes a value at most
+    need: ssize = encoded_bound(count)
     if out is None:
         out = np.empty(need, dtype=np.uint8)
         start = 0

@@ -95,6 +95,7 @@ from .intcodec import (
     encode_int_array,
     encode_int_array_filled,
     encode_int_array_like,
+    encoded_bound,
     int_rows,
     splice_items,
     split_array,
@@ -976,7 +977,7 @@ class _Filled:
 
     def __init__(self, unpadded: np.ndarray, raw: msgspec.Raw, marks: Any, made: Padding):
         self.unpadded, self.raw, self.marks, self.made = unpadded, raw, marks, made
-        self.bound = 5 + 9 * len(unpadded)
+        self.bound = encoded_bound(len(unpadded))
 
     def write(self, out: Any = None, start: int = 0) -> memoryview | bytes:
         made = self.made
