@@ -751,10 +751,13 @@ def _write_ints(
     return at, i
 
 
-@cython.ccall
+@cython.cfunc
+@cython.inline
 def encoded_bound(n: ssize) -> ssize:
     """The most bytes an array of ``n`` ints takes: a 5-byte header, then 9 bytes a
-    value (what every encoder here sizes its output for, and checks room against)."""
+    value (what every encoder here sizes its output for, and checks room against).
+    Compiled it is no entry point (``n`` is a length here); interpreted, the one
+    :mod:`mmadmit.intcodec` and the wire codec call."""
     return 5 + 9 * n
 
 
