@@ -973,16 +973,17 @@ class _Filled:
     the pad spans (:func:`~mmadmit.intcodec.encode_int_array_filled`), written by
     :func:`_spliced` straight into the payload (``bound``: the bytes they may take)."""
 
-    __slots__ = ("bound", "made", "marks", "raw", "unpadded")
+    __slots__ = ("bound", "made", "marks", "raw")
 
-    def __init__(self, unpadded: np.ndarray, raw: msgspec.Raw, marks: Any, made: Padding):
-        self.unpadded, self.raw, self.marks, self.made = unpadded, raw, marks, made
-        self.bound = encoded_bound(len(unpadded))
+    def __init__(self, made: Padding, raw: msgspec.Raw, marks: Any):
+        """``raw`` and ``marks``: what ``made.unpadded`` was decoded from."""
+        self.made, self.raw, self.marks = made, raw, marks
+        self.bound = encoded_bound(len(made.unpadded))
 
     def write(self, out: Any = None, start: int = 0) -> memoryview | bytes:
         made = self.made
         return encode_int_array_filled(
-            self.unpadded, self.raw, self.marks, made.starts, made.stops, made.values, out, start
+            made.unpadded, self.raw, self.marks, made.starts, made.stops, made.values, out, start
         )
 
 
@@ -1000,7 +1001,7 @@ def _int_array(
         if decoded is values:
             return raw
         if made is not None and decoded is made.unpadded:
-            return _Filled(decoded, raw, marks, made)
+            return _Filled(made, raw, marks)
     for decoded, raw, marks in extra.ints:
         if len(decoded) == len(values):
             return msgspec.Raw(encode_int_array_like(values, decoded, raw, marks))
