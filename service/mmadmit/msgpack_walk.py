@@ -1557,19 +1557,37 @@ def _bytes_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> bytes:
     return out
 
 
+@cython.cclass
+class _At:
+    """Where :func:`_build_items` reads next. The helpers that read one value
+    (``_int_at``, ``_opt_int_at``, ``_side_key_at``, ``_tensor_at``) move it past
+    that value and return the value itself, or ``_BAD`` if the bytes there are
+    not of its form: no ``(value, end)`` tuple is made for every value read."""
+
+    pos: ssize
+
+    def __init__(self, pos: ssize) -> None:
+        self.pos = pos
+
+
+_BAD = cython.declare(object, object())  # a helper's "not of this form" (None is nil)
+
+
 @cython.cfunc
-def _int_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(value, end)`` of the msgpack int at ``p[pos]``, None if it is not one."""
+def _int_at(p: cython.const[u8][::1], n: ssize, at: _At) -> object:
+    """The msgpack int at ``p[at.pos]`` (``at`` moved past it), ``_BAD`` if it is not one."""
+    pos: ssize = at.pos
     if pos >= n:
-        return None
+        return _BAD
     b: cython.uint = p[pos]
     w: ssize = _int_width(b)
     if w < 0 or n - pos < 1 + w:
-        return None
+        return _BAD
     u: u64 = _load(p, pos + 1, w) if w else 0
+    at.pos = pos + 1 + w
     if b == 0xCF:
-        return u, pos + 9  # uint64: the value as it is (a hash may need all 64 bits)
-    return _int_value(b, u), pos + 1 + w
+        return u  # uint64: the value as it is (a hash may need all 64 bits)
+    return _int_value(b, u)
 
 
 @cython.cfunc
@@ -1621,24 +1639,26 @@ def _name(names: tuple | None, i: ssize, key: str) -> tuple:
 
 
 @cython.cfunc
-def _side_key(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(key, names, end)`` of the msgpack str at ``p[pos]`` (UTF-8 checked): the
-    key's str, the names of its tensors by item index (None: made as needed);
-    None if it is not a str."""
-    at: ssize
+def _side_key_at(p: cython.const[u8][::1], n: ssize, at: _At) -> object:
+    """``(key bytes, key, names)`` of the msgpack str at ``p[at.pos]`` (UTF-8
+    checked; ``at`` moved past it): the key's str and the names of its tensors by
+    item index (None: made as needed); ``_BAD`` if it is not a str. A key seen
+    before is its kept entry, made once."""
+    start: ssize
     m: ssize
-    at, m = _str_span(p, n, pos)
-    if at < 0:
-        return None
-    entry = _seen_at(_SIDE_KEYS, p, at, m)
+    start, m = _str_span(p, n, at.pos)
+    if start < 0:
+        return _BAD
+    at.pos = start + m
+    entry = _seen_at(_SIDE_KEYS, p, start, m)
     if entry is not None:
-        return entry[1], entry[2], at + m
-    key = _bytes_at(p, at, m).decode("utf-8")
-    names = None
+        return entry
+    key = _bytes_at(p, start, m).decode("utf-8")
     if len(_SIDE_KEYS) < _SIDE_KEYS_MAX:
-        names = _names_of(key)
-        _SIDE_KEYS.append((_bytes_at(p, at, m), key, names))
-    return key, names, at + m
+        entry = (_bytes_at(p, start, m), key, _names_of(key))
+        _SIDE_KEYS.append(entry)
+        return entry
+    return None, key, None
 
 
 # Tensor dtype names seen, with what they name: (the name's bytes, its DType).
@@ -1698,57 +1718,24 @@ def _dtype_named_at(p: cython.const[u8][::1], at: ssize, m: ssize) -> object:
 
 
 @cython.cfunc
-def _tensor_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(dtype, shape, data, end)`` of a tensor ``[str, [int, ...], int | ext 3]`` at
-    ``p[pos]`` (``data`` an aux index or the inline bytes), None for any other value."""
-    count: ssize
-    h: ssize
+def _dims_at(p: cython.const[u8][::1], n: ssize, at: _At, count: ssize) -> object:
+    """``count`` msgpack ints from ``p[at.pos]`` as a tuple (``at`` moved past
+    them), ``_BAD`` if one is not an int. Two (a feature's rows and width, a grid
+    row) are read into the tuple straight, without a list."""
+    a: object
+    b: object
     _k: ssize
-    if pos >= n:
-        return None
-    count, h = _array_head(p, n, pos)
-    if count != 3:
-        return None
-    at: ssize
-    m: ssize
-    at, m = _str_span(p, n, pos + h)
-    if at < 0:
-        return None
-    dtype = _dtype_named_at(p, at, m)
-    pos = at + m
-    if pos >= n:
-        return None
-    count, h = _array_head(p, n, pos)
-    if count < 0 or count > n - pos - h:
-        return None
-    pos += h
+    if count == 2:
+        a = _int_at(p, n, at)
+        b = _BAD if a is _BAD else _int_at(p, n, at)
+        return _BAD if b is _BAD else (a, b)
     dims: list = []
     for _k in range(count):
-        got = _int_obj(p, n, pos)
-        if got is None:
-            return None
-        dims.append(got[0])
-        pos = got[1]
-    if pos >= n:
-        return None
-    b: cython.uint = p[pos]
-    size: ssize
-    at: ssize
-    if 0xD4 <= b <= 0xD8:  # fixext 1..16: code, then the bytes
-        size, at = 1 << (b - 0xD4), pos + 2
-    elif 0xC7 <= b <= 0xC9:  # ext 8/16/32: length, code, bytes
-        h = 1 << (b - 0xC7)
-        if n - pos < 2 + h:
-            return None
-        size, at = cython.cast(ssize, _load(p, pos + 1, h)), pos + 2 + h
-    else:
-        got = _int_obj(p, n, pos)
-        if got is None:
-            return None
-        return dtype, tuple(dims), got[0], got[1]
-    if at > n or size > n - at or p[at - 1] != 3:  # ext code 3: tensor data
-        return None
-    return dtype, tuple(dims), _bytes_at(p, at, size), at + size
+        a = _int_at(p, n, at)
+        if a is _BAD:
+            return _BAD
+        dims.append(a)
+    return tuple(dims)
 
 
 @cython.cfunc
@@ -1757,33 +1744,70 @@ def _nil(p: cython.const[u8][::1], n: ssize, pos: ssize) -> cython.bint:
 
 
 @cython.cfunc
-def _opt_int_obj(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple:
-    """``(value, end)`` of nil (None) or an int at ``p[pos]``, None for anything else."""
-    if _nil(p, n, pos):
-        return None, pos + 1
-    return _int_obj(p, n, pos)
+def _opt_int_at(p: cython.const[u8][::1], n: ssize, at: _At) -> object:
+    """nil (None) or the int at ``p[at.pos]`` (``at`` moved past it), ``_BAD`` for
+    anything else."""
+    if _nil(p, n, at.pos):
+        at.pos += 1
+        return None
+    return _int_at(p, n, at)
 
 
 @cython.cfunc
-def _built_tensor(
-    p: cython.const[u8][::1], n: ssize, pos: ssize, env: tuple, name: tuple, roles: list
-) -> tuple:
-    """``(tensor, end)``: the tensor at ``p[pos]`` built on its aux frame (its index
-    added to ``roles``) or its inline bytes, by ``env``'s constructor; None if it is
-    not a tensor or refers to no aux frame (Tensor's own refusals raise)."""
-    aux: list = env[0]
-    got = _tensor_obj(p, n, pos)
-    if got is None:
-        return None
-    dtype, shape, data, end = got
-    if type(data) is int:
-        if not 0 < data <= len(aux):
-            return None
-        roles.append(data)
-        data = aux[data - 1]
-    else:
-        data = memoryview(data)
-    return env[2](dtype, shape, data, name, env[1]), end
+def _tensor_at(
+    p: cython.const[u8][::1], n: ssize, at: _At, env: tuple, name: tuple, roles: list
+) -> object:
+    """The tensor ``[str, [int, ...], int | ext 3]`` at ``p[at.pos]`` (``at`` moved
+    past it), built by ``env``'s constructor on its aux frame (its index added to
+    ``roles``) or its inline bytes; ``_BAD`` for any other value or an index
+    that refers to no aux frame (Tensor's own refusals raise)."""
+    count: ssize
+    h: ssize
+    pos: ssize = at.pos
+    if pos >= n:
+        return _BAD
+    count, h = _array_head(p, n, pos)
+    if count != 3:
+        return _BAD
+    start: ssize
+    m: ssize
+    start, m = _str_span(p, n, pos + h)
+    if start < 0:
+        return _BAD
+    dtype = _dtype_named_at(p, start, m)
+    pos = start + m
+    if pos >= n:
+        return _BAD
+    count, h = _array_head(p, n, pos)
+    if count < 0 or count > n - pos - h:
+        return _BAD
+    at.pos = pos + h
+    shape = _dims_at(p, n, at, count)
+    if shape is _BAD:
+        return _BAD
+    pos = at.pos
+    if pos >= n:
+        return _BAD
+    b: cython.uint = p[pos]
+    size: ssize
+    if 0xD4 <= b <= 0xD8:  # fixext 1..16: code, then the bytes
+        size, start = 1 << (b - 0xD4), pos + 2
+    elif 0xC7 <= b <= 0xC9:  # ext 8/16/32: length, code, bytes
+        h = 1 << (b - 0xC7)
+        if n - pos < 2 + h:
+            return _BAD
+        size, start = cython.cast(ssize, _load(p, pos + 1, h)), pos + 2 + h
+    else:  # an aux frame's index
+        index = _int_at(p, n, at)
+        aux: list = env[0]
+        if index is _BAD or not 0 < index <= len(aux):
+            return _BAD
+        roles.append(index)
+        return env[2](dtype, shape, aux[index - 1], name, env[1])
+    if start > n or size > n - start or p[start - 1] != 3:  # ext code 3: tensor data
+        return _BAD
+    at.pos = start + size
+    return env[2](dtype, shape, memoryview(_bytes_at(p, start, size)), name, env[1])
 
 
 def build_items(
@@ -1831,40 +1855,38 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
     count, h = _array_head(p, n, 0)
     if count < 0 or count > n - h:
         return None
-    pos = h
+    at: _At = _At(h)
     items: list = []
     features: list = []
     others: list = []
     for i in range(count):
-        start = pos
-        if pos >= n:
+        start = at.pos
+        if start >= n:
             return None
-        k, h = _array_head(p, n, pos)
+        k, h = _array_head(p, n, start)
         if k != _ITEM_ELEMS:
             return None
-        got = _int_obj(p, n, pos + h)  # 0 modality
-        if got is None:
+        at.pos = start + h
+        modality = _int_at(p, n, at)  # 0 modality
+        if modality is _BAD:
             return None
-        modality, pos = got
-        off1 = pos
-        got = _opt_int_obj(p, n, pos)  # 1 hash
-        if got is None:
+        off1 = at.pos
+        hash_ = _opt_int_at(p, n, at)  # 1 hash
+        if hash_ is _BAD:
             return None
-        hash_, pos = got
-        got = _opt_int_obj(p, n, pos)  # 2 pad_value
-        if got is None:
+        pad = _opt_int_at(p, n, at)  # 2 pad_value
+        if pad is _BAD:
             return None
-        pad, pos = got
-        off3 = pos
-        pos = _skip(p, n, pos, 1, i)  # 3 offsets: the caller's (int_rows)
+        off3 = at.pos
+        at.pos = _skip(p, n, off3, 1, i)  # 3 offsets: the caller's (int_rows)
         feature = None  # 4 feature
-        if _nil(p, n, pos):
-            pos += 1
+        if _nil(p, n, at.pos):
+            at.pos += 1
         else:
-            got = _built_tensor(p, n, pos, env, _name(_FEATURE_NAMES, i, "feature"), features)
-            if got is None:
+            feature = _tensor_at(p, n, at, env, _name(_FEATURE_NAMES, i, "feature"), features)
+            if feature is _BAD:
                 return None
-            feature, pos = got
+        pos = at.pos
         if not _nil(p, n, pos):  # 5 feature_shm
             return None
         pos += 1
@@ -1886,27 +1908,30 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
                 return None
             if entries > n - pos:
                 return None
+            at.pos = pos
             for _k in range(entries):
-                got = _side_key(p, n, pos)
-                if got is None:
+                entry = _side_key_at(p, n, at)
+                if entry is _BAD:
                     return None
-                key, names, pos = got
+                key = entry[1]
                 if key in side:  # a repeated key: the reference keeps the last only
                     return None
-                got = _built_tensor(p, n, pos, env, _name(names, i, key), others)
-                if got is None:  # a flag or any other value: the reference's
+                tensor = _tensor_at(p, n, at, env, _name(entry[2], i, key), others)
+                if tensor is _BAD:  # a flag or any other value: the reference's
                     return None
-                side[key], pos = got
+                side[key] = tensor
+            pos = at.pos
         for _k in range(3):  # 7 encoded, 8 encoded_deepstack, 9 encode_handshake
             if not _nil(p, n, pos):
                 return None
             pos += 1
+        at.pos = pos
         src = env[4](
             view, env[0], start, pos, _ITEM_ELEMS, off1, off3, modality, feature,
             side.copy() if side else env[5],
         )  # fmt: skip
         items.append(env[3](modality, hash_, pad, None, feature, None, side, src))
-    if pos != n:
+    if at.pos != n:
         return None
     return items, features, others
 
