@@ -877,7 +877,8 @@ def _built(walk: Any, view: memoryview, aux: list[Any]) -> Any:
     got = walk.build_items(view, view, aux, limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
     if got is None:
         return None
-    items, features, others = got
+    items, features, others, offsets_at = got
+    assert offsets_at == [it.extra.off3 for it in items]
     return _items_form(items), sorted(set(features)), sorted(set(others))
 
 

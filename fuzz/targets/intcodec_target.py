@@ -312,7 +312,8 @@ def _built(walk: object, buf: memoryview) -> object:
     )
     if got is None:
         return None
-    items, features, others = got
+    items, features, others, offsets_at = got
+    assert offsets_at == [it.extra.off3 for it in items], offsets_at
     return [_item_form(it) for it in items], sorted(set(features)), sorted(set(others))
 
 

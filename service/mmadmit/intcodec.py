@@ -270,7 +270,12 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
     return _rows_impl(_as_bytes(raw), list(starts), width)
 
 
-def build_items(raw: Any, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+# build_items' result: the items, the aux indices features and other tensors refer
+# to, where each item's offsets start
+_Built = tuple[list[Any], list[int], list[int], list[int]]
+
+
+def build_items(raw: Any, *args: Any) -> _Built | None:
     """The items of the msgpack array ``raw``, built by the compiled walk of
     :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``), or None:
     an item outside the form it takes, or the walker interpreted or not built.
@@ -472,13 +477,13 @@ def _ints_by_msgspec(buf: memoryview) -> npt.NDArray[np.int64] | None:
         return None  # OverflowError: a uint64 above INT64_MAX
 
 
-def _items_native(buf: memoryview, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+def _items_native(buf: memoryview, *args: Any) -> _Built | None:
     assert _BUILT is not None
-    built: tuple[list[Any], list[int], list[int]] | None = _BUILT.build_items(buf, *args)
+    built: _Built | None = _BUILT.build_items(buf, *args)
     return built
 
 
-def _items_py(buf: memoryview, *args: Any) -> tuple[list[Any], list[int], list[int]] | None:
+def _items_py(buf: memoryview, *args: Any) -> _Built | None:
     return None  # interpreted: the reference item decoder is the faster one
 
 

@@ -1822,13 +1822,14 @@ def build_items(
 ) -> tuple | None:
     """The items of the mm_items array filling ``p``, built, or None (see above).
 
-    ``(items, feature_aux, other_aux)``: per item ``item(modality, hash,
+    ``(items, feature_aux, other_aux, offsets_at)``: per item ``item(modality, hash,
     pad_value, None, feature, None, side, source(view, aux, start, end, 10,
     start of element 1, start of element 3, modality, feature, side copy or
     no_side))``, its tensors ``tensor(dtype, shape, data, (index, key),
     limits)`` on ``aux[index - 1]`` or the inline bytes; the aux indices
-    features and side tensors refer to. Offsets are the caller's (element 3 is
-    only skipped). Any exception while building, Tensor's refusals included,
+    features and side tensors refer to; where each item's element 3 starts.
+    Offsets are the caller's (element 3 is only skipped: :func:`int_rows` takes
+    ``offsets_at``). Any exception while building, Tensor's refusals included,
     gives None: the reference words it."""
     try:
         return _build_items(p, view, (aux, limits, tensor, item, source, no_side))
@@ -1859,6 +1860,7 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
     items: list = []
     features: list = []
     others: list = []
+    offsets_at: list = []
     for i in range(count):
         start = at.pos
         if start >= n:
@@ -1878,6 +1880,7 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
         if pad is _BAD:
             return None
         off3 = at.pos
+        offsets_at.append(off3)
         at.pos = _skip(p, n, off3, 1, i)  # 3 offsets: the caller's (int_rows)
         feature = None  # 4 feature
         if _nil(p, n, at.pos):
@@ -1933,7 +1936,7 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
         items.append(env[3](modality, hash_, pad, None, feature, None, side, src))
     if at.pos != n:
         return None
-    return items, features, others
+    return items, features, others, offsets_at
 
 
 # --------------------------------------------------------------------------

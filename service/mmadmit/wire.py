@@ -514,11 +514,13 @@ def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
     built = build_items(view, view, reader.aux, reader.limits, Tensor, Item, _ItemSrc, _NO_SIDE)
     if built is None:
         items = _decode_items_reference(view, reader)
+        with_offsets = [it for it in items if it.extra.count > 3]  # items that have element 3
+        _set_offsets(view, with_offsets, [it.extra.off3 for it in with_offsets], items)
     else:
-        items, features, others = built
+        items, features, others, offsets_at = built
         reader.features.update(features)
         reader.others.update(others)
-    _set_offsets(view, items)
+        _set_offsets(view, items, offsets_at, items)
     return items
 
 
@@ -579,13 +581,13 @@ def _decode_items_reference(view: memoryview, reader: _TensorReader) -> list[Ite
     return items
 
 
-def _set_offsets(view: memoryview, items: list[Item]) -> None:
-    """Each item's offsets: every item's [start, end] rows decoded in one table, each
-    item given its slice (a view); None where element 3 is nil or missing."""
-    with_offsets = [it for it in items if it.extra.count > 3]  # items that have element 3
+def _set_offsets(
+    view: memoryview, with_offsets: list[Item], starts: list[int], items: list[Item]
+) -> None:
+    """The offsets of ``with_offsets`` (of ``items``), whose element 3 is at ``starts``:
+    every item's [start, end] rows decoded in one table, each item given its slice
+    (a view); None where element 3 is nil."""
     if with_offsets:
-        # every item's [start, end] rows in one array; each item gets its slice (a view)
-        starts = [it.extra.off3 for it in with_offsets]
         try:
             flat, bounds = int_rows(view, starts, 2)
         except ValueError as exc:
@@ -775,7 +777,8 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     except AdmissionError as exc:  # InvalidRequest, TooLarge
         raise WireError(exc.message, recover_rid(buf), exc.code) from exc
     try:
-        aux = [_as_buffer(f) for f in aux_frames]
+        # a received zmq.Frame's own byte view (what _as_buffer returns), without a call each
+        aux = [f.buffer if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
         reader = _TensorReader(aux, limits)
         for i in odd:  # the others are nil, bools, numbers, bins and arrays of them
             if i not in _DECODED_ELEMENTS:
