@@ -375,6 +375,19 @@ def test_first_outside_native_equals_numpy() -> None:
         )
 
 
+def test_first_outside_at_any_bounds() -> None:
+    """Bounds anywhere in int64, an empty range (lo >= hi) included: the native pass
+    compares unsigned differences, which wrap."""
+    rng = np.random.default_rng(4)
+    edges = [-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 2, 2**63 - 1]
+    for _ in range(400):
+        n = int(rng.integers(1, 100))
+        ids = np.array([int(x) for x in rng.choice(edges + [-3, 3], n)], np.int64)
+        lo, hi = (int(x) for x in rng.choice(edges + [-3, 3], 2))
+        bad = [i for i, x in enumerate(ids.tolist()) if x < lo or x >= hi]
+        assert kernels.first_outside(ids, lo, hi) == (bad[0] if bad else -1), (lo, hi)
+
+
 def test_new_items_are_copies_and_inputs_untouched() -> None:
     profile = load_profile("qwen3_omni_moe")
     req = _request(profile, "qwen3_omni_moe", 4)

@@ -338,18 +338,19 @@ kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* Smallest and largest of p[0:n] (n >= 1). */
-MM_VECTORIZE static void
-min_max(const int64_t *p, Py_ssize_t n, int64_t *lo, int64_t *hi)
+/* Whether some p[i] (i < n) lies outside [lo, hi) (lo < hi): one pass whose only
+   carried dependence is an OR (x - lo, unsigned, is below hi - lo exactly when x is
+   inside), so that its vectors do not wait on each other as a running min and max
+   do (a compare and a blend of latency each step, measured 3x slower). */
+MM_VECTORIZE static int
+any_outside(const int64_t *p, Py_ssize_t n, int64_t lo, int64_t hi)
 {
-    int64_t mn = p[0], mx = p[0];
+    const uint64_t base = (uint64_t)lo, range = (uint64_t)hi - (uint64_t)lo;
+    uint64_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t x = p[i];
-        mn = x < mn ? x : mn;
-        mx = x > mx ? x : mx;
+        bad |= (uint64_t)p[i] - base >= range;
     }
-    *lo = mn;
-    *hi = mx;
+    return bad != 0;
 }
 
 /* first_outside(ids, lo, hi) -> index of the first id outside [lo, hi), or -1 */
@@ -371,11 +372,8 @@ kernels_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t 
     const int64_t *p = b.buf;
     Py_ssize_t n = b.len / 8, bad = -1;
     MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
-    int64_t mn = 0, mx = 0;
-    if (n > 0) {
-        min_max(p, n, &mn, &mx); /* one vectorized pass; locate only on failure */
-    }
-    if (n > 0 && (mn < lo || mx >= hi)) {
+    /* one vectorized pass; locate only on failure (every id is outside an empty range) */
+    if (n > 0 && (lo >= hi || any_outside(p, n, lo, hi))) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if (p[i] < lo || p[i] >= hi) {
                 bad = i;
