@@ -162,7 +162,10 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 _Ext = msgspec.msgpack.Ext
-_Frame = zmq.Frame  # what the ingest receives: its .buffer is already a flat byte view
+# what the ingest receives: a flat byte buffer. memoryview(frame) is its view; a
+# frame's .buffer is the same view, made and kept behind a weak reference on first
+# use (measured 15 against 10 us for the 130 aux frames of a 128-item request)
+_Frame = zmq.Frame
 _ENC = msgspec.msgpack.Encoder()
 _NIL = msgspec.Raw(_ENC.encode(None))
 
@@ -328,7 +331,7 @@ class WireMessage:
 
 def _as_buffer(frame: Any) -> memoryview:
     if type(frame) is _Frame:
-        return frame.buffer  # already a flat byte view
+        return memoryview(frame)  # already a flat byte view
     # a zmq.Frame subclass exposes .buffer; bytes / memoryview work directly.
     buf = getattr(frame, "buffer", frame)
     view = memoryview(buf)
@@ -777,8 +780,8 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
     except AdmissionError as exc:  # InvalidRequest, TooLarge
         raise WireError(exc.message, recover_rid(buf), exc.code) from exc
     try:
-        # a received zmq.Frame's own byte view (what _as_buffer returns), without a call each
-        aux = [f.buffer if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
+        # a received zmq.Frame's byte view (what _as_buffer returns), without a call each
+        aux = [memoryview(f) if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
         reader = _TensorReader(aux, limits)
         for i in odd:  # the others are nil, bools, numbers, bins and arrays of them
             if i not in _DECODED_ELEMENTS:
