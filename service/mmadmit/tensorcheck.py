@@ -43,17 +43,25 @@ DTYPES = cython.declare(dict, {})
 _DTYPES_MAX = 1024
 _MEMORYVIEW = memoryview
 # the last limits seen and their three tensor bounds, one tuple (swapped whole: a
-# thread never reads one object's bounds against another's); a frozen dataclass
-_bounds: tuple = (None, 0, 0, 0)
+# thread never reads one object's bounds against another's); a frozen dataclass.
+# The bounds come twice: as set, and each at most _FAST_MAX for _fits's C arithmetic.
+_bounds: tuple = (None, 0, 0, 0, 0, 0, 0)
+# _fits multiplies dimensions up to this in 64-bit C ints: a product of two stays
+# below 2**62 (a larger dimension or product takes the check's exact path)
+_FAST_MAX = cython.declare(cython.longlong, 1 << 31)
+assert _FAST_MAX == 0x80000000  # _fits's literal
 
 
 @cython.cfunc
 def _limits_bounds(limits: Any) -> tuple:
-    """``(limits, max_tensor_bytes, max_tensor_rank, max_tensor_dim)``, cached."""
+    """``(limits, max_tensor_bytes, max_tensor_rank, max_tensor_dim, and the three
+    again, each at most _FAST_MAX)``, cached."""
     global _bounds
     cached = _bounds
     if cached[0] is not limits:
-        cached = (limits, limits.max_tensor_bytes, limits.max_tensor_rank, limits.max_tensor_dim)
+        found = (limits.max_tensor_bytes, limits.max_tensor_rank, limits.max_tensor_dim)
+        # a bound that is not an int (-1) leaves every tensor to the exact path
+        cached = (limits, *found, *[min(x, _FAST_MAX) if type(x) is int else -1 for x in found])
         _bounds = cached
     return cached
 
@@ -103,13 +111,15 @@ def _check(t: Any) -> None:
             raise _bad_shape(_label(name), shape)
         shape = tuple(shape)
         _force(t, "shape", shape)
+    if _fits(dtype.itemsize, shape, data, limits):
+        return
     nbytes = dtype.itemsize
     for d in shape:  # the element count, each dimension checked on the way
         if type(d) is not int or d < 0:
             raise _bad_shape(_label(name), shape)
         nbytes *= d
     if limits is not None:
-        _, max_bytes, max_rank, max_dim = _limits_bounds(limits)
+        _, max_bytes, max_rank, max_dim = _limits_bounds(limits)[:4]
     if limits is not None and (
         nbytes > max_bytes
         or len(shape) > max_rank
@@ -129,6 +139,37 @@ def _check(t: Any) -> None:
             f"{_label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
             f"{dtype.name} needs {nbytes}"
         )
+
+
+@cython.cfunc
+def _fits(itemsize: Any, shape: tuple, data: Any, limits: Any) -> cython.bint:
+    """Whether the checks below pass for sure, with nothing to normalize: every
+    dimension an int in ``[0, _FAST_MAX]``, their product with ``itemsize`` too,
+    within ``limits`` (None: none), and ``data`` a flat byte view of that many
+    bytes. Compiled, in C ints (no Python int made or compared); False sends the
+    tensor down the exact path, which decides and words the refusal."""
+    # the literal is _FAST_MAX (compared as a constant, no Python int made for it)
+    if type(itemsize) is not int or not 0 < itemsize <= 0x80000000:
+        return False
+    nbytes: cython.longlong = itemsize
+    top: cython.longlong = 0
+    x: cython.longlong
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= 0x80000000:
+            return False
+        x = d
+        nbytes *= x
+        top = x if x > top else top
+        if nbytes > _FAST_MAX:
+            return False
+    if limits is not None:
+        cached: tuple = _limits_bounds(limits)
+        max_bytes: cython.longlong = cached[4]
+        max_rank: cython.longlong = cached[5]
+        max_dim: cython.longlong = cached[6]
+        if nbytes > max_bytes or len(shape) > max_rank or top > max_dim:
+            return False
+    return _byte_len(data) == nbytes
 
 
 @cython.cfunc
