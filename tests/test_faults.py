@@ -45,6 +45,7 @@ from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit_client import Materialized, Outcome, RequestTimeout, ServerUnavailable, ZmqTransport
 from test_server_lifecycle import (
+    HEAD_S,
     ServeProcess,
     metrics,
     shared_feature_request,
@@ -256,8 +257,8 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
             g0 = await grpc_admit(gc, to_proto(small_request("g0"), "g0"), timeout=10)
             assert isinstance(g0, Materialized)
             assert (await zmq_admit(zc, small_request("z0"))).materialized
-            # in flight at the kill: 3 ZMQ requests hashing 184 MB each, a gRPC call behind
-            heavy = shared_feature_request(8)
+            # in flight at the kill: 3 ZMQ requests of HEAD_S of hashing each, a gRPC call
+            heavy = shared_feature_request(HEAD_S)
             lost_z = [
                 asyncio.ensure_future(
                     zmq_admit(zc, dataclasses.replace(heavy, rid=f"zk{i}"), timeout_s=8)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import re
 import signal
 import socket
@@ -56,6 +57,7 @@ from conftest import CONFIGS, REPO_ROOT, http_get, requests_total
 from mmadmit import wire
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.grpc_server import ADMISSION_SERVICE
+from mmadmit.hashing import feature_hash
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
 from mmadmit_client import Client, Materialized, Outcome, RequestTimeout, TransportError
@@ -225,15 +227,38 @@ def big_request(feature_mb_per_item: float) -> Request:
     )
 
 
-def shared_feature_request(feature_mb: int) -> Request:
-    """:func:`big_request` whose 23 items share one N MB feature: on the ZMQ wire that is
-    one aux frame every item points at, so ~N MB travel and 23 x N MB are hashed.
+# the seconds of hashing on one worker that the old fixed 8 MB shared feature made
+# on the box the drain tests were written on (23 x 8 MB at about 0.5 GB/s)
+HEAD_S = 0.35
+
+
+@functools.cache
+def hash_bytes_per_s() -> float:
+    """How fast this box hashes features (the service's own function), the best of
+    three passes over 64 MB. The drain tests size their work by it: their work must
+    outlast, or fit, what they do meanwhile, whatever the speed of the box (a fixed
+    size calibrated on one box gave a faster one too little work to queue behind)."""
+    buf = memoryview(np.zeros(64 << 20, np.uint8))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        feature_hash(buf)
+        best = min(best, time.perf_counter() - t0)
+    return (64 << 20) / best
+
+
+def shared_feature_request(seconds: float) -> Request:
+    """:func:`big_request` whose 23 items share one feature sized for about ``seconds``
+    of hashing on this box (:func:`hash_bytes_per_s`; at least 1 MB): on the ZMQ wire
+    that is one aux frame every item points at, so the feature travels once and is
+    hashed 23 times.
 
     Hashing runs at roughly the speed of a loopback transfer on this kind of box, so
     with one feature per item a worker keeps up with what arrives and no backlog builds
     up; sharing the frame makes work outlast transfer, and the drain tests can rely on
     work being queued when the signal comes.
     """
+    feature_mb = max(1, round(seconds * hash_bytes_per_s() / 23 / (1 << 20)))
     req = big_request(1 / 1024)
     shared = Tensor.from_numpy(np.zeros((feature_mb << 20) // 2, np.float16).reshape(-1, 2))
     assert req.mm is not None
@@ -470,8 +495,8 @@ async def test_disabled_transport_reads_off(off: str) -> None:
 
 
 async def test_sigterm_under_load_drains_both_transports() -> None:
-    """12 admitted (4 ZMQ hashing 184 MB each, 4 gRPC carrying 24 MB each, 4 ZMQ hashing
-    46 MB each: about 2 s of hashing on one worker), then SIGTERM: health turns
+    """12 admitted (4 ZMQ of HEAD_S of hashing each, 4 gRPC carrying 24 MB each, 4 ZMQ
+    of a quarter of that: about 2 s of hashing on one worker), then SIGTERM: health turns
     NOT_SERVING for good, new requests on both transports get SHUTTING_DOWN at once
     while the drain runs, every request sent before the signal gets exactly one outcome
     (all fit the 5 s drain: materialized; gRPC in band), and the process exits 0 in
@@ -492,11 +517,11 @@ async def test_sigterm_under_load_drains_both_transports() -> None:
                 peer,
                 gc,
                 tasks,
-                zmq_head=shared_feature_request(8),
+                zmq_head=shared_feature_request(HEAD_S),
                 n_head=4,
                 grpc_req=big_request(1),
                 n_grpc=4,
-                zmq_tail=shared_feature_request(2),
+                zmq_tail=shared_feature_request(HEAD_S / 4),
                 n_tail=4,
             )
             # in flight from both transports at the signal
@@ -519,7 +544,7 @@ async def test_sigterm_under_load_drains_both_transports() -> None:
             )
             tasks.append(late_g)
             await peer.send(small_request("late-z"), "late-z")
-            await peer.send(shared_feature_request(8), "late-z-big")
+            await peer.send(shared_feature_request(HEAD_S), "late-z-big")
             late = await peer.wait(["late-z", "late-z-big"], timeout_s=drain_s)
             late["late-g"] = (await asyncio.wait_for(late_g, drain_s))[1]
             late_s = time.monotonic() - t0
@@ -547,7 +572,7 @@ async def test_sigterm_under_load_drains_both_transports() -> None:
 
 
 async def test_drain_timeout_ends_the_rest_shutting_down() -> None:
-    """8 ZMQ requests hashing 184 MB each (about 2.8 s of work), then 4 gRPC calls queued
+    """8 ZMQ requests of 0.4 s of hashing each (3.2 s of work), then 4 gRPC calls queued
     behind them, and a 1 s drain: what finished by then is materialized, the rest ends
     SHUTTING_DOWN (the gRPC calls in band), each exactly once; exit 0 in time."""
     drain_s = 1.0
@@ -565,7 +590,7 @@ async def test_drain_timeout_ends_the_rest_shutting_down() -> None:
                 peer,
                 gc,
                 tasks,
-                zmq_head=shared_feature_request(8),
+                zmq_head=shared_feature_request(0.4),
                 n_head=8,
                 grpc_req=big_request(1),
                 n_grpc=4,
@@ -598,7 +623,7 @@ async def test_second_signal_exits_at_once_with_status_1() -> None:
             owned_tasks() as tasks,
         ):
             load = await load_in_order(
-                addr, peer, gc, tasks, zmq_head=shared_feature_request(8), n_head=8
+                addr, peer, gc, tasks, zmq_head=shared_feature_request(HEAD_S), n_head=8
             )
             srv.send()
             async with asyncio.timeout(10):
