@@ -176,3 +176,31 @@ def test_gc_tuning_keeps_collections_out_of_large_requests() -> None:
     assert thresholds.split() == ["20000", "10", "10", "True"]
     assert tuned == 0
     assert collections("default")[0] > 0
+
+
+def test_serve_tunes_the_process_with_its_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``server.run`` (``mmadmit serve``) applies ``runtime.tune_process`` with the
+    configuration's ``--malloc-arenas``, before its event loop starts: the allocator
+    and collector tuning above reach the service only through this call."""
+    from mmadmit import server
+
+    class Stop(Exception):
+        pass
+
+    calls: list[int] = []
+
+    def tune(arenas: int) -> None:
+        calls.append(arenas)
+        raise Stop  # the event loop never starts
+
+    async def serve(config: ServeConfig) -> int:
+        raise Stop  # were it ever reached: nothing is bound, the test ends at once
+
+    monkeypatch.setattr(server, "configure_logging", lambda *args: None)
+    monkeypatch.setattr(server, "disable_created_metrics", lambda: None)  # process-wide
+    monkeypatch.setattr(server, "tune_process", tune)
+    monkeypatch.setattr(server, "serve", serve)
+    config = build_config({"malloc_arenas": 3})
+    with pytest.raises(Stop):
+        server.run(config)
+    assert calls == [3]
