@@ -1889,14 +1889,14 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
             feature = _tensor_at(p, n, at, env, _name(_FEATURE_NAMES, i, "feature"), features)
             if feature is _BAD:
                 return None
-        pos = at.pos
-        if not _nil(p, n, pos):  # 5 feature_shm
+        if not _nil(p, n, at.pos):  # 5 feature_shm
             return None
-        pos += 1
+        at.pos += 1
         side: dict = {}  # 6 model_specific_data
-        if _nil(p, n, pos):
-            pos += 1
+        if _nil(p, n, at.pos):
+            at.pos += 1
         else:
+            pos = at.pos  # the map's header
             if pos >= n:
                 return None
             b = p[pos]
@@ -1923,14 +1923,12 @@ def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | 
                 if tensor is _BAD:  # a flag or any other value: the reference's
                     return None
                 side[key] = tensor
-            pos = at.pos
         for _k in range(3):  # 7 encoded, 8 encoded_deepstack, 9 encode_handshake
-            if not _nil(p, n, pos):
+            if not _nil(p, n, at.pos):
                 return None
-            pos += 1
-        at.pos = pos
+            at.pos += 1
         src = env[4](
-            view, env[0], start, pos, _ITEM_ELEMS, off1, off3, modality, feature,
+            view, env[0], start, at.pos, _ITEM_ELEMS, off1, off3, modality, feature,
             side.copy() if side else env[5],
         )  # fmt: skip
         items.append(env[3](modality, hash_, pad, None, feature, None, side, src))
