@@ -18,11 +18,25 @@ stages, median ms per request:
 * ``handler``: the whole receive callback (``ZmqIngest._on_message``: all of
   the above plus admission, the pool's ticket and telemetry).
 
-Beside each, the same stage in this process, warm: the same request's
-frames decoded, materialized and encoded back to back (no sockets, nothing
-else running), and their ratio. A ratio well above 1 is the price of a cold
-machine state: between two requests the client and the echo run, and the
-server's caches, TLB and branch history are no longer its own.
+Beside each, the same stage in this process twice: warm (the same request's
+frames decoded, materialized and encoded back to back, no sockets, nothing
+else running), and paused (the same, with the server's median idle gap between
+two requests slept before each iteration). A ratio well above 1 against warm
+is the price of the machine's state after an idle gap: between two requests
+the client and the echo run, the core sleeps in epoll, and the server's caches,
+TLB and branch history are no longer its own. The ratio against paused is what
+is left for the server itself to answer for (its sockets, its bookkeeping, and
+output buffers that are not warm); about 1 means nothing.
+
+Two more lines per cell: ``gap``, the server's median idle time between the end
+of one request's handler and the start of the next; ``page faults``, the
+minor page faults the event-loop thread takes inside one handler (median,
+``getrusage(RUSAGE_THREAD)``): about 0 when every buffer a request writes
+(padded ids, positions, the reply) reuses memory the allocator already holds
+(``runtime.tune_allocator``). A stage shown ``-`` in the server did not run
+on the event loop: the request's estimated cost was over ``--inline-max-us``
+on this machine, so it was materialized on a worker and its reply left
+through the awaited path.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -61,6 +76,32 @@ def _timed(owner: Any, name: str, samples: list[float]) -> None:
     setattr(owner, name, wrapper)
 
 
+def _idle_and_faults(owner: Any, name: str, samples: dict[str, list[float]]) -> None:
+    """Wrap ``owner.name`` (the handler) to record the idle gap before each call
+    (s, since the previous call returned) and the minor page faults this thread
+    takes during it."""
+    fn = getattr(owner, name)
+    clock = time.perf_counter
+    usage = resource.getrusage
+    thread = resource.RUSAGE_THREAD
+    gaps = samples.setdefault("gap", [])
+    faults = samples.setdefault("page faults", [])
+    last = [0.0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        f0 = usage(thread).ru_minflt
+        if last[0]:
+            gaps.append(t0 - last[0])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            faults.append(usage(thread).ru_minflt - f0)
+            last[0] = clock()
+
+    setattr(owner, name, wrapper)
+
+
 def serve_staged(model: str, out_path: str) -> None:
     """``bench_zmq``'s mmadmit server with stage timers; SIGUSR1 writes them to
     ``out_path`` (JSON, seconds per call) and exits."""
@@ -73,6 +114,7 @@ def serve_staged(model: str, out_path: str) -> None:
     _timed(wire, "encode_materialized", samples["encode"])
     _timed(zmq_output.Reply, "emit_now", samples["send"])
     _timed(zmq_ingest.ZmqIngest, "_on_message", samples["handler"])
+    _idle_and_faults(zmq_ingest.ZmqIngest, "_on_message", samples)
 
     def dump(*_: Any) -> None:
         Path(out_path).write_text(json.dumps(samples))
@@ -82,8 +124,9 @@ def serve_staged(model: str, out_path: str) -> None:
     bench_zmq.serve("mmadmit", 2, model)
 
 
-def in_process(family: str, tokens: int, n: int = 200) -> dict[str, float]:
-    """Median seconds of decode, materialize and encode of the cell's request, warm."""
+def in_process(family: str, tokens: int, pause_s: float = 0.0, n: int = 200) -> dict[str, float]:
+    """Median seconds of decode, materialize and encode of the cell's request: warm
+    (back to back), or after ``pause_s`` of sleep before each iteration."""
     import workloads
     import zmq
     from mmadmit import wire
@@ -95,6 +138,8 @@ def in_process(family: str, tokens: int, n: int = 200) -> dict[str, float]:
     times: dict[str, list[float]] = {"decode": [], "materialize": [], "encode": []}
     clock = time.perf_counter
     for i in range(n + 20):
+        if pause_s:
+            time.sleep(pause_s)
         t0 = clock()
         msg = wire.decode_message(frames, limits)
         t1 = clock()
@@ -110,7 +155,7 @@ def in_process(family: str, tokens: int, n: int = 200) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float], float]:
+def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float | None], float]:
     """The staged server's median seconds per stage for ``pairs`` recorded pairs,
     and the median excess (s) of those pairs."""
     import bench_zmq
@@ -147,7 +192,10 @@ def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float], flo
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    medians = {stage: statistics.median(samples[stage][-pairs:]) for stage in STAGES}
+    medians = {
+        stage: statistics.median(samples[stage][-pairs:]) if samples[stage] else None
+        for stage in (*STAGES, "gap", "page faults")
+    }
     return medians, cell.excess_ms / 1e3
 
 
@@ -162,23 +210,38 @@ def main() -> None:
         return
     t0 = time.monotonic()
     print(
-        "stages of `mmadmit serve` (ZMQ, inline, hashes supplied), median ms per request; "
-        f"in-process: the same stage warm, back to back; {args.pairs} pairs per cell\n"
+        "stages of `mmadmit serve` (ZMQ, hashes supplied), median ms per request; in process: "
+        "the same stage back to back (warm), and after sleeping the server's median idle gap "
+        f"(paused); {args.pairs} pairs per cell\n"
     )
-    print("| family | tokens | stage | in server | in process, warm | ratio |")
-    print("|---|---:|---|---:|---:|---:|")
+    cols = ("family", "tokens", "stage", "in server", "warm", "server / warm", "paused")
+    print("| " + " | ".join(cols) + " | server / paused |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.3f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None else f"{a / b:.2f}"
+
     for cell in args.cells.split(","):
         family, tokens_s = cell.split(":")
         tokens = int(tokens_s)
         served, excess = measure(family, tokens, args.pairs)
+        gap = served["gap"] or 0.0
         warm = in_process(family, tokens)
+        paused = in_process(family, tokens, gap)
         for stage in STAGES:
-            w = warm.get(stage)
-            shown_w = "-" if w is None else f"{w * 1e3:.3f}"
-            ratio = "-" if w is None else f"{served[stage] / w:.1f}x"
-            row = f"| {family} | {tokens} | {stage} | {served[stage] * 1e3:.3f} |"
-            print(f"{row} {shown_w} | {ratio} |")
-        print(f"| {family} | {tokens} | excess (pairs) | {excess * 1e3:.3f} | | |")
+            s, w, p = served[stage], warm.get(stage), paused.get(stage)
+            print(
+                f"| {family} | {tokens} | {stage} | {ms(s)} | {ms(w)} | {ratio(s, w)} "
+                f"| {ms(p)} | {ratio(s, p)} |"
+            )
+        print(f"| {family} | {tokens} | excess (pairs) | {ms(excess)} | | | | |")
+        print(f"| {family} | {tokens} | gap (idle before a request) | {ms(gap)} | | | | |")
+        faults = served["page faults"]
+        shown = "-" if faults is None else f"{faults:.0f}"
+        print(f"| {family} | {tokens} | page faults a request | {shown} | | | | |")
     print(f"\ncommand: python bench/bench_stages.py; total {time.monotonic() - t0:.0f}s")
 
 

@@ -159,6 +159,59 @@ print(len(runs))
 """
 
 
+_FAULT_PROBE = """
+import resource, sys
+sys.path.insert(0, sys.argv[2])  # bench/: its workloads
+import workloads
+from mmadmit import wire
+from mmadmit.config import build_config
+from mmadmit.materializer import Materializer
+from mmadmit.runtime import tune_allocator
+if sys.argv[1] == "tuned":
+    tune_allocator()
+config = build_config({"model": "qwen3_5", "device": "cpu"})
+materializer = Materializer(config.load_profile(), config.limits)
+for tokens in (8192, 32768, 131072):
+    req = workloads.build_request(workloads.profile_for("qwen3_5"), tokens, with_hash=True)
+    frames = [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
+    def once():
+        outcome = materializer.run(wire.decode_message(frames, config.limits).request)
+        reply = wire.encode_materialized(outcome)
+        assert reply[0] == bytes([wire.STATUS_MATERIALIZED]), reply[1]
+    for _ in range(5):
+        once()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        once()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+"""
+
+
+def test_allocator_tuning_keeps_output_buffers_faulted_in() -> None:
+    """Issue #18's warm output buffers: with ``mmadmit serve``'s allocator tuning, a
+    request's fresh arrays (its decoded ids, the padded ids, the ``[3, N]``
+    positions, the reply payload; 4-7 MB at 128K tokens) reuse memory the heap
+    already holds, so steady-state requests take no page faults; glibc's own
+    thresholds (the control) give the memory back and fault it in again."""
+    import platform
+
+    from conftest import REPO_ROOT
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+
+    def faults(mode: str) -> list[float]:
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULT_PROBE, mode, str(REPO_ROOT / "bench")],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return [float(line) for line in out.stdout.split()]
+
+    tuned = faults("tuned")
+    assert len(tuned) == 3 and max(tuned) <= 2, tuned  # 8K, 32K, 128K tokens
+    assert max(faults("default")) > 100  # here about 300 a request at 32K, 1,500 at 128K
+
+
 def test_gc_tuning_keeps_collections_out_of_large_requests() -> None:
     """``mmadmit serve``'s tune_gc: five Qwen3-Omni 128K requests (128 items each)
     decoded, materialized and encoded set off no collection; CPython's own
