@@ -27,7 +27,10 @@ Client-side costs are kept equal and small: requests are pre-serialized bytes
 (identity serializers), each one the shared body plus its own ``request_id``
 field appended (protobuf allows fields in any order). Prints a markdown table
 of admissions/s and median / p99 latency, plus the Admit/echo ratios
-(target: AdmitStream >= 60% of echo).
+(target: AdmitStream >= 60% of echo). Beside them, the server process's CPU
+(user + system, ``/proc``) a request in each mode, and what Admit and
+AdmitStream cost beyond their echo: steadier than the rates on a shared
+machine, since a busy neighbour slows the server without adding to its CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -165,6 +169,7 @@ class Result:
     seconds: float
     latencies_s: list[float]
     round_rates: list[float] = field(default_factory=list)
+    server_cpu_s: float = 0.0  # the server process's CPU (user + system) in these runs
 
     @property
     def rate(self) -> float:
@@ -172,6 +177,16 @@ class Result:
 
     def pct_ms(self, q: float) -> float:
         return float(np.percentile(self.latencies_s, q)) * 1e3
+
+
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state is first
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _leading_rid(resp: bytes) -> bytes:
@@ -261,7 +276,7 @@ async def stream_load(
     return Result(method, got, time.perf_counter() - t0, latencies)
 
 
-async def drive(address: str, body: bytes, args: argparse.Namespace) -> list[Result]:
+async def drive(address: str, pid: int, body: bytes, args: argparse.Namespace) -> list[Result]:
     options = [
         ("grpc.max_receive_message_length", MESSAGE_LIMIT),
         ("grpc.max_send_message_length", MESSAGE_LIMIT),
@@ -286,8 +301,10 @@ async def drive(address: str, body: bytes, args: argparse.Namespace) -> list[Res
         totals = {name: Result(name, 0, 0.0, []) for name, _ in plan}
         for k in range(args.rounds):
             for name, run in plan:
+                cpu0 = server_cpu_s(pid)
                 part = await run(args.seconds / args.rounds)
                 total = totals[name]
+                total.server_cpu_s += server_cpu_s(pid) - cpu0
                 total.count += part.count
                 total.seconds += part.seconds
                 total.latencies_s.extend(part.latencies_s)
@@ -310,15 +327,17 @@ def report(results: list[Result], args: argparse.Namespace, body: bytes, reply: 
         f"{os.cpu_count()} CPU(s), {args.seconds:.0f} s per mode in {args.rounds} "
         "alternating rounds\n"
     )
-    print("| mode | concurrency | admissions/s | median ms | p99 ms |")
-    print("|---|---|---:|---:|---:|")
+    print("| mode | concurrency | admissions/s | median ms | p99 ms | server CPU ms a request |")
+    print("|---|---|---:|---:|---:|---:|")
     for r in results:
         conc = (
             f"{args.callers} callers"
             if "stream" not in r.name.lower()
             else f"1 stream, window {args.window}"
         )
-        print(f"| {r.name} | {conc} | {r.rate:.0f} | {r.pct_ms(50):.2f} | {r.pct_ms(99):.2f} |")
+        cpu = r.server_cpu_s / r.count * 1e3 if r.count else 0.0
+        row = f"| {r.name} | {conc} | {r.rate:.0f} | {r.pct_ms(50):.2f} | {r.pct_ms(99):.2f} |"
+        print(f"{row} {cpu:.3f} |")
 
     def ratio(a: str, b: str) -> tuple[float, float]:
         # Overall, and the median of the per-round ratios (robust to load drifts).
@@ -331,6 +350,14 @@ def report(results: list[Result], args: argparse.Namespace, body: bytes, reply: 
         f"\nAdmit / echo (unary): {unary:.0%} (median of rounds {unary_med:.0%}); "
         f"AdmitStream / echo (stream): {stream:.0%} (median of rounds {stream_med:.0%}); "
         "target >= 60%"
+    )
+
+    def extra_ms(a: str, b: str) -> float:
+        return (by[a].server_cpu_s / by[a].count - by[b].server_cpu_s / by[b].count) * 1e3
+
+    print(
+        f"server CPU a request beyond the echo's: Admit {extra_ms('Admit', 'echo (unary)'):+.3f} "
+        f"ms, AdmitStream {extra_ms('AdmitStream', 'echo (stream)'):+.3f} ms"
     )
 
 
@@ -379,7 +406,7 @@ def main() -> None:
         address = line.split()[1]
         print(f"server on {address} (pid {proc.pid})", file=sys.stderr)
         try:
-            results = run(drive(address, body, args))
+            results = run(drive(address, proc.pid, body, args))
         finally:
             proc.stdin.close()
             proc.wait(timeout=30)

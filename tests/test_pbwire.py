@@ -40,7 +40,12 @@ from mmadmit import pbwire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
 from mmadmit.profile import load_profile
-from mmadmit.servicer import _ids_to_proto, request_from_proto, response_from_outcome
+from mmadmit.servicer import (
+    _ids_to_proto,
+    encode_response,
+    request_from_proto,
+    response_from_outcome,
+)
 from mmadmit_client._proto import admission_pb2 as pb
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
 
@@ -190,6 +195,108 @@ def test_response_from_outcome_unchanged(impl: str) -> None:
     assert got.SerializeToString() == want.SerializeToString()
     assert list(got.materialized.input_ids) == outcome.request.input_ids.tolist()
     assert len(got.materialized.input_ids_unpadded) == len(outcome.request.input_ids)
+
+
+def _outcomes_to_encode() -> Iterator[tuple[str, Any]]:
+    """(request id, outcome): every wire vector as the gRPC API receives it, the
+    image request of each family (plain, echoed features, carried positions), and
+    outcomes the reference builds differently (aborts, no items, int32 ids, a
+    negative delta, a shared-memory feature)."""
+    import dataclasses
+
+    import msgspec
+    from mmadmit.errors import Abort, AbortCode
+    from mmadmit.model import ShmHandle
+
+    for name in vector_names():
+        v = load_vector(name)
+        profile = load_profile(str(MODEL_CONFIG[v.meta["family"]]))
+        rid = f"vector {name} \u00e9"
+        yield (
+            rid,
+            Materializer(profile).run(request_from_proto(request_from_vector(v, rid), profile)),
+        )
+    for family in ("qwen3_5", "qwen3_omni"):
+        profile = load_profile(str(MODEL_CONFIG[family]))
+        msg = _image_request(profile, f"image {family}")
+        outcome = Materializer(profile).run(request_from_proto(msg, profile))
+        yield msg.request_id, outcome
+        if not isinstance(outcome, Materialized) or outcome.request.mm is None:
+            continue
+        # taken as materialized upstream: carried positions, passthrough
+        again = pb.AdmitRequest()
+        again.CopyFrom(msg)
+        again.input_ids_unpadded.extend(outcome.request.input_ids_unpadded.tolist())
+        del again.tokenized.input_ids[:]
+        again.tokenized.input_ids.extend(outcome.request.input_ids.tolist())
+        for item, done in zip(again.mm_inputs.items, outcome.request.mm.items, strict=True):
+            item.pad_value = done.pad_value
+        upstream = Materializer(profile).run(request_from_proto(again, profile))
+        yield "upstream", upstream
+        req = outcome.request
+        mm = req.mm
+        assert mm is not None
+        yield (
+            "int32 ids",
+            dataclasses.replace(
+                outcome, request=dataclasses.replace(req, input_ids=req.input_ids.astype(np.int32))
+            ),
+        )
+        yield (
+            "no unpadded",
+            dataclasses.replace(outcome, request=dataclasses.replace(req, input_ids_unpadded=None)),
+        )
+        shm = ShmHandle(name="feat", shape=(4, 2), dtype="float32", nbytes=32, owner_id="o")
+        item = msgspec.structs.replace(mm.items[0], feature=None, feature_shm=shm, hash=2**64 - 1)
+        odd_mm = dataclasses.replace(mm, items=[item, *mm.items[1:]])
+        if mm.mrope_position_delta_scalar is not None:
+            odd_mm.mrope_position_delta_scalar = -(2**40)
+        yield "odd items", dataclasses.replace(outcome, request=dataclasses.replace(req, mm=odd_mm))
+        yield (
+            "no items",
+            dataclasses.replace(
+                outcome, request=dataclasses.replace(req, mm=dataclasses.replace(mm, items=[]))
+            ),
+        )
+        yield (
+            "text",
+            dataclasses.replace(
+                outcome, request=dataclasses.replace(req, mm=None, input_ids_unpadded=None)
+            ),
+        )
+    yield "aborted", Abort(AbortCode.INVALID_REQUEST, "item 0: no \u00e9")
+    yield "", Abort(AbortCode.INTERNAL, "")
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_encode_response_parses_as_the_reference(impl: str, echo: bool) -> None:
+    """What Admit and AdmitStream send (``encode_response``: packed ids and the
+    positions' bytes written directly, protobuf for the rest) parses to the
+    message ``response_from_outcome`` builds, for every outcome above; and a
+    materialized one is never larger (no field written twice)."""
+    seen = set()
+    for rid, outcome in _outcomes_to_encode():
+        want = response_from_outcome(rid, outcome, echo_features=echo)
+        got = encode_response(rid, outcome, echo_features=echo)
+        assert type(got) is bytes
+        assert pb.AdmitResponse.FromString(got) == want, rid
+        assert len(got) == len(want.SerializeToString()), rid
+        seen.add(want.WhichOneof("outcome"))
+        if want.materialized.HasField("mrope_positions"):
+            seen.add("positions")
+    assert seen == {"materialized", "abort", "positions"}
+
+
+def test_encode_response_ids_out_of_range_as_the_reference(impl: str) -> None:
+    """An id the response cannot carry fails as the reference does (an in-band INTERNAL)."""
+    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
+    outcome = Materializer(profile).run(request_from_proto(_image_request(profile, "x"), profile))
+    assert isinstance(outcome, Materialized)
+    outcome.request.input_ids[3] = 2**32
+    with pytest.raises(ValueError, match=r"^Value out of range: 4294967296$"):
+        encode_response("x", outcome, echo_features=False)
+    with pytest.raises(ValueError, match=r"^Value out of range: 4294967296$"):
+        response_from_outcome("x", outcome, echo_features=False)
 
 
 # ------------------------------------------------------------------------------- the stripper

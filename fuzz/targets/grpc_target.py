@@ -4,8 +4,9 @@ The input is one profile byte, one strip-threshold byte, then a serialized
 ``AdmitRequest`` (or garbage). It goes through exactly what ``Admit`` does:
 ``pbwire.parse_admit_request`` (a low threshold, so short inputs exercise the
 inline-payload stripping), ``servicer.request_from_proto``, the materializer,
-``servicer.response_from_outcome``; once with native code on and once off. The
-two must answer the same: both refuse the bytes (protobuf's ``DecodeError``),
+``servicer.response_from_outcome`` (and ``servicer.encode_response``, what the
+servicer sends, which must parse to the same message); once with native code on
+and once off. The two must answer the same: both refuse the bytes (protobuf's ``DecodeError``),
 or both produce byte-identical responses. No response may carry ``INTERNAL``.
 The pre-parse count (``pbwire.check_admit_limits``) runs on every input under
 tight limits and is held to protobuf's parse of the same bytes (:func:`_counted`).
@@ -50,6 +51,8 @@ def _admit(m: Materializer, data: bytes, min_bytes: int) -> bytes | None:
     else:
         outcome = m.run(req)
         resp = servicer.response_from_outcome(rid, outcome, echo_features=msg.echo_features)
+        sent = servicer.encode_response(rid, outcome, echo_features=msg.echo_features)
+        assert pb.AdmitResponse.FromString(sent) == resp, "encode_response differs"
     if resp.HasField("abort"):
         assert resp.abort.code != _INTERNAL, f"INTERNAL outcome: {resp.abort.message}"
     return resp.SerializeToString(deterministic=True)

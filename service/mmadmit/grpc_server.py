@@ -48,7 +48,7 @@ from .pbwire import (
 )
 from .pool import MaterializerPool
 from .profile import ModelProfile
-from .servicer import AdmissionServicer, ServicerStats
+from .servicer import AdmissionServicer, Response, ServicerStats
 from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodH
         )
         return result
 
-    def serialize_admit(response: pb.AdmitResponse) -> bytes:
-        data = serialize(response)
+    def serialize_admit(response: Response) -> bytes:
+        data = response if type(response) is bytes else serialize(response)
         stats.sent_bytes += len(data)
         return data
 
