@@ -35,7 +35,7 @@ import pytest
 from conftest import CONFIGS
 from mmadmit import intcodec, wire
 from mmadmit.config import ServeConfig, build_config
-from mmadmit.errors import Abort, AbortCode, ConfigError
+from mmadmit.errors import Abort, AbortCode, ConfigError, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
@@ -552,6 +552,66 @@ def test_grpc_precheck_at_the_limits_and_small_messages() -> None:
                       pb.AdmitRequest)  # fmt: skip
     # bytes the walk does not understand are left to protobuf (and its own error)
     assert pbwire.check_admit_limits(PAD.encode() + b"\x0b", DEFAULT_LIMITS) is None
+
+
+def _python_walk_passes(data: bytes, limits: Limits) -> bool:
+    """The reference walk (``pbwire._Count``) ends cleanly within ``limits``."""
+    count = pbwire._Count(data, limits)
+    try:
+        count.message(0, len(count.view), pbwire._C_ADMIT)
+    except (TooLarge, pbwire._Bail):
+        return False
+    return True
+
+
+def _precheck_inputs() -> list[bytes]:
+    """Messages at, over and under every counted limit, every wire vector's request,
+    and each of them cut and bit-flipped."""
+    from conftest import load_vector, vector_names
+    from test_grpc_api import request_from_vector
+
+    base = [
+        admit_bytes(tokens=1000, items=256, unpadded=1000, placeholders=4),
+        admit_bytes(tokens=1001),
+        admit_bytes(unpadded=1001),
+        admit_bytes(items=257),
+        admit_bytes(items=1, placeholders=1001),
+        admit_bytes(items=2, shape=9, extra=(varint(50 << 3) + b"\x00") * 40),
+        admit_bytes(tokens=0, extra=b"\x12" + varint(1001 * 2) + b"\x08\x05" * 1001),
+        admit_bytes(extra=b"\x11" + b"\x00" * 8 + b"\x15" + b"\x00" * 4),  # fixed64, fixed32
+        b"\x4a" + varint(2 << 20) + b"\x0a\x00" * (1 << 20),
+    ]
+    base += [request_from_vector(load_vector(n)).SerializeToString() for n in vector_names()]
+    rng = np.random.default_rng(11)
+    out = list(base)
+    for data in base:
+        cuts = rng.integers(0, len(data), 24) if len(data) < 4096 else rng.integers(0, 4096, 24)
+        out += [data[:c] for c in cuts]
+        for _ in range(24):
+            flipped = bytearray(data[: 1 << 16])
+            k = int(rng.integers(0, len(flipped)))
+            flipped[k] ^= 1 << int(rng.integers(0, 8))
+            out.append(bytes(flipped))
+    return out
+
+
+@pytest.mark.skipif(pbwire._BUILT is None, reason="mmadmit._pbwire is not built")
+def test_grpc_precheck_native_agrees_with_the_walk() -> None:
+    """``_pbwire.within_limits`` (what check_admit_limits runs first) passes exactly
+    the messages the Python walk passes, under the defaults and under tight limits,
+    on valid, cut and bit-flipped messages; a refusal is still worded by the walk."""
+    tight = Limits(max_tokens=64, max_items=4, max_msgpack_len=32)
+    seen = {True: 0, False: 0}
+    for data in _precheck_inputs():
+        for limits in (DEFAULT_LIMITS, tight):
+            native = pbwire._BUILT.within_limits(
+                data, limits.max_tokens, limits.max_items, limits.max_msgpack_len
+            )
+            assert native is _python_walk_passes(data, limits), (limits, data[:64])
+            seen[native] += 1
+    assert min(seen.values()) > 100, seen
+    refused = pbwire.check_admit_limits(admit_bytes(items=257), DEFAULT_LIMITS)
+    assert refused is not None and refused.message.startswith("at least 257 items exceed")
 
 
 def test_grpc_precheck_allocates_nothing_per_element() -> None:

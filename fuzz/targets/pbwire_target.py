@@ -4,14 +4,18 @@ First byte even: ``strip_inline_payloads`` on the rest (a would-be
 ``AdmitRequest``) with a small strip threshold, so short inputs exercise it;
 the stripped bytes and payloads must be identical, and when the stripped
 message parses, it must parse to the original message once the markers are
-resolved. Odd: ``packed_uint32_field`` on an int64 array from the rest (the
-same bytes, or the same ``ValueError`` message).
+resolved. 1 mod 4: ``packed_uint32_field`` on an int64 array from the rest (the
+same bytes, or the same ``ValueError`` message). 3 mod 4: ``within_limits`` on
+the rest under limits drawn from the next bytes, held to the Python walk
+(``pbwire._Count``): it passes exactly what the walk passes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from mmadmit import pbwire
+from mmadmit.errors import TooLarge
+from mmadmit.limits import Limits
 
 from ._common import outcome, same
 from ._data import Data
@@ -39,11 +43,31 @@ def _packed(d: Data) -> None:
     same(a, b, "packed_uint32_field")
 
 
+def _within(d: Data) -> None:
+    limits = Limits(
+        max_tokens=d.int_in(0, 80), max_items=d.int_in(0, 6), max_msgpack_len=d.int_in(0, 40)
+    )
+    data = d.rest()
+    native = pbwire._BUILT.within_limits(
+        data, limits.max_tokens, limits.max_items, limits.max_msgpack_len
+    )
+    count = pbwire._Count(data, limits)
+    try:
+        count.message(0, len(count.view), pbwire._C_ADMIT)
+        walked = True
+    except (TooLarge, pbwire._Bail):
+        walked = False
+    assert native is walked, f"within_limits {native}, the walk {walked} ({limits})"
+
+
 def one(data: bytes) -> None:
     if pbwire._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    if d.u8() % 2 == 0:
+    kind = d.u8()
+    if kind % 2 == 0:
         _strip(d)
-    else:
+    elif kind % 4 == 1:
         _packed(d)
+    else:
+        _within(d)

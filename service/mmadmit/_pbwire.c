@@ -22,6 +22,15 @@
  *       `data`, in wire order; None when nothing was replaced or when the
  *       bytes are not understood (truncated, malformed varint, field number
  *       0, groups or a reserved wire type).
+ *   within_limits(data, max_tokens, max_items, max_fields) -> bool
+ *       `data`: a serialized mmadmit.v1.AdmitRequest (or SMG's GenerateRequest,
+ *       same numbers). True when pbwire._Count's walk of the wire bytes would
+ *       end cleanly within every limit: input_ids and input_ids_unpadded
+ *       (max_tokens, added over every occurrence, packed or not), items
+ *       (max_items), placeholders per item (max_tokens), map entries per item
+ *       and other fields per message walked (max_fields). False for a breach
+ *       and for bytes the walk does not understand; the Python walk then
+ *       decides and words the refusal. Never True where that walk refuses.
  *
  * Plain C API, no numpy headers: buffers come through the buffer protocol.
  */
@@ -366,6 +375,141 @@ error:
 
 /* ------------------------------------------------------------------------ */
 
+/* ------------------------------------------------------------------------ */
+/* within_limits: keep the schema in sync with pbwire.py's _COUNT_SCHEMA. */
+
+enum { C_ADMIT, C_TOKENIZED, C_MM, C_ITEM, C_RID, C_IDS, C_UNPADDED, C_ENTRY, C_PLACEHOLDER,
+       C_NONE };
+
+static int
+count_kind(int kind, uint64_t number)
+{
+    switch (kind) {
+    case C_ADMIT:
+        return number == 1     ? C_RID
+               : number == 2   ? C_TOKENIZED
+               : number == 9   ? C_MM
+               : number == 100 ? C_UNPADDED
+                               : C_NONE;
+    case C_TOKENIZED:
+        return number == 1 ? C_IDS : C_NONE;
+    case C_MM:
+        return number == 1 ? C_ITEM : C_NONE;
+    case C_ITEM:
+        return number == 4 ? C_ENTRY : number == 5 ? C_PLACEHOLDER : C_NONE;
+    default:
+        return C_NONE;
+    }
+}
+
+typedef struct {
+    const uint8_t *buf;
+    long long max_tokens, max_items, max_fields;
+    long long ids, unpadded, items;
+} counter;
+
+/* 1: the message buf[start:end] of `kind` is walked within the limits; 0: a breach,
+ * or bytes the walk does not understand (pbwire._Count's _Bail). */
+static int
+count_message(counter *c, Py_ssize_t start, Py_ssize_t end, int kind)
+{
+    const uint8_t *buf = c->buf;
+    long long fields = 0, entries = 0, placeholders = 0;
+    Py_ssize_t pos = start;
+    while (pos < end) {
+        uint64_t key, length;
+        if (!get_varint(buf, &pos, end, &key))
+            return 0;
+        int wire_type = (int)(key & 7);
+        int sub = count_kind(kind, key >> 3);
+        int bounded = sub == C_IDS || sub == C_UNPADDED || sub == C_ITEM || sub == C_ENTRY ||
+                      sub == C_PLACEHOLDER;
+        if (!bounded && ++fields > c->max_fields)
+            return 0;
+        Py_ssize_t data_start = pos;
+        int packed;
+        if (wire_type == 2) {
+            if (!get_varint(buf, &pos, end, &length) || length > (uint64_t)(end - pos))
+                return 0;
+            data_start = pos;
+            pos += (Py_ssize_t)length;
+            packed = 1;
+        }
+        else if (wire_type == 0) {
+            uint64_t ignored;
+            if (!get_varint(buf, &pos, end, &ignored))
+                return 0;
+            packed = 0;
+        }
+        else if (wire_type == 1 || wire_type == 5) {
+            Py_ssize_t size = wire_type == 1 ? 8 : 4;
+            if (end - pos < size)
+                return 0;
+            pos += size;
+            continue;
+        }
+        else {
+            return 0; /* groups and the reserved wire types */
+        }
+        if (sub == C_NONE)
+            continue;
+        if (sub == C_IDS || sub == C_UNPADDED) {
+            long long values = 1;
+            if (packed) { /* one varint ends at each byte below 0x80 */
+                values = 0;
+                for (Py_ssize_t k = data_start; k < pos; k++)
+                    values += buf[k] < 0x80;
+            }
+            long long *n = sub == C_IDS ? &c->ids : &c->unpadded;
+            *n += values;
+            if (*n > c->max_tokens)
+                return 0;
+        }
+        else if (!packed || sub == C_RID) {
+            continue;
+        }
+        else if (sub == C_PLACEHOLDER) {
+            if (++placeholders > c->max_tokens)
+                return 0;
+        }
+        else if (sub == C_ENTRY) {
+            if (++entries > c->max_fields)
+                return 0;
+        }
+        else {
+            if (sub == C_ITEM && ++c->items > c->max_items)
+                return 0;
+            if (!count_message(c, data_start, pos, sub))
+                return 0;
+        }
+    }
+    return pos == end;
+}
+
+static PyObject *
+pbwire_within_limits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "within_limits(data, max_tokens, max_items, max_fields)");
+        return NULL;
+    }
+    counter c = {NULL, 0, 0, 0, 0, 0, 0};
+    long long *limits[3] = {&c.max_tokens, &c.max_items, &c.max_fields};
+    for (int i = 0; i < 3; i++) {
+        *limits[i] = PyLong_AsLongLong(args[1 + i]);
+        if (*limits[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    c.buf = (const uint8_t *)view.buf;
+    int ok = count_message(&c, 0, view.len, C_ADMIT);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef pbwire_methods[] = {
     {"packed_uint32_field", (PyCFunction)(void (*)(void))pbwire_packed_uint32_field,
      METH_FASTCALL,
@@ -374,6 +518,9 @@ static PyMethodDef pbwire_methods[] = {
     {"strip_inline", (PyCFunction)(void (*)(void))pbwire_strip_inline, METH_FASTCALL,
      "strip_inline(data, min_bytes, nonce) -> (bytes, list) | None\n\nAn AdmitRequest "
      "with its large TensorData.inline contents replaced by markers (see pbwire.py)."},
+    {"within_limits", (PyCFunction)(void (*)(void))pbwire_within_limits, METH_FASTCALL,
+     "within_limits(data, max_tokens, max_items, max_fields) -> bool\n\nTrue when the "
+     "AdmitRequest's wire bytes are walked within the limits (see pbwire.check_admit_limits)."},
     {NULL, NULL, 0, NULL},
 };
 
