@@ -374,8 +374,6 @@ error:
 }
 
 /* ------------------------------------------------------------------------ */
-
-/* ------------------------------------------------------------------------ */
 /* within_limits: keep the schema in sync with pbwire.py's _COUNT_SCHEMA. */
 
 enum { C_ADMIT, C_TOKENIZED, C_MM, C_ITEM, C_RID, C_IDS, C_UNPADDED, C_ENTRY, C_PLACEHOLDER,
