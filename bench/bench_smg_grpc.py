@@ -238,7 +238,7 @@ class InProcess:
     def run(self, name: str, data: bytes) -> float:
         t0 = time.perf_counter()
         msg, payloads = message_and_payloads(parse_generate(data, self.limits))
-        req = request_from_generate(msg, self.profile, payloads)
+        req = request_from_generate(msg, self.profile, payloads, self.limits)  # as the face
         t1 = time.perf_counter()
         outcome = self.materializer.run(req, CPU_OPS)
         t2 = time.perf_counter()
