@@ -375,29 +375,44 @@ def _packs_fast(arr: np.ndarray) -> bool:
     )
 
 
+def _packed_ids(ids: np.ndarray, unpadded: np.ndarray | None) -> bytes | None:
+    """``input_ids`` (1) and ``input_ids_unpadded`` (2) as packed fields, encoded in
+    one pass (range-checked as protobuf does); None when the packed encoder is not
+    the faster way for these arrays."""
+    if not (_packs_fast(ids) and (unpadded is None or _packs_fast(unpadded))):
+        return None
+    raw = packed_uint32_field(1, ids)
+    if unpadded is not None:
+        raw += packed_uint32_field(2, unpadded)
+    return raw
+
+
 def _ids_to_proto(
     ids: np.ndarray, unpadded: np.ndarray | None, out: pb.MaterializedRequest
 ) -> None:
     """``input_ids`` (1) and ``input_ids_unpadded`` (2), range-checked as protobuf does."""
-    if _packs_fast(ids) and (unpadded is None or _packs_fast(unpadded)):
-        # Encoded as packed fields in one pass and parsed by upb in C: no Python int per id.
-        raw = packed_uint32_field(1, ids)
-        if unpadded is not None:
-            raw += packed_uint32_field(2, unpadded)
-        out.MergeFromString(raw)
+    raw = _packed_ids(ids, unpadded)
+    if raw is not None:
+        out.MergeFromString(raw)  # parsed by upb in C: no Python int per id
         return
     out.input_ids.extend(ids.tolist())
     if unpadded is not None:
         out.input_ids_unpadded.extend(unpadded.tolist())
 
 
-def _positions_to_proto(t: Tensor, out: pb.TensorData) -> None:
+def _positions_i64(t: Tensor) -> np.ndarray:
+    """The positions tensor as a C-contiguous little-endian int64 array."""
     arr = t.to_numpy()
     if arr.dtype != np.dtype("<i8"):
         arr = arr.astype("<i8")
+    return np.ascontiguousarray(arr)
+
+
+def _positions_to_proto(t: Tensor, out: pb.TensorData) -> None:
+    arr = _positions_i64(t)
     out.shape.extend(arr.shape)
     out.dtype = "int64"
-    out.inline = np.ascontiguousarray(arr).tobytes()
+    out.inline = arr.tobytes()
 
 
 def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
@@ -442,7 +457,6 @@ def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) ->
 _KEY_REQUEST_ID = b"\x0a"  # AdmitResponse.request_id (1)
 _KEY_MATERIALIZED = b"\x12"  # AdmitResponse.materialized (2)
 _KEY_POSITIONS = b"\x22"  # MaterializedRequest.mrope_positions (4)
-_KEY_SHAPE = b"\x0a"  # TensorData.shape (1, packed)
 _DTYPE_INT64 = b"\x12\x05int64"  # TensorData.dtype (2) = "int64"
 _KEY_INLINE = b"\x1a"  # TensorData.inline (3)
 
@@ -451,13 +465,9 @@ def _positions_field(t: Tensor) -> list[Any]:
     """``MaterializedRequest.mrope_positions`` as wire pieces (what
     :func:`_positions_to_proto` sets: shape, dtype ``int64``, the little-endian
     bytes), the array's bytes as a view, not copied."""
-    arr = t.to_numpy()
-    if arr.dtype != np.dtype("<i8"):
-        arr = arr.astype("<i8")
-    arr = np.ascontiguousarray(arr)
-    dims = b"".join([encode_varint(d) for d in arr.shape])
-    shape = [_KEY_SHAPE, encode_varint(len(dims)), dims] if dims else []
-    head = b"".join([*shape, _DTYPE_INT64, _KEY_INLINE, encode_varint(arr.nbytes)])
+    arr = _positions_i64(t)
+    shape = packed_uint32_field(1, np.array(arr.shape, np.int64))  # TensorData.shape (1)
+    head = b"".join([shape, _DTYPE_INT64, _KEY_INLINE, encode_varint(arr.nbytes)])
     body = arr.data.cast("B")
     return [_KEY_POSITIONS, encode_varint(len(head) + len(body)), head, body]
 
@@ -471,19 +481,17 @@ def encode_response(rid: str, outcome: Outcome, *, echo_features: bool) -> bytes
     pass and its ``[3, N]`` positions the array's own bytes; protobuf builds
     only the rest (items, delta, passthrough). The reference path parses the
     packed ids back into the message and serializes all of it again (about
-    three times the cost for a 1K-token request). Anything else (an abort, ids
-    the packed encoder does not take) goes through the reference.
+    twice the cost for a 1K-token request). Anything else (an abort, ids the
+    packed encoder is not used for) goes through the reference.
     """
     if not isinstance(outcome, Materialized):
         return abort_response(rid, outcome).SerializeToString()  # type: ignore[no-any-return]
     req = outcome.request
-    ids, unpadded = req.input_ids, req.input_ids_unpadded
-    if not rid or not (_packs_fast(ids) and (unpadded is None or _packs_fast(unpadded))):
+    ids = _packed_ids(req.input_ids, req.input_ids_unpadded) if rid else None
+    if ids is None:
         ref = response_from_outcome(rid, outcome, echo_features=echo_features)
         return ref.SerializeToString()  # type: ignore[no-any-return]
-    pieces: list[Any] = [packed_uint32_field(1, ids)]
-    if unpadded is not None:
-        pieces.append(packed_uint32_field(2, unpadded))
+    pieces: list[Any] = [ids]
     rest = pb.MaterializedRequest(passthrough=outcome.passthrough)
     positions: list[Any] = []
     mm = req.mm
