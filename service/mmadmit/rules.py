@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 
 import cython
 import msgspec
@@ -43,6 +44,10 @@ from .limits import Limits, check_shape, tensor_bytes_over
 from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor, TensorName
 from .mrope import RunPlan
 from .profile import Family, ModelProfile
+
+if cython.compiled:
+    from cython.cimports.cpython.memoryview import PyMemoryView_GET_BUFFER
+    from cython.cimports.libc.string import memcpy
 
 i64 = cython.typedef(cython.longlong)
 ssize = cython.typedef(cython.Py_ssize_t)
@@ -106,6 +111,11 @@ _I_OFFSETS = cython.declare(ssize, _ITEM_FIELDS.index("offsets"))
 _I_FEATURE = cython.declare(ssize, _ITEM_FIELDS.index("feature"))
 _I_SHM = cython.declare(ssize, _ITEM_FIELDS.index("feature_shm"))
 _I_SIDE = cython.declare(ssize, _ITEM_FIELDS.index("side"))
+_I_EXTRA = cython.declare(ssize, _ITEM_FIELDS.index("extra"))
+# with_pad builds an Item from its fields in this order
+assert _ITEM_FIELDS == (
+    "modality", "hash", "pad_value", "offsets", "feature", "feature_shm", "side", "extra"
+)  # fmt: skip
 _TENSOR_FIELDS = Tensor.__struct_fields__
 _T_DTYPE = cython.declare(ssize, _TENSOR_FIELDS.index("dtype"))
 _T_SHAPE = cython.declare(ssize, _TENSOR_FIELDS.index("shape"))
@@ -133,6 +143,18 @@ def with_pad(item: Item, content_hash: object, pad: i64) -> Item:
     """Rule 6 applied to an item: a copy with ``hash`` and ``pad_value`` set (a request
     is never modified). The copy shares every other field with ``item``."""
     return _replace(item, hash=content_hash, pad_value=pad)
+
+
+@cython.cfunc
+def _with_pad_of(item: Item, f: tuple, content_hash: object, pad: i64) -> Item:
+    """:func:`with_pad` of an item whose fields ``f`` (``astuple``) are at hand: an
+    Item made from them (a third fewer instructions than replace's keywords)."""
+    if type(item) is not Item:  # a subclass keeps its type
+        return _replace(item, hash=content_hash, pad_value=pad)
+    return Item(
+        f[_I_MOD], content_hash, pad, f[_I_OFFSETS], f[_I_FEATURE], f[_I_SHM], f[_I_SIDE],
+        f[_I_EXTRA],
+    )  # fmt: skip
 
 
 @cython.ccall
@@ -357,9 +379,9 @@ def check_no_audio_in_video(idx: int, item: Item) -> None:
 
 
 @cython.cfunc
-def _grid_tensor(idx: ssize, side: dict, modality: i64) -> object:
-    """The item's grid tensor after the key, dtype and shape checks, as ``(tensor,
-    dtype, data)`` (None: audio)."""
+def _grid_tensor(idx: ssize, side: dict, modality: i64) -> tuple:
+    """The item's grid tensor after the key, dtype and shape checks, as its fields
+    (``astuple``; None: audio)."""
     if modality == 3:
         for key in (IMAGE_GRID, VIDEO_GRID):
             if key in side:
@@ -384,18 +406,49 @@ def _grid_tensor(idx: ssize, side: dict, modality: i64) -> object:
     rank: ssize = len(shape)
     if not ((rank == 1 and shape[0] == 3) or (rank == 2 and shape[1] == 3 and shape[0] > 0)):
         raise InvalidRequest(f"item {idx}: {key} must have shape [rows, 3], got {list(shape)}")
-    return tensor, dtype, tf[_T_DATA]
+    return tf
 
 
 @cython.cfunc
-def _grid_values(idx: ssize, key: str, tensor: Tensor, dtype: object, data: object) -> memoryview:
-    """The grid's values ``t, h, w, t, h, w, ...`` as int64 (the wire's dtype: no copy)."""
-    if dtype is _DT_INT64:
-        return data.cast("q")
+def _grid_values(idx: ssize, key: str, side: dict, tf: tuple) -> memoryview:
+    """The values ``t, h, w, t, h, w, ...`` of the grid ``side[key]`` (``tf``: its
+    fields) as int64 bytes (a byte view, read by :func:`_i64_at`; the wire's
+    dtype: the tensor's own bytes)."""
+    if tf[_T_DTYPE] is _DT_INT64:
+        return tf[_T_DATA]  # a tensor keeps a flat byte view
+    tensor = side[key]
     values = tensor.to_numpy().reshape(-1)
     if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
         raise InvalidRequest(f"item {idx}: {key} values must fit in int64, got {_shown(tensor)}")
-    return memoryview(np.ascontiguousarray(values, np.int64))
+    return memoryview(np.ascontiguousarray(values, np.int64)).cast("B")
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _i64_at(data: memoryview, j: ssize) -> i64:
+    """The ``j``-th native int64 of the flat byte view ``data`` (in bounds: the caller's;
+    compiled, read from the view's buffer, without an object per value)."""
+    x: i64 = 0
+    if cython.compiled:
+        at: cython.p_char = cython.cast(cython.p_char, PyMemoryView_GET_BUFFER(data).buf)
+        memcpy(cython.address(x), at + 8 * j, 8)
+    else:
+        x = int.from_bytes(data[8 * j : 8 * j + 8], sys.byteorder, signed=True)
+    return x
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+def _f32_at(data: memoryview, j: ssize) -> cython.double:
+    """The ``j``-th native float32 of the flat byte view ``data``, as a double (as
+    :func:`_i64_at`)."""
+    x: cython.float = 0
+    if cython.compiled:
+        at: cython.p_char = cython.cast(cython.p_char, PyMemoryView_GET_BUFFER(data).buf)
+        memcpy(cython.address(x), at + 4 * j, 4)
+    else:
+        x = data[4 * j : 4 * j + 4].cast("f")[0]
+    return x
 
 
 def _shown(tensor: Tensor) -> list:
@@ -405,29 +458,33 @@ def _shown(tensor: Tensor) -> list:
 
 
 @cython.cfunc
-def _seconds_per_row(keys: tuple, idx: ssize, side: dict, rows: ssize) -> object:
-    """float32 seconds per grid row of a video item: one value (every row) or one per
-    row, from the first of ``keys`` it carries; None: none (the family's default)."""
+def _seconds_per_row(keys: tuple, idx: ssize, side: dict, rows: ssize) -> memoryview:
+    """float32 seconds per grid row of a video item, as float32 bytes (a byte view, read
+    by :func:`_f32_at`): one value (every row) or one per row, from the first of
+    ``keys`` it carries; None: none (the family's default)."""
+    k: ssize
+    v: cython.double
     for key in keys:
         tensor = side.get(key)
         if tensor is None:
             continue
-        if (
-            not isinstance(tensor, Tensor)
-            or not (tensor.dtype.is_float or tensor.dtype.is_integer)
-            or tensor.dtype.numpy is None
-        ):
+        if not isinstance(tensor, Tensor):
             raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
-        if tensor.dtype is _DT_FLOAT32:
-            values = tensor.data.cast("f")
+        tf: tuple = astuple(tensor)
+        dtype = tf[_T_DTYPE]
+        if dtype is _DT_FLOAT32:
+            values = tf[_T_DATA]  # a tensor keeps a flat byte view
+        elif (dtype.is_float or dtype.is_integer) and dtype.numpy is not None:
+            values = memoryview(tensor.to_numpy().astype(np.float32).reshape(-1)).cast("B")
         else:
-            values = memoryview(tensor.to_numpy().astype(np.float32).reshape(-1))
-        count = len(values)
+            raise InvalidRequest(f"item {idx}: {key} must be a numeric tensor")
+        count: ssize = len(values) // 4
         if count != 1 and count != rows:
             raise InvalidRequest(
                 f"item {idx}: {key} holds {count} values; expected 1 or one per grid row ({rows})"
             )
-        for v in values:
+        for k in range(count):
+            v = _f32_at(values, k)
             if not 0 <= v < MAX_SECONDS_PER_ROW:  # also rejects NaN
                 raise InvalidRequest(
                     f"item {idx}: {key} must hold finite non-negative seconds "
@@ -509,37 +566,36 @@ def _plan_runs(
         side: dict = sides[idx]
         if AUDIO_IN_VIDEO in side:
             check_no_audio_in_video(idx, items[idx])
-        got = _grid_tensor(idx, side, mv[idx])
-        if got is None:
+        tf = _grid_tensor(idx, side, mv[idx])
+        if tf is None:
             continue
-        tensor, dtype, data = got
         is_video: cython.bint = mv[idx] == 2
         key = VIDEO_GRID if is_video else IMAGE_GRID
-        g = _grid_values(idx, key, tensor, dtype, data)
-        n_rows: ssize = len(g) // 3
+        g = _grid_values(idx, key, side, tf)  # t, h, w per row: 24 bytes
+        n_rows: ssize = len(g) // 24
         split: cython.bint = is_video and split_video  # one span per temporal frame of a row
         expected = 0
         for k in range(n_rows):
-            t = g[3 * k]
-            h = g[3 * k + 1]
-            w = g[3 * k + 2]
+            t = _i64_at(g, 3 * k)
+            h = _i64_at(g, 3 * k + 1)
+            w = _i64_at(g, 3 * k + 2)
             if t <= 0 or h <= 0 or w <= 0:
                 raise InvalidRequest(
-                    f"item {idx}: {key} rows must be positive, got {_shown(tensor)}"
+                    f"item {idx}: {key} rows must be positive, got {_shown(side[key])}"
                 )
             if h % merge or w % merge:
                 raise InvalidRequest(
                     f"item {idx}: {key} h and w must be divisible by spatial_merge_size "
-                    f"{merge}, got {_shown(tensor)}"
+                    f"{merge}, got {_shown(side[key])}"
                 )
             if not is_video and t != 1:
                 raise InvalidRequest(
-                    f"item {idx}: {key} rows must have t == 1, got {_shown(tensor)}"
+                    f"item {idx}: {key} rows must have t == 1, got {_shown(side[key])}"
                 )
             if expected <= n:  # beyond n it cannot match: no larger sum is formed
                 expected += min(t, n + 1) if split else 1
         if n_item_spans != expected:
-            rows = _shown(tensor)
+            rows = _shown(side[key])
             unit = "temporal frame" if split else "grid row"
             exact = sum(row[0] for row in rows) if split else len(rows)
             raise InvalidRequest(
@@ -550,9 +606,9 @@ def _plan_runs(
         s: ssize = 0
         for k in range(n_rows):
             if n_rows > 1:  # one row: t, h, w hold it
-                t = g[3 * k]
-                h = g[3 * k + 1]
-                w = g[3 * k + 2]
+                t = _i64_at(g, 3 * k)
+                h = _i64_at(g, 3 * k + 1)
+                w = _i64_at(g, 3 * k + 2)
             hh = h // merge
             ww = w // merge
             units = t if split else 1
@@ -565,7 +621,7 @@ def _plan_runs(
                 if hh <= n // unit_t and ww <= n // (unit_t * hh):
                     want = unit_t * hh * ww
                 if length != want:
-                    row = [int(x) for x in g[3 * k : 3 * k + 3]]
+                    row = [_i64_at(g, 3 * k + j) for j in range(3)]
                     exact = unit_t * (row[1] // merge) * (row[2] // merge)
                     raise InvalidRequest(
                         f"item {idx}: span {s} [{a}, {a + length - 1}] holds {length} tokens; "
@@ -586,7 +642,7 @@ def _plan_runs(
                     sec = (
                         default_seconds
                         if seconds is None
-                        else seconds[0 if len(seconds) == 1 else k]
+                        else _f32_at(seconds, 0 if len(seconds) == 4 else k)
                     )
                     last = _time(mode, unit_t - 1, sec, rate)  # monotone: the extreme
                     if not 0 <= last < MAX_TEMPORAL_INDEX:  # also NaN
@@ -778,7 +834,8 @@ def plan_items(
     for i in range(n_items):
         item = items[i]
         if iv[_COL_HOW, i] == _PAD_FROM_HASH:
-            new_items.append(with_pad(item, fields[i][_I_HASH], int(iv[_COL_PAD, i])))
+            f = fields[i]
+            new_items.append(_with_pad_of(item, f, f[_I_HASH], int(iv[_COL_PAD, i])))
         elif iv[_COL_HOW, i] == _PAD_HASH_FEATURE:
             new_items.append(None)
         else:
