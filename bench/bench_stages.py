@@ -37,6 +37,13 @@ minor page faults the event-loop thread takes inside one handler (median,
 on the event loop: the request's estimated cost was over ``--inline-max-us``
 on this machine, so it was materialized on a worker and its reply left
 through the awaited path.
+
+A last line times the core itself after an idle gap: a loop of Python integer
+arithmetic that touches no memory beyond a few objects (so nothing a cache
+could lose), back to back, after sleeping the cells' median gap, and after
+spinning for it instead. Slower after the sleep but not after the spin: the
+price is the core's state after it slept (its clock and power state, the
+virtual CPU's wake-up), paid by every instruction, not by the server's memory.
 """
 
 from __future__ import annotations
@@ -155,6 +162,35 @@ def in_process(family: str, tokens: int, pause_s: float = 0.0, n: int = 200) -> 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _spin_loop() -> int:
+    """Integer arithmetic only: the probe of :func:`core_after_idle`."""
+    x = 0
+    for i in range(3000):
+        x ^= i * 7
+    return x
+
+
+def core_after_idle(gap_s: float, n: int = 300) -> tuple[float, float, float]:
+    """Median seconds of :func:`_spin_loop`: back to back, after sleeping ``gap_s``
+    before each run, and after spinning ``gap_s`` (busy, no sleep) instead."""
+    clock = time.perf_counter
+    out = []
+    for mode in ("warm", "sleep", "spin"):
+        times = []
+        for _ in range(n + 20):
+            if mode == "sleep":
+                time.sleep(gap_s)
+            elif mode == "spin":
+                t = clock()
+                while clock() - t < gap_s:
+                    pass
+            t0 = clock()
+            _spin_loop()
+            times.append(clock() - t0)
+        out.append(statistics.median(times[20:]))
+    return out[0], out[1], out[2]
+
+
 def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float | None], float]:
     """The staged server's median seconds per stage for ``pairs`` recorded pairs,
     and the median excess (s) of those pairs."""
@@ -224,6 +260,7 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or b is None else f"{a / b:.2f}"
 
+    gaps: list[float] = []
     for cell in args.cells.split(","):
         family, tokens_s = cell.split(":")
         tokens = int(tokens_s)
@@ -242,6 +279,15 @@ def main() -> None:
         faults = served["page faults"]
         shown = "-" if faults is None else f"{faults:.0f}"
         print(f"| {family} | {tokens} | page faults a request | {shown} | | | | |")
+        gaps.append(gap)
+    gap = statistics.median(gaps)
+    warm_s, slept_s, spun_s = core_after_idle(gap)
+    print(
+        f"\nthe core after an idle gap of {gap * 1e3:.1f} ms (the cells' median; a "
+        f"3,000-step Python integer loop, no memory): back to back {warm_s * 1e6:.0f} us, "
+        f"after sleeping the gap {slept_s * 1e6:.0f} us ({slept_s / warm_s:.2f}x), after "
+        f"spinning it {spun_s * 1e6:.0f} us ({spun_s / warm_s:.2f}x)"
+    )
     print(f"\ncommand: python bench/bench_stages.py; total {time.monotonic() - t0:.0f}s")
 
 
