@@ -170,25 +170,28 @@ def _spin_loop() -> int:
     return x
 
 
-def core_after_idle(gap_s: float, n: int = 300) -> tuple[float, float, float]:
-    """Median seconds of :func:`_spin_loop`: back to back, after sleeping ``gap_s``
-    before each run, and after spinning ``gap_s`` (busy, no sleep) instead."""
+def core_after_idle(gap_s: float, n: int = 200) -> tuple[float, float, float]:
+    """Median seconds of :func:`_spin_loop`: right after another run (back to back),
+    after sleeping ``gap_s``, and after spinning ``gap_s`` (busy, no sleep) instead;
+    the three interleaved, so that a drift of the machine hits them alike."""
     clock = time.perf_counter
-    out = []
-    for mode in ("warm", "sleep", "spin"):
-        times = []
-        for _ in range(n + 20):
-            if mode == "sleep":
+    times: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for k in range(n + 10):
+        for mode in range(3):
+            if mode == 0:
+                _spin_loop()  # the run before: no gap
+            elif mode == 1:
                 time.sleep(gap_s)
-            elif mode == "spin":
+            else:
                 t = clock()
                 while clock() - t < gap_s:
                     pass
             t0 = clock()
             _spin_loop()
-            times.append(clock() - t0)
-        out.append(statistics.median(times[20:]))
-    return out[0], out[1], out[2]
+            if k >= 10:
+                times[mode].append(clock() - t0)
+    warm, slept, spun = (statistics.median(t) for t in times)
+    return warm, slept, spun
 
 
 def measure(family: str, tokens: int, pairs: int) -> tuple[dict[str, float | None], float]:
