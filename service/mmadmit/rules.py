@@ -15,7 +15,9 @@ switched off (``--native off``). ``tests/test_planner.py`` and the ``planner``
 fuzz target run both on valid and on mutated requests and demand the same
 outcome, message included. The ``cython.*`` annotations type locals for the
 compiled build (C integers, typed memoryviews on int64 tables); interpreted
-they do nothing. ``cython.compiled`` is tested in one place, :func:`_round32`.
+they do nothing. ``cython.compiled`` is tested where the compiled code must
+differ: :func:`_round32`, and :func:`_i64_at` and :func:`_f32_at`, which read a
+tensor's values from its buffer.
 
 The work is laid out for the compiled build: everything per span or grid row
 runs in loops over C integers on a few int64 tables allocated once per
