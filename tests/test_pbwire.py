@@ -221,6 +221,7 @@ def _outcomes_to_encode() -> Iterator[tuple[str, Any]]:
         msg = _image_request(profile, f"image {family}")
         outcome = Materializer(profile).run(request_from_proto(msg, profile))
         yield msg.request_id, outcome
+        yield "", outcome  # an empty request_id: proto3 writes no field for it
         if not isinstance(outcome, Materialized) or outcome.request.mm is None:
             continue
         # taken as materialized upstream: carried positions, passthrough

@@ -433,6 +433,17 @@ def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
                 _tensor_to_proto(value, out.model_specific_tensors[key])
 
 
+def _items_and_delta_to_proto(
+    mm: MultimodalInputs, out: pb.MaterializedRequest, echo: bool
+) -> None:
+    """The items and the delta scalar of a materialized request (both response
+    builders; each writes the ids and the positions its own way)."""
+    for item in mm.items:
+        _item_to_proto(item, out.items.add(), echo)
+    if mm.mrope_position_delta_scalar is not None:
+        out.mrope_position_delta = mm.mrope_position_delta_scalar
+
+
 def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) -> pb.AdmitResponse:
     """Encode one outcome (materialized or abort) as an ``AdmitResponse``."""
     if not isinstance(outcome, Materialized):
@@ -444,12 +455,9 @@ def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) ->
     out.passthrough = outcome.passthrough
     mm = req.mm
     if mm is not None:
-        for item in mm.items:
-            _item_to_proto(item, out.items.add(), echo_features)
+        _items_and_delta_to_proto(mm, out, echo_features)
         if mm.mrope_positions is not None:
             _positions_to_proto(mm.mrope_positions, out.mrope_positions)
-        if mm.mrope_position_delta_scalar is not None:
-            out.mrope_position_delta = mm.mrope_position_delta_scalar
     return resp
 
 
@@ -487,7 +495,7 @@ def encode_response(rid: str, outcome: Outcome, *, echo_features: bool) -> bytes
     if not isinstance(outcome, Materialized):
         return abort_response(rid, outcome).SerializeToString()  # type: ignore[no-any-return]
     req = outcome.request
-    ids = _packed_ids(req.input_ids, req.input_ids_unpadded) if rid else None
+    ids = _packed_ids(req.input_ids, req.input_ids_unpadded)
     if ids is None:
         ref = response_from_outcome(rid, outcome, echo_features=echo_features)
         return ref.SerializeToString()  # type: ignore[no-any-return]
@@ -496,16 +504,14 @@ def encode_response(rid: str, outcome: Outcome, *, echo_features: bool) -> bytes
     positions: list[Any] = []
     mm = req.mm
     if mm is not None:
-        for item in mm.items:
-            _item_to_proto(item, rest.items.add(), echo_features)
+        _items_and_delta_to_proto(mm, rest, echo_features)
         if mm.mrope_positions is not None:
             positions = _positions_field(mm.mrope_positions)
-        if mm.mrope_position_delta_scalar is not None:
-            rest.mrope_position_delta = mm.mrope_position_delta_scalar
     pieces.append(rest.SerializeToString())
     pieces += positions
     raw_rid = rid.encode()
-    head = [_KEY_REQUEST_ID, encode_varint(len(raw_rid)), raw_rid]
+    # request_id as proto3 writes it: an empty one not at all
+    head = [_KEY_REQUEST_ID, encode_varint(len(raw_rid)), raw_rid] if raw_rid else []
     head += [_KEY_MATERIALIZED, encode_varint(sum([len(p) for p in pieces]))]
     return b"".join(head + pieces)
 
