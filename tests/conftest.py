@@ -162,9 +162,23 @@ def free_port() -> int:
     (whose close completes later in libzmq's I/O thread) it cannot accept a
     connection made just after this returns.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """*n* distinct free loopback TCP ports, as :func:`free_port` finds one.
+
+    All *n* sockets stay bound until every port is chosen: two calls to
+    :func:`free_port` may return the same port, since the kernel is free to hand a
+    released port out again at once.
+    """
+    with contextlib.ExitStack() as stack:
+        socks = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)
+        ]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 async def http_get(address: str, path: str = "/metrics", method: str = "GET") -> tuple[int, str]:

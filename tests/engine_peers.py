@@ -377,6 +377,14 @@ def output_frames(
     return frames
 
 
+def _socket(
+    ctx: zmq.asyncio.Context, opened: list[zmq.asyncio.Socket], kind: int
+) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    opened.append(sock)
+    return sock
+
+
 async def run_scheduler(
     ctx: zmq.asyncio.Context,
     handshake: str,
@@ -410,65 +418,65 @@ async def run_scheduler(
     its input socket's receive high-water mark, so that a stall pushes back soon.
     """
     ident = identity_of(engine_index if hello_index is None else hello_index)
-    hs = ctx.socket(zmq.DEALER)
-    hs.setsockopt(zmq.IDENTITY, ident)
-    hs.setsockopt(zmq.LINGER, 0)
-    hs.connect(handshake)
-    await hs.send(status("HELLO"))
-    init = msgspec.msgpack.decode((await hs.recv_multipart())[-1])
-    if report:
-        emit(event="init", init=init)
-    await hs.send(status("READY"))
-    inp = ctx.socket(zmq.DEALER)
-    inp.setsockopt(zmq.IDENTITY, ident)
-    inp.setsockopt(zmq.LINGER, 0)
-    if rcvhwm is not None:
-        inp.setsockopt(zmq.RCVHWM, rcvhwm)
-    inp.connect(init["addresses"]["inputs"][0])
-    if ready == "malformed":
-        response = dict(READY_RESPONSE, max_model_len="lots")
-        await inp.send(_ENC.encode(response))
-    elif ready == "array":
-        await inp.send(_ENC.encode([1, 2, 3]))
-    else:
-        await inp.send(_ENC.encode(dict(READY_RESPONSE, data_parallel_rank=engine_index)))
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 1000)
-    push.connect(init["addresses"]["outputs"][0])
-    if report:
-        emit(event="connected")
-    seq = 0
+    opened: list[zmq.asyncio.Socket] = []  # closed however the task ends
     pending: set[asyncio.Task[None]] = set()
-
-    async def answer(frames: list[bytes], at: float) -> None:
-        if at:
-            await asyncio.sleep(max(0.0, at - time.monotonic()))
-        await push.send_multipart(frames, copy=False)
-
     streaming: dict[str, asyncio.Task[None]] = {}
-
-    async def stream(rid: str, prompt_tokens: int, logprobs: bool) -> None:
-        try:
-            for k in range(chunks):
-                await asyncio.sleep(chunk_interval_s)
-                last = k == chunks - 1
-                out = output_frames(
-                    rid, "stop" if last else "", prompt_tokens, engine_index,
-                    tokens=(11 + k,), completion_tokens=k + 1,
-                    load=load_snapshot(len(streaming), prompt_tokens), logprobs=logprobs,
-                )  # fmt: skip
-                await push.send_multipart(out, copy=False)
-        except asyncio.CancelledError:  # aborted: the scheduler's terminal output
-            if not push.closed:
-                out = output_frames(rid, "abort", prompt_tokens, engine_index, tokens=())
-                with contextlib.suppress(zmq.ZMQError):
-                    await push.send_multipart(out, copy=False)
-        finally:
-            streaming.pop(rid, None)
-
-    stalled = False
-
     try:
+        hs = _socket(ctx, opened, zmq.DEALER)
+        hs.setsockopt(zmq.IDENTITY, ident)
+        hs.setsockopt(zmq.LINGER, 0)
+        hs.connect(handshake)
+        await hs.send(status("HELLO"))
+        init = msgspec.msgpack.decode((await hs.recv_multipart())[-1])
+        if report:
+            emit(event="init", init=init)
+        await hs.send(status("READY"))
+        inp = _socket(ctx, opened, zmq.DEALER)
+        inp.setsockopt(zmq.IDENTITY, ident)
+        inp.setsockopt(zmq.LINGER, 0)
+        if rcvhwm is not None:
+            inp.setsockopt(zmq.RCVHWM, rcvhwm)
+        inp.connect(init["addresses"]["inputs"][0])
+        if ready == "malformed":
+            response = dict(READY_RESPONSE, max_model_len="lots")
+            await inp.send(_ENC.encode(response))
+        elif ready == "array":
+            await inp.send(_ENC.encode([1, 2, 3]))
+        else:
+            await inp.send(_ENC.encode(dict(READY_RESPONSE, data_parallel_rank=engine_index)))
+        push = _socket(ctx, opened, zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(init["addresses"]["outputs"][0])
+        if report:
+            emit(event="connected")
+        seq = 0
+
+        async def answer(frames: list[bytes], at: float) -> None:
+            if at:
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await push.send_multipart(frames, copy=False)
+
+        async def stream(rid: str, prompt_tokens: int, logprobs: bool) -> None:
+            try:
+                for k in range(chunks):
+                    await asyncio.sleep(chunk_interval_s)
+                    last = k == chunks - 1
+                    out = output_frames(
+                        rid, "stop" if last else "", prompt_tokens, engine_index,
+                        tokens=(11 + k,), completion_tokens=k + 1,
+                        load=load_snapshot(len(streaming), prompt_tokens), logprobs=logprobs,
+                    )  # fmt: skip
+                    await push.send_multipart(out, copy=False)
+            except asyncio.CancelledError:  # aborted: the scheduler's terminal output
+                if not push.closed:
+                    out = output_frames(rid, "abort", prompt_tokens, engine_index, tokens=())
+                    with contextlib.suppress(zmq.ZMQError):
+                        await push.send_multipart(out, copy=False)
+            finally:
+                streaming.pop(rid, None)
+
+        stalled = False
+
         while True:
             if stall_after is not None and not stalled and seq >= stall_after:
                 stalled = True
@@ -548,7 +556,7 @@ async def run_scheduler(
     finally:
         for task in [*pending, *streaming.values()]:
             task.cancel()
-        for s in (hs, inp, push):
+        for s in opened:
             s.close(linger=0)
 
 

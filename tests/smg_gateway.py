@@ -53,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from conftest import free_port
+from conftest import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESETS = REPO_ROOT / "service" / "mmadmit" / "presets"
@@ -788,8 +788,7 @@ class SmgGateway:
         """Launch SMG and wait until it is ready (see the class docstring)."""
         if self.proc is not None:
             raise RuntimeError("already started")
-        self.port = free_port()
-        self.metrics_port = free_port()
+        self.port, self.metrics_port = free_ports(2)
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_COLOR": "1"})
         if self.env:

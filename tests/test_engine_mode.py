@@ -70,6 +70,7 @@ from conftest import (
     CONFIGS,
     TESTS_DIR,
     free_port,
+    free_ports,
     grown,
     http_get,
     load_vector,
@@ -376,8 +377,9 @@ async def test_every_vector_relayed_materialized_once_outputs_byte_identical(
 
 @pytest.mark.parametrize("order", ["scheduler-first", "smg-first", "mmadmit-first"])
 async def test_any_start_order(order: str) -> None:
-    smg_addr = f"tcp://127.0.0.1:{free_port()}"
-    listen = f"tcp://127.0.0.1:{free_port()}"
+    smg_port, listen_port = free_ports(2)
+    smg_addr = f"tcp://127.0.0.1:{smg_port}"
+    listen = f"tcp://127.0.0.1:{listen_port}"
     with trio() as t:
         if order == "scheduler-first":
             sch = t.start_scheduler(listen)

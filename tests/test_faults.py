@@ -40,7 +40,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from client_helpers import grpc_admit, grpc_client, zmq_admit, zmq_client
-from conftest import CONFIGS, Sockets, free_port, requests_total
+from conftest import CONFIGS, Sockets, free_port, free_ports, requests_total
 from mmadmit import wire
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit_client import Materialized, Outcome, RequestTimeout, ServerUnavailable, ZmqTransport
@@ -236,7 +236,7 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
     ``ServerUnavailable`` (never hangs), the in-flight ZMQ requests end in
     ``RequestTimeout`` (the server that took them is gone; nothing answers them
     later), and then both clients are served by the new process."""
-    grpc_port, zmq_port = free_port(), free_port()
+    grpc_port, zmq_port = free_ports(2)
     args = (
         "--grpc-listen", f"127.0.0.1:{grpc_port}",
         "--zmq-listen", f"tcp://127.0.0.1:{zmq_port}",

@@ -48,6 +48,7 @@ import numpy as np
 import pytest
 import smg_gateway as g
 import zmq.asyncio
+from conftest import free_ports
 from hf_oracle import checkpoint_config, hf_positions
 from mmadmit.model import Modality, Request
 
@@ -166,14 +167,19 @@ async def until(cond: Callable[[], bool], what: str, timeout_s: float = 20) -> N
 
 @contextlib.asynccontextmanager
 async def grpc_stack(
-    tmp_path: Path, family: str, *, mmadmit_args: tuple[str, ...] = (), **scheduler: Any
+    tmp_path: Path,
+    family: str,
+    *,
+    mmadmit_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
+    **scheduler: Any,
 ) -> AsyncIterator[Stack]:
     """SMG over gRPC in front of mmadmit's face, a test scheduler behind it."""
     model = g.make_model_dir(tmp_path, family)
     mm = Mmadmit(model, "--smg-grpc-listen", "127.0.0.1:0", *mmadmit_args)
     ctx = zmq.asyncio.Context()
     gateway: g.SmgGateway | None = None
-    stack: Stack | None = None
+    task: asyncio.Task[None] | None = None
     try:
         await mm.wait_for(lambda: mm.engine is not None, "engine-handshake line")
         seen: list[tuple[str, Any]] = []
@@ -186,18 +192,18 @@ async def grpc_stack(
             model,
             worker_urls=[f"grpc://{mm.smg_grpc}"],
             work_dir=tmp_path / "smg",
-            extra_args=("--disable-circuit-breaker",),
+            extra_args=("--disable-circuit-breaker", *gateway_args),
         )
         await asyncio.to_thread(gateway.start)
-        stack = Stack(gateway, mm, model, seen, task)
-        yield stack
+        yield Stack(gateway, mm, model, seen, task)
     finally:
         if gateway is not None:
             await asyncio.to_thread(gateway.stop, 10.0, graceful=False)
         mm.stop()
-        if stack is not None and stack.scheduler_task is not None:
-            stack.scheduler_task.cancel()
-            await asyncio.gather(stack.scheduler_task, return_exceptions=True)
+        # the scheduler's sockets close only when its task ends: ctx.term() waits on them
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         ctx.term()
 
 
@@ -318,6 +324,21 @@ GRPC_FAMILIES = [
     pytest.param("qwen3_5", marks=needs_ffmpeg),
     pytest.param("qwen3_omni"),
 ]
+
+
+def test_gateway_ports_are_distinct() -> None:
+    # SMG refuses --port equal to --prometheus-port; two free_port() calls may agree
+    for _ in range(200):
+        ports = free_ports(2)
+        assert len(set(ports)) == 2
+
+
+async def test_stack_tears_down_when_the_gateway_fails_to_start(tmp_path: Path) -> None:
+    # a gateway that exits at start must fail the test, not hang its teardown on the
+    # scheduler's open sockets (CI once lost two tests that way)
+    with pytest.raises(RuntimeError, match="SMG exited"):
+        async with grpc_stack(tmp_path, "text", gateway_args=("--no-such-flag",)):
+            pass
 
 
 async def test_grpc_face_text(tmp_path: Path) -> None:
