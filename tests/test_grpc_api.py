@@ -37,12 +37,14 @@ import pytest
 from client_helpers import build_item, build_request, tensor_data
 from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, until, vector_names
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from mmadmit.errors import InvalidRequest
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import ModelProfile, load_profile
+from mmadmit.servicer import items_from_proto
 from mmadmit.telemetry import Telemetry
 from mmadmit.wire import decode_message
 from mmadmit_client import (
@@ -613,6 +615,80 @@ BAD_INPUTS: dict[str, tuple[Callable[[pb.AdmitRequest], None], tuple[str, ...]]]
     ),
     "empty request_id": (lambda r: setattr(r, "request_id", ""), ("request_id is empty",)),
 }
+
+
+def _three_items(profile: ModelProfile) -> pb.AdmitRequest:
+    """Three image items, the second with two placeholder ranges."""
+    assert profile.image_token_id is not None
+    ids = np.arange(100, 140, dtype=np.int64)
+    spans = [[(2, 4)], [(10, 4), (20, 3)], [(30, 4)]]
+    items = []
+    for ranges in spans:
+        for start, length in ranges:
+            ids[start : start + length] = profile.image_token_id
+        items.append(
+            build_item(
+                "image",
+                placeholders=ranges,
+                feature=np.zeros((16, 6), np.float32),
+                image_grid_thw=[1, 4, 4],
+            )
+        )
+    return build_request("three", ids, items)
+
+
+def test_items_take_their_own_placeholder_rows() -> None:
+    # the rows of all items are read into one table; each item gets its own slice
+    msg = _three_items(load_profile("qwen3_5"))
+    mm = items_from_proto(msg.mm_inputs.items, load_profile("qwen3_5"), None)
+    got = [item.offsets.tolist() for item in mm.items]  # type: ignore[union-attr]
+    assert got == [[[2, 5]], [[10, 13], [20, 22]], [[30, 33]]]
+
+
+# mutation -> the message's start: the first fault in item order wins, and within an item
+# its tensors are checked before its placeholder ranges
+PRECEDENCE: dict[str, tuple[Callable[[pb.AdmitRequest], None], str]] = {
+    "zero length in item 1, bad dtype in item 2": (
+        lambda r: (
+            setattr(r.mm_inputs.items[1].placeholders[1], "length", 0),
+            setattr(r.mm_inputs.items[2].encoder_input, "dtype", "float33"),
+        ),
+        "item 1: placeholders[1] (offset 20) has length 0",
+    ),
+    "bad dtype in item 0, zero length in item 0 and 1": (
+        lambda r: (
+            setattr(r.mm_inputs.items[0].placeholders[0], "length", 0),
+            setattr(r.mm_inputs.items[1].placeholders[0], "length", 0),
+            setattr(r.mm_inputs.items[0].encoder_input, "dtype", "float33"),
+        ),
+        "item 0 encoder_input: unsupported tensor dtype",
+    ),
+    "zero length in item 2, unknown modality in item 2": (
+        lambda r: (
+            setattr(r.mm_inputs.items[2].placeholders[0], "length", 0),
+            setattr(r.mm_inputs.items[2], "modality", 7),
+        ),
+        "item 2: modality 7",
+    ),
+    "zero length in items 0 and 2": (
+        lambda r: (
+            setattr(r.mm_inputs.items[2].placeholders[0], "length", 0),
+            setattr(r.mm_inputs.items[0].placeholders[0], "length", 0),
+        ),
+        "item 0: placeholders[0] (offset 2) has length 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("label", list(PRECEDENCE))
+def test_item_faults_are_worded_in_item_order(label: str) -> None:
+    mutate, start = PRECEDENCE[label]
+    profile = load_profile("qwen3_5")
+    msg = _three_items(profile)
+    mutate(msg)
+    with pytest.raises(InvalidRequest) as caught:
+        items_from_proto(msg.mm_inputs.items, profile, None)
+    assert caught.value.message.startswith(start), caught.value.message
 
 
 @pytest.mark.parametrize("label", list(BAD_INPUTS))

@@ -84,6 +84,7 @@ from .model import (
     Request,
     ShmHandle,
     Tensor,
+    TensorName,
     check_shm_name,
 )
 from .pbwire import (
@@ -108,6 +109,7 @@ MODALITY_FROM_PROTO: dict[Any, Modality] = {
     pb.VIDEO: Modality.VIDEO,
 }
 MODALITY_TO_PROTO: dict[int, Any] = {int(m): p for p, m in MODALITY_FROM_PROTO.items()}
+_MODALITY: dict[int, Modality] = {int(m): m for m in Modality}  # a dict read, not an enum call
 
 # AbortCode by name: the internal enum's values are the proto enum's names.
 _ABORT_CODE_TO_PROTO: dict[AbortCode, Any] = {
@@ -141,50 +143,68 @@ class ServicerStats(AdmissionStats):
 # --------------------------------------------------------------------------- proto -> model
 
 
-def _shape(td: pb.TensorData) -> tuple[int, ...]:
-    return tuple(td.shape)
+# A tensor's name in a message: a string, or (item index, what) formatted only
+# when a message is (as :class:`~mmadmit.model.Tensor` takes it).
+_Name: TypeAlias = str | tuple[int, str]
 
 
-def _dtype(td: pb.TensorData, what: str) -> Any:
+def _named(name: _Name) -> str:
+    return name if isinstance(name, str) else str(TensorName(*name))
+
+
+# A dtype name -> its DType, for the names seen (valid ones only: at most the
+# canonical names and their aliases); parse_dtype words a refusal.
+_DTYPES: dict[str, Any] = {}
+
+
+def _dtype(td: pb.TensorData, name: _Name) -> Any:
+    text = td.dtype
+    found = _DTYPES.get(text)
+    if found is not None:
+        return found
     try:
-        return parse_dtype(td.dtype)
+        found = parse_dtype(text)
     except InvalidRequest as exc:
-        raise InvalidRequest(f"{what}: {exc.message}") from None
+        raise InvalidRequest(f"{_named(name)}: {exc.message}") from None
+    _DTYPES[text] = found
+    return found
 
 
 def tensor_from_proto(
-    td: pb.TensorData, what: str, payloads: Payloads = None, limits: Limits | None = None
+    td: pb.TensorData, what: _Name, payloads: Payloads = None, limits: Limits | None = None
 ) -> Tensor | ShmHandle:
     """A ``TensorData`` as an inline :class:`Tensor` or a handle.
 
     An inline tensor is a view on protobuf's bytes, or, for a payload the
     request deserializer stripped (``payloads``, see ``pbwire.py``), a view on
     the received message itself; the :class:`Tensor` checks its byte length
-    and, with ``limits``, its rank, dimensions and bytes.
+    and, with ``limits``, its rank, dimensions and bytes. ``what`` names the
+    tensor in a message: a string or an ``(item, key)`` pair.
     """
     kind = td.WhichOneof("payload")
     if kind is None:
         raise InvalidRequest(
-            f"{what}: TensorData carries no payload (neither inline bytes nor shm)"
+            f"{_named(what)}: TensorData carries no payload (neither inline bytes nor shm)"
         )
     if kind == "remote":  # SMG's RemoteTensorHandle (NIXL and the like)
         raise Unsupported(
-            f"{what}: a remote tensor payload ({td.remote.transport or 'unnamed transport'}) "
-            "cannot be forwarded; send it inline or in shared memory"
+            f"{_named(what)}: a remote tensor payload "
+            f"({td.remote.transport or 'unnamed transport'}) cannot be forwarded; send it "
+            "inline or in shared memory"
         )
     dtype = _dtype(td, what)
-    shape = _shape(td)
+    shape = tuple(td.shape[:])  # a slice is one C call; iterating reads element by element
     if kind == "inline":
         # Reading a bytes field makes protobuf's one copy; keep a view on it, copy nothing
         # more. A stripped payload's marker resolves to a view on the received bytes.
         return Tensor(dtype, shape, resolve_inline(td.inline, payloads), what, limits)
     expected = math.prod(shape) * dtype.itemsize
     shm = td.shm
-    check_shm_name(shm.name, what)
+    check_shm_name(shm.name, _named(what))
     if shm.nbytes and shm.nbytes != expected:
         raise InvalidRequest(
-            f"{what}: shm nbytes {shm.nbytes} but shape {list(shape)} of {dtype.name} needs "
-            f"{expected}"
+            f"{_named(what)}: shm nbytes {shm.nbytes} but shape {list(shape)} of "
+            f"{dtype.name} needs {expected}"
         )
     return ShmHandle(
         name=shm.name,
@@ -197,68 +217,85 @@ def tensor_from_proto(
 
 
 def _inline_tensor(
-    td: pb.TensorData, what: str, payloads: Payloads, limits: Limits | None
+    td: pb.TensorData, what: _Name, payloads: Payloads, limits: Limits | None
 ) -> Tensor:
     t = tensor_from_proto(td, what, payloads, limits)
     if isinstance(t, ShmHandle):
         raise InvalidRequest(
-            f"{what}: must be inline bytes (shared memory is accepted only for encoder_input)"
+            f"{_named(what)}: must be inline bytes (shared memory is accepted only for "
+            "encoder_input)"
         )
     return t
 
 
-def _offsets(msg: pb.MultimodalItem, idx: int) -> np.ndarray:
-    n = len(msg.placeholders)
-    if n == 0:
-        # Representable (no spans): the materializer reports it in rule order.
-        return np.zeros((0, 2), np.int64)
-    arr = np.empty((n, 2), np.int64)
-    for k, ph in enumerate(msg.placeholders):
-        if ph.length == 0:
-            raise InvalidRequest(
-                f"item {idx}: placeholders[{k}] (offset {ph.offset}) has length 0; a placeholder "
-                "range covers at least one token"
-            )
-        arr[k, 0] = ph.offset
-        arr[k, 1] = ph.offset + ph.length - 1
-    return arr
+def _offset_table(proto_items: Any) -> tuple[np.ndarray, list[int], tuple[int, int] | None]:
+    """Every item's placeholders as inclusive ``[start, end]`` rows of one table, each
+    item's rows ``table[bounds[i]:bounds[i + 1]]``, and the first zero-length
+    placeholder as (item, index) (None: none), which the item's translation words:
+    one array for the request, not one per item."""
+    flat: list[int] = []
+    bounds = [0]
+    zero = None
+    for i, it in enumerate(proto_items):
+        phs = it.placeholders
+        for k in range(len(phs)):  # indexing: iterating a repeated message field is slower
+            ph = phs[k]
+            start, length = ph.offset, ph.length
+            if not length and zero is None:
+                zero = (i, k)
+            flat.append(start)
+            flat.append(start + length - 1)
+        bounds.append(len(flat) >> 1)
+    table = np.array(flat, np.int64).reshape(-1, 2)
+    return table, bounds, zero
+
+
+def _zero_length(proto_items: Any, idx: int, k: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"item {idx}: placeholders[{k}] (offset {proto_items[idx].placeholders[k].offset}) "
+        "has length 0; a placeholder range covers at least one token"
+    )
 
 
 def _item_from_proto(
     msg: pb.MultimodalItem, idx: int, payloads: Payloads, limits: Limits | None
 ) -> Item:
-    what = f"item {idx}"
     modality = MODALITY_FROM_PROTO.get(msg.modality)
     if modality is None:
         name = pb.Modality.Name(msg.modality) if msg.modality in pb.Modality.values() else "unknown"
         raise InvalidRequest(
-            f"{what}: modality {msg.modality} ({name}) is not one of IMAGE (1), AUDIO (2), "
+            f"item {idx}: modality {msg.modality} ({name}) is not one of IMAGE (1), AUDIO (2), "
             "VIDEO (3)"
         )
     content_hash = None
-    if msg.content_hash:
+    raw_hash = msg.content_hash
+    if raw_hash:
         # SMG's convention: the first 8 bytes, little-endian; shorter values zero-extended.
-        content_hash = int.from_bytes(msg.content_hash[:8], "little")
+        content_hash = int.from_bytes(raw_hash[:8], "little")
     feature: Tensor | None = None
     feature_shm: ShmHandle | None = None
     if msg.HasField("encoder_input"):
-        got = tensor_from_proto(msg.encoder_input, f"{what} encoder_input", payloads, limits)
+        got = tensor_from_proto(msg.encoder_input, (idx, "encoder_input"), payloads, limits)
         if isinstance(got, ShmHandle):
             feature_shm = got
         else:
             feature = got
-    side = {
-        key: _inline_tensor(td, f"{what} model_specific_tensors[{key!r}]", payloads, limits)
-        for key, td in msg.model_specific_tensors.items()
-    }
+    side: dict[str, Any] = {}
+    tensors = msg.model_specific_tensors
+    if len(tensors):
+        # keys, then each value: reading the map's items() is slower
+        for key in tensors:
+            side[key] = _inline_tensor(
+                tensors[key], (idx, f"model_specific_tensors[{key!r}]"), payloads, limits
+            )
     return Item(
-        modality=int(modality),
-        hash=content_hash,
-        pad_value=msg.pad_value if _has_pad_value(msg) else None,
-        offsets=_offsets(msg, idx),
-        feature=feature,
-        feature_shm=feature_shm,
-        side=side,
+        int(modality),
+        content_hash,
+        msg.pad_value if _has_pad_value(msg) else None,
+        None,  # offsets: items_from_proto sets them from one table
+        feature,
+        feature_shm,
+        side,
     )
 
 
@@ -269,7 +306,7 @@ def _placeholder_overrides(
     for idx, (msg, item) in enumerate(zip(items, models, strict=True)):
         if not msg.HasField("placeholder_token_id"):
             continue
-        modality = Modality(item.modality)
+        modality = _MODALITY[item.modality]  # an Item from _item_from_proto: a known value
         token = msg.placeholder_token_id
         prev = overrides.setdefault(modality, token)
         if prev != token:
@@ -297,7 +334,15 @@ def items_from_proto(
     """The ``MultimodalItem`` list of a request, translated (shared with the SMG gRPC
     face: ``tokenspeed.grpc.scheduler.MultimodalItem`` has the same fields and
     numbers, less ``pad_value``); ``limits``: the tensors' (see :class:`Tensor`)."""
-    items = [_item_from_proto(it, i, payloads, limits) for i, it in enumerate(proto_items)]
+    proto_items = proto_items[:]  # a list: one C call, then plain iteration
+    table, bounds, zero = _offset_table(proto_items)
+    items: list[Item] = []
+    for i, it in enumerate(proto_items):
+        item = _item_from_proto(it, i, payloads, limits)
+        if zero is not None and zero[0] == i:  # worded after the item's tensors, as before
+            raise _zero_length(proto_items, i, zero[1])
+        item.offsets = table[bounds[i] : bounds[i + 1]]
+        items.append(item)
     overrides = _placeholder_overrides(proto_items, items, profile)
     return MultimodalInputs(
         items=items,
