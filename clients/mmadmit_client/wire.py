@@ -352,7 +352,8 @@ class TensorWriter:
         self._index = dict(zip(map(id, self.frames), range(1, n + 1), strict=True))
 
     def encode(self, dtype: str, shape: Sequence[int], data: Any) -> list[Any]:
-        if memoryview(data).nbytes < INLINE_LIMIT_BYTES:
+        nbytes = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
+        if nbytes < INLINE_LIMIT_BYTES:
             value: Any = msgspec.msgpack.Ext(EXT_TENSOR_DATA, bytes(data))
         else:
             value = self._index.get(id(data))

@@ -130,6 +130,8 @@ _ITEM_FIELDS = ITEM_FIELDS
 # leaves out: nil, except model_specific_data, a map.
 _MM_DEFAULTS: dict[int, Any] = {}
 _ITEM_DEFAULTS: dict[int, Any] = {6: {}}
+# an item's fields after model_specific_data, none of which the model keeps
+_ITEM_UNSET = (None,) * (_ITEM_FIELDS - 7)
 _INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
 # payload elements decoded by decode_request itself (the others only checked)
 _DECODED_ELEMENTS = frozenset((0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM))
@@ -922,6 +924,22 @@ _SPLICE_ITEMS = True
 
 def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
     elems = _item_elems(item.extra)
+    if not elems:  # built without a wire original (gRPC, tests): encode every field
+        shm = item.feature_shm
+        return _ENC.encode(
+            [
+                item.modality,
+                item.hash,
+                item.pad_value,
+                None if item.offsets is None else item.offsets.tolist(),
+                None if drop_feature or item.feature is None else writer.tensor(item.feature),
+                None
+                if shm is None
+                else {"shm_name": shm.name, "shape": list(shm.shape or ()), "dtype": shm.dtype},
+                {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()},
+                *_ITEM_UNSET,
+            ]
+        )
     out: list[Any] = [
         _raw_at(elems, i, _ITEM_DEFAULTS) for i in range(max(_ITEM_FIELDS, len(elems)))
     ]
@@ -932,25 +950,10 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
         out[4] = None
     elif item.feature is not None:
         out[4] = writer.tensor(item.feature)
-    if not elems:  # built without a wire original (gRPC, tests): encode every field
-        out[3] = None if item.offsets is None else item.offsets.tolist()
-        out[5] = (
-            None
-            if item.feature_shm is None
-            else {
-                "shm_name": item.feature_shm.name,
-                "shape": list(item.feature_shm.shape or ()),
-                "dtype": item.feature_shm.dtype,
-            }
-        )
+    # side tensors may live in aux frames: re-emit them through the writer so
+    # indices stay valid (received frames keep theirs).
+    if item.side and any(isinstance(v, Tensor) for v in item.side.values()):
         out[6] = {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()}
-    else:
-        # side tensors may live in aux frames: re-emit them through the writer so
-        # indices stay valid (received frames keep theirs).
-        if item.side and any(isinstance(v, Tensor) for v in item.side.values()):
-            out[6] = {
-                k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()
-            }
     return _ENC.encode(out)
 
 
