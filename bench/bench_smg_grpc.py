@@ -65,7 +65,6 @@ from mmadmit.config import ServeConfig, build_config  # noqa: E402
 from mmadmit.grpc_server import GrpcPort  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
-from mmadmit.pbwire import message_and_payloads  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
 from mmadmit.runtime import tune_process  # noqa: E402
@@ -237,8 +236,7 @@ class InProcess:
 
     def run(self, name: str, data: bytes) -> float:
         t0 = time.perf_counter()
-        msg, payloads = message_and_payloads(parse_generate(data, self.limits))
-        req = request_from_generate(msg, self.profile, payloads, self.limits)  # as the face
+        req = request_from_generate(parse_generate(data, self.limits), self.profile, self.limits)
         t1 = time.perf_counter()
         outcome = self.materializer.run(req, CPU_OPS)
         t2 = time.perf_counter()

@@ -26,6 +26,7 @@ import workloads  # noqa: E402
 from conftest import load_vector, vector_names  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request, Tensor  # noqa: E402
+from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
 
 from fuzz.targets import grpc_target, smg_target, zmq_target  # noqa: E402
 
@@ -57,6 +58,22 @@ def _write(target: str, name: str, data: bytes) -> None:
     folder = CORPUS / target
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}-{hashlib.sha1(data).hexdigest()[:10]}").write_bytes(data)
+
+
+def _take_seeds() -> list[tuple[str, bytes]]:
+    """AdmitRequests for take_ids: unpadded ids, two messages merged (protobuf
+    concatenates their repeated fields), ids and unpadded ids sent unpacked."""
+    a = pb.AdmitRequest(request_id="u")
+    a.tokenized.input_ids.extend([1, 200, 70000, 151655, 0])
+    a.tokenized.original_text = "hi"
+    a.input_ids_unpadded.extend([1, 2, 3, 4, 5])
+    b = pb.AdmitRequest()
+    b.tokenized.input_ids.extend([9, 8])
+    b.input_ids_unpadded.extend([7])
+    tokenized = bytes([0x08, 0x05, 0x08, 0x81, 0x01])  # input_ids 5 and 129, one tag each
+    unpacked = bytes([0x12, len(tokenized)]) + tokenized + bytes([0xA0, 0x06, 0x03])
+    one = a.SerializeToString()
+    return [("unpadded", one), ("merged", one + b.SerializeToString()), ("unpacked", unpacked)]
 
 
 def main() -> None:
@@ -91,6 +108,7 @@ def main() -> None:
             data = grpc_target.seed_input(profile, admit)
             _write("grpc", f"seed-{name}", data)
             _write("pbwire", f"seed-strip-{name}", b"\x00\x20" + data[2:])
+            _write("pbwire", f"seed-take-{name}", b"\x07\x00" + data[2:])  # unpadded too
         mm = req.mm
         tokens = {
             i: mm.im_token_id if item.modality == 1 else mm.video_token_id
@@ -103,6 +121,8 @@ def main() -> None:
     rng = random.Random(12)
     ids = np.array([0, 1, 127, 128, 65535, 2**31, 2**32 + 5], "<i8").tobytes()
     _write("pbwire", "seed-packed", b"\x01\x08\x00\x00\x00" + ids)
+    for name, data in _take_seeds():
+        _write("pbwire", f"seed-take-{name}", b"\x07\x00" + data)
     _write("intcodec", "seed-encode", b"\x01\x00" + ids)
     for target, count, size in (("planner", 24, 160), ("kernels", 16, 48)):
         for k in range(count):

@@ -332,6 +332,16 @@ def _same(a: pb.AdmitRequest, b: pb.AdmitRequest) -> None:
     assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
 
 
+def _put_back_ids(msg: pb.AdmitRequest, parsed: pbwire.StrippedRequest) -> None:
+    """The ids :func:`pbwire.take_ids` took out of ``parsed``, back in ``msg``."""
+    if parsed.ids is not None and len(parsed.ids):  # (extend([]) would make it present)
+        assert not msg.tokenized.input_ids
+        msg.tokenized.input_ids.extend(parsed.ids.tolist())
+    if parsed.unpadded is not None:
+        assert not msg.input_ids_unpadded
+        msg.input_ids_unpadded.extend(parsed.unpadded.tolist())
+
+
 def check_strip(data: bytes, min_bytes: int = 1) -> int:
     """Strip ``data`` with every implementation; each must restore to FromString's message.
 
@@ -355,14 +365,16 @@ def check_strip(data: bytes, min_bytes: int = 1) -> int:
         _same(_restore(small, payloads), ref)
         results.append((small, [bytes(v) for v in payloads]))
     assert all(r == results[0] for r in results), "C and Python strip alike"
-    # parse_admit_request too (both implementations, via the module switch)
-    parsed = pbwire.parse_admit_request(data, min_bytes)
+    # parse_admit_request too (both implementations, via the module switch), its ids
+    # taken from any message (take_ids)
+    parsed = pbwire.parse_admit_request(data, min_bytes, take_min_bytes=1)
     if isinstance(parsed, pbwire.StrippedRequest):
         msg = pb.AdmitRequest()
         msg.CopyFrom(parsed.msg)
         for td in _tensor_fields(msg):
             if td.WhichOneof("payload") == "inline":
                 td.inline = bytes(parsed.inline(td))
+        _put_back_ids(msg, parsed)
         _same(msg, ref)
     else:
         _same(parsed, ref)
@@ -626,10 +638,10 @@ def _same_outcome(data: bytes, min_bytes: int) -> None:
         want = pb.AdmitRequest.FromString(data)
     except DecodeError as exc:
         with pytest.raises(DecodeError) as info:
-            pbwire.parse_admit_request(data, min_bytes)
+            pbwire.parse_admit_request(data, min_bytes, take_min_bytes=1)
         assert str(info.value) == str(exc)
         return
-    got = pbwire.parse_admit_request(data, min_bytes)
+    got = pbwire.parse_admit_request(data, min_bytes, take_min_bytes=1)
     if isinstance(got, pbwire.StrippedRequest):
         check_strip(data, min_bytes)
     else:
@@ -680,6 +692,115 @@ def test_min_bytes_must_be_positive() -> None:
         pbwire.strip_inline_payloads(b"", 0)
 
 
+# ------------------------------------------------------------------------------- take_ids
+
+
+def check_take(data: bytes, unpadded: bool = True) -> bool:
+    """take_ids on ``data`` held to protobuf: the rest parses exactly when ``data``
+    does, to the same message less the ids, which are the parsed ones. Whether it took."""
+    got = pbwire.take_ids(data, unpadded)
+    if got is None:
+        return False
+    small, ids, unp = got
+    assert ids.dtype == np.int64 and ids.flags.writeable  # as np.array would make them
+    try:
+        want = pb.AdmitRequest.FromString(data)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            pb.AdmitRequest.FromString(small)
+        return True
+    rest = pb.AdmitRequest.FromString(small)
+    assert ids.tolist() == list(want.tokenized.input_ids)
+    if unpadded:
+        assert ([] if unp is None else unp.tolist()) == list(want.input_ids_unpadded)
+        del want.input_ids_unpadded[:]
+    else:
+        assert unp is None
+    if want.HasField("tokenized"):
+        del want.tokenized.input_ids[:]
+    _same(rest, want)
+    return True
+
+
+def _take_cases() -> Iterator[tuple[str, bytes]]:
+    yield from REQUESTS.items()
+    a = build_request("u", [1, 200, 70000, 151655, 0, 2**32 - 1])
+    a.tokenized.original_text = "hi"
+    a.input_ids_unpadded.extend([1, 2, 3, 4, 5, 6])
+    b = pb.AdmitRequest()
+    b.tokenized.input_ids.extend([9, 8])
+    b.input_ids_unpadded.extend([7])
+    yield "unpadded", a.SerializeToString()
+    yield "merged", a.SerializeToString() + b.SerializeToString()
+    tok = _field(1, 0, _varint(5)) + _field(2, 2, b"t") + _field(1, 2, _varint(7) + _varint(300))
+    yield "unpacked and packed", _field(2, 2, tok) + _field(100, 0, _varint(3)) + _field(1, 2, b"r")
+    yield "empty packed", _field(2, 2, _field(1, 2, b""))
+    yield "overlong value", _field(2, 2, _field(1, 2, _overlong(70000) + _varint(1)))
+
+
+TAKE_CASES = dict(_take_cases())
+TAKEN = {"unpadded", "merged", "unpacked and packed", "empty packed", "overlong value"}
+
+
+@pytest.mark.parametrize("label", list(TAKE_CASES))
+def test_take_ids_equals_fromstring(impl: str, label: str) -> None:
+    took = check_take(TAKE_CASES[label]) | check_take(TAKE_CASES[label], unpadded=False)
+    if impl == "python":
+        assert not took  # the fallback leaves the ids to upb
+    elif label.startswith(("vector", "large")) or label in TAKEN:
+        assert took
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _field(2, 2, _field(1, 0, _varint(2**32))),  # upb would truncate it
+        _field(2, 2, _field(1, 2, _varint(2**32) + _varint(1))),
+        _field(2, 2, _field(1, 2, b"\x81")),  # a cut varint
+        _field(2, 2, _field(1, 2, b"\x81\x81")[:-1]),  # the field itself cut
+        _field(2, 2, _field(1, 2, b"\xff" * 10 + b"\x01")),  # over 10 bytes
+        _field(2, 0, _varint(5)),  # tokenized as a varint: upb keeps it as unknown
+        _field(2, 2, _field(1, 5, b"\x01\x00\x00\x00")),  # an id as fixed32
+        _field(100, 1, bytes(8)),  # unpadded as fixed64
+        _field(2, 2, _field(1, 0, _varint(5))) + b"\x0b",  # a group start after it
+        _field(1, 2, b"no ids") + _field(2, 2, _field(2, 2, b"text only")),  # nothing to take
+        b"",
+    ],
+    ids=range(11),
+)
+def test_take_ids_declines_what_it_does_not_take_exactly(data: bytes) -> None:
+    if not pbwire.HAVE_NATIVE:
+        pytest.skip("mmadmit._pbwire is not built")
+    assert pbwire.take_ids(data, True) is None
+
+
+def test_take_ids_truncations_and_bit_flips(impl: str) -> None:
+    data = TAKE_CASES["unpacked and packed"] + TAKE_CASES["unpadded"]
+    took = sum(check_take(data[:k]) for k in range(len(data)))
+    rng = np.random.default_rng(7)
+    for k in range(len(data)):
+        flipped = bytearray(data)
+        flipped[k] ^= 1 << int(rng.integers(0, 8))
+        took += check_take(bytes(flipped))
+        _same_outcome(bytes(flipped), 1)
+    assert took > len(data) // 2 or impl == "python"
+
+
+@pytest.mark.parametrize("name", vector_names())
+def test_request_from_taken_ids_equals_the_plain_parse(impl: str, name: str) -> None:
+    msg = request_from_vector(load_vector(name))
+    data = msg.SerializeToString()
+    profile = load_profile(str(MODEL_CONFIG[load_vector(name).meta["family"]]))
+    parsed = pbwire.parse_admit_request(data, take_min_bytes=1)
+    if impl == "native":
+        assert isinstance(parsed, pbwire.StrippedRequest) and parsed.ids is not None
+    a = Materializer(profile).run(request_from_proto(parsed, profile))
+    b = Materializer(profile).run(request_from_proto(pb.AdmitRequest.FromString(data), profile))
+    assert response_from_outcome("v", a, echo_features=True) == response_from_outcome(
+        "v", b, echo_features=True
+    )
+
+
 # ------------------------------------------------------------------------------ zero copy
 
 
@@ -694,7 +815,7 @@ def test_large_feature_is_a_view_on_the_received_bytes(impl: str) -> None:
     parsed = pbwire.parse_admit_request(data)
     assert isinstance(parsed, pbwire.StrippedRequest)
     assert parsed.msg.ByteSize() < 1000
-    req = request_from_proto(parsed.msg, profile, parsed.payloads)
+    req = request_from_proto(parsed, profile)
     assert req.mm is not None
     got = req.mm.items[0].feature
     assert got is not None and got.data.obj is data  # no copy: a slice of what was received

@@ -39,13 +39,13 @@ def _materializer(name: str) -> Materializer:
 
 def _admit(m: Materializer, data: bytes, min_bytes: int) -> bytes | None:
     try:
-        parsed = pbwire.parse_admit_request(data, min_bytes)
+        parsed = pbwire.parse_admit_request(data, min_bytes, take_min_bytes=min_bytes)
     except DecodeError:
         return None
-    msg, payloads = pbwire.message_and_payloads(parsed)
+    msg = pbwire.message_and_payloads(parsed)[0]
     rid = msg.request_id
     try:
-        req = servicer.request_from_proto(msg, m.profile, payloads)
+        req = servicer.request_from_proto(parsed, m.profile)
     except AdmissionError as exc:
         resp = servicer.abort_response(rid, exc.to_abort())
     else:

@@ -5,17 +5,23 @@ First byte even: ``strip_inline_payloads`` on the rest (a would-be
 the stripped bytes and payloads must be identical, and when the stripped
 message parses, it must parse to the original message once the markers are
 resolved. 1 mod 4: ``packed_uint32_field`` on an int64 array from the rest (the
-same bytes, or the same ``ValueError`` message). 3 mod 4: ``within_limits`` on
+same bytes, or the same ``ValueError`` message). 3 mod 8: ``within_limits`` on
 the rest under limits drawn from the next bytes, held to the Python walk
-(``pbwire._Count``): it passes exactly what the walk passes.
+(``pbwire._Count``): it passes exactly what the walk passes. 7 mod 8:
+``take_ids`` on the rest, held to protobuf itself (it has no Python twin: the
+fallback lets upb parse the ids): when it takes, the rest parses exactly when
+the message it returns parses, to the same message less the ids, and the ids
+it returns are the parsed ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from mmadmit import pbwire
 from mmadmit.errors import TooLarge
 from mmadmit.limits import Limits
+from mmadmit_client._proto import admission_pb2 as pb
 
 from ._common import outcome, same
 from ._data import Data
@@ -60,6 +66,32 @@ def _within(d: Data) -> None:
     assert native is walked, f"within_limits {native}, the walk {walked} ({limits})"
 
 
+def _take(d: Data) -> None:
+    unpadded = d.flag(50)
+    data = d.rest()
+    got = pbwire._BUILT.take_ids(data, unpadded)
+    if got is None:
+        return
+    small, ids, unp = got
+    whole = outcome(pb.AdmitRequest.FromString, data, errors=(DecodeError,))
+    part = outcome(pb.AdmitRequest.FromString, small, errors=(DecodeError,))
+    assert whole[0] == part[0], f"take_ids: the whole message {whole[0]}, the rest {part[0]}"
+    if whole[0] != "ok":
+        return
+    msg, rest = whole[1], part[1]
+    assert np.frombuffer(ids, np.int64).tolist() == list(msg.tokenized.input_ids), "ids differ"
+    if unpadded:
+        want = list(msg.input_ids_unpadded)
+        got_unp = [] if unp is None else np.frombuffer(unp, np.int64).tolist()
+        assert got_unp == want, "input_ids_unpadded differ"
+        del msg.input_ids_unpadded[:]
+    else:
+        assert unp is None
+    if msg.HasField("tokenized"):  # (reaching into an absent one would make it present)
+        del msg.tokenized.input_ids[:]
+    assert rest == msg, "take_ids: the rest parses to another message"
+
+
 def one(data: bytes) -> None:
     if pbwire._BUILT is None:
         return  # nothing native to compare
@@ -69,5 +101,7 @@ def one(data: bytes) -> None:
         _strip(d)
     elif kind % 4 == 1:
         _packed(d)
-    else:
+    elif kind % 8 == 3:
         _within(d)
+    else:
+        _take(d)

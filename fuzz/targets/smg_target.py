@@ -40,12 +40,12 @@ def _materializer(name: str) -> Materializer:
 def _generate(m: Materializer, data: bytes, min_bytes: int) -> tuple[str, list[bytes]] | None:
     """``("add", frames)`` or ``("abort", [code])``; None for bytes protobuf refuses."""
     try:
-        parsed = pbwire.parse_request(data, ts.GenerateRequest, min_bytes)
+        parsed = pbwire.parse_request(data, ts.GenerateRequest, min_bytes, take_min_bytes=min_bytes)
     except DecodeError:
         return None
-    msg, payloads = pbwire.message_and_payloads(parsed)
+    msg = pbwire.message_and_payloads(parsed)[0]
     try:
-        req = smg_grpc.request_from_generate(msg, m.profile, payloads)
+        req = smg_grpc.request_from_generate(parsed, m.profile)
     except AdmissionError as exc:
         assert exc.code is not AbortCode.INTERNAL, exc.message
         return "abort", [exc.code.value.encode()]

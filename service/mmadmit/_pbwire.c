@@ -31,6 +31,18 @@
  *       and other fields per message walked (max_fields). False for a breach
  *       and for bytes the walk does not understand; the Python walk then
  *       decides and words the refusal. Never True where that walk refuses.
+ *   take_ids(data, unpadded) -> (bytes, bytearray, bytearray | None) | None
+ *       `data`: a serialized AdmitRequest or GenerateRequest (any buffer). The
+ *       message without its TokenizedInput.input_ids (field 1 of every field 2)
+ *       and, with `unpadded`, without AdmitRequest.input_ids_unpadded (field
+ *       100), each enclosing length rewritten (minimal varint), every other
+ *       byte kept; the removed values in wire order as native int64 (packed
+ *       and unpacked occurrences alike, as protobuf concatenates them); the
+ *       unpadded values (None without `unpadded` or when field 100 is absent).
+ *       None when there is nothing to take, and for anything the walk does
+ *       not take exactly as upb would parse it: malformed or truncated bytes,
+ *       field number 0, groups or reserved wire types, a field 2, 1 or 100 of
+ *       an unexpected wire type, a value above 2**32 - 1 (upb would truncate).
  *
  * Plain C API, no numpy headers: buffers come through the buffer protocol.
  */
@@ -508,6 +520,256 @@ pbwire_within_limits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(ok);
 }
 
+/* ------------------------------------------------------------------------ */
+/* take_ids */
+
+/* Skip the value of a field of `wire_type` at *pos (its key read); 0 when cut or
+ * of a wire type the walk does not take (groups, reserved). */
+static int
+skip_value(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int wire_type)
+{
+    uint64_t v;
+    switch (wire_type) {
+    case 0:
+        return get_varint(buf, pos, end, &v);
+    case 1:
+    case 5: {
+        Py_ssize_t size = wire_type == 1 ? 8 : 4;
+        if (end - *pos < size)
+            return 0;
+        *pos += size;
+        return 1;
+    }
+    case 2:
+        if (!get_varint(buf, pos, end, &v) || v > (uint64_t)(end - *pos))
+            return 0;
+        *pos += (Py_ssize_t)v;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* The uint32 values of one repeated field's occurrence whose key was just read
+ * (wire type 0: one varint; 2: packed), appended at out[*n]; 0 for a cut or
+ * malformed value, a value above 2**32 - 1 or another wire type. With out NULL
+ * a packed run is only counted (a varint ends at each byte below 0x80) and
+ * checked to end with a whole varint: the write pass checks each value. */
+static int
+take_values(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int wire_type, int64_t *out,
+            Py_ssize_t *n)
+{
+    uint64_t v;
+    if (wire_type == 0) {
+        if (!get_varint(buf, pos, end, &v) || v > UINT32_MAX)
+            return 0;
+        if (out != NULL)
+            out[*n] = (int64_t)v;
+        (*n)++;
+        return 1;
+    }
+    if (wire_type != 2)
+        return 0;
+    uint64_t length;
+    if (!get_varint(buf, pos, end, &length) || length > (uint64_t)(end - *pos))
+        return 0;
+    Py_ssize_t p = *pos, stop = p + (Py_ssize_t)length;
+    if (out == NULL) {
+        if (stop > p && buf[stop - 1] >= 0x80)
+            return 0; /* the last varint is cut */
+        Py_ssize_t count = 0;
+        for (Py_ssize_t k = p; k < stop; k++)
+            count += buf[k] < 0x80;
+        *n += count;
+        *pos = stop;
+        return 1;
+    }
+    int64_t *o = out + *n;
+    while (p < stop) {
+        uint8_t b = buf[p];
+        if (b < 0x80) { /* most token ids below 128 take one byte */
+            *o++ = b;
+            p++;
+            continue;
+        }
+        if (!get_varint(buf, &p, stop, &v) || v > UINT32_MAX)
+            return 0;
+        *o++ = (int64_t)v;
+    }
+    *n = o - out;
+    *pos = stop;
+    return 1;
+}
+
+typedef struct {
+    const uint8_t *buf;
+    int unpadded;     /* take field 100 too */
+    int64_t *ids;     /* write pass: the values of input_ids */
+    int64_t *unp;     /* write pass: the values of input_ids_unpadded */
+    Py_ssize_t n_ids, n_unp;
+    int seen_unp;     /* field 100 met */
+    /* the new sizes of the first TAKE_SIZES TokenizedInput fields, from the count
+     * pass (a later one is counted again in the write pass) */
+#define TAKE_SIZES 4
+    Py_ssize_t sizes[TAKE_SIZES];
+    int n_sizes, k_sizes;
+} taker;
+
+/* The new size of the TokenizedInput buf[start:end] without its field 1 (written
+ * at out unless NULL), or -1 for bytes not taken. */
+static Py_ssize_t
+take_tokenized(taker *t, Py_ssize_t start, Py_ssize_t end, uint8_t *out)
+{
+    const uint8_t *buf = t->buf;
+    Py_ssize_t pos = start, size = 0;
+    while (pos < end) {
+        Py_ssize_t field_start = pos;
+        uint64_t key;
+        if (!get_varint(buf, &pos, end, &key))
+            return -1;
+        uint64_t number = key >> 3;
+        int wire_type = (int)(key & 7);
+        if (number == 0 || number > 0x1FFFFFFF)
+            return -1;
+        if (number == 1) {
+            if (!take_values(buf, &pos, end, wire_type, t->ids, &t->n_ids))
+                return -1;
+            continue;
+        }
+        if (!skip_value(buf, &pos, end, wire_type))
+            return -1;
+        if (out != NULL)
+            memcpy(out + size, buf + field_start, (size_t)(pos - field_start));
+        size += pos - field_start;
+    }
+    return size;
+}
+
+/* The new size of the request buf[0:end] (written at out unless NULL), or -1 for
+ * bytes not taken. */
+static Py_ssize_t
+take_request(taker *t, Py_ssize_t end, uint8_t *out)
+{
+    const uint8_t *buf = t->buf;
+    Py_ssize_t pos = 0, size = 0;
+    while (pos < end) {
+        Py_ssize_t field_start = pos;
+        uint64_t key;
+        if (!get_varint(buf, &pos, end, &key))
+            return -1;
+        Py_ssize_t tag_end = pos;
+        uint64_t number = key >> 3;
+        int wire_type = (int)(key & 7);
+        if (number == 0 || number > 0x1FFFFFFF)
+            return -1;
+        if (number == 2) {
+            uint64_t length;
+            if (wire_type != 2 || !get_varint(buf, &pos, end, &length) ||
+                length > (uint64_t)(end - pos))
+                return -1;
+            Py_ssize_t inner_start = pos;
+            pos += (Py_ssize_t)length;
+            Py_ssize_t tag_len = tag_end - field_start;
+            Py_ssize_t inner;
+            if (out == NULL) {
+                inner = take_tokenized(t, inner_start, pos, NULL);
+                if (inner < 0)
+                    return -1;
+                if (t->n_sizes < TAKE_SIZES)
+                    t->sizes[t->n_sizes++] = inner;
+            }
+            else {
+                if (t->k_sizes < t->n_sizes) {
+                    inner = t->sizes[t->k_sizes++];
+                }
+                else { /* count it again, its values aside */
+                    Py_ssize_t n_ids = t->n_ids;
+                    int64_t *ids = t->ids;
+                    t->ids = NULL;
+                    inner = take_tokenized(t, inner_start, pos, NULL);
+                    t->ids = ids;
+                    t->n_ids = n_ids;
+                    if (inner < 0)
+                        return -1;
+                }
+                uint8_t *o = out + size;
+                memcpy(o, buf + field_start, (size_t)tag_len);
+                o = put_varint(o + tag_len, (uint64_t)inner);
+                if (take_tokenized(t, inner_start, pos, o) != inner)
+                    return -1;
+            }
+            size += tag_len + varint_size((uint64_t)inner) + inner;
+            continue;
+        }
+        if (number == 100 && t->unpadded) {
+            t->seen_unp = 1;
+            if (!take_values(buf, &pos, end, wire_type, t->unp, &t->n_unp))
+                return -1;
+            continue;
+        }
+        if (!skip_value(buf, &pos, end, wire_type))
+            return -1;
+        if (out != NULL)
+            memcpy(out + size, buf + field_start, (size_t)(pos - field_start));
+        size += pos - field_start;
+    }
+    return size;
+}
+
+static PyObject *
+pbwire_take_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "take_ids(data, unpadded)");
+        return NULL;
+    }
+    int unpadded = PyObject_IsTrue(args[1]);
+    if (unpadded < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *result = NULL, *small = NULL, *ids = NULL, *unp = NULL;
+    taker t = {(const uint8_t *)view.buf, unpadded, NULL, NULL, 0, 0, 0, {0}, 0, 0};
+    Py_ssize_t size = take_request(&t, view.len, NULL);
+    if (size < 0 || size == view.len) { /* not taken, or nothing to take */
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n_ids = t.n_ids, n_unp = t.n_unp;
+    small = PyBytes_FromStringAndSize(NULL, size);
+    ids = PyByteArray_FromStringAndSize(NULL, n_ids * 8);
+    if (small == NULL || ids == NULL)
+        goto done;
+    if (t.seen_unp) {
+        unp = PyByteArray_FromStringAndSize(NULL, n_unp * 8);
+        if (unp == NULL)
+            goto done;
+    }
+    else {
+        unp = Py_NewRef(Py_None);
+    }
+    t.ids = (int64_t *)PyByteArray_AS_STRING(ids);
+    t.unp = t.seen_unp ? (int64_t *)PyByteArray_AS_STRING(unp) : NULL;
+    t.n_ids = t.n_unp = 0;
+    Py_ssize_t wrote = take_request(&t, view.len, (uint8_t *)PyBytes_AS_STRING(small));
+    if (wrote < 0) { /* a value the count pass did not check (see take_values) */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (wrote != size || t.n_ids != n_ids || t.n_unp != n_unp) {
+        PyErr_SetString(PyExc_SystemError, "take_ids: write pass disagrees");
+        goto done;
+    }
+    result = PyTuple_Pack(3, small, ids, unp);
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(small);
+    Py_XDECREF(ids);
+    Py_XDECREF(unp);
+    return result;
+}
+
 static PyMethodDef pbwire_methods[] = {
     {"packed_uint32_field", (PyCFunction)(void (*)(void))pbwire_packed_uint32_field,
      METH_FASTCALL,
@@ -516,6 +778,9 @@ static PyMethodDef pbwire_methods[] = {
     {"strip_inline", (PyCFunction)(void (*)(void))pbwire_strip_inline, METH_FASTCALL,
      "strip_inline(data, min_bytes, nonce) -> (bytes, list) | None\n\nAn AdmitRequest "
      "with its large TensorData.inline contents replaced by markers (see pbwire.py)."},
+    {"take_ids", (PyCFunction)(void (*)(void))pbwire_take_ids, METH_FASTCALL,
+     "take_ids(data, unpadded) -> (bytes, bytearray, bytearray | None) | None\n\nThe "
+     "request without its input_ids (and input_ids_unpadded), and their values as int64."},
     {"within_limits", (PyCFunction)(void (*)(void))pbwire_within_limits, METH_FASTCALL,
      "within_limits(data, max_tokens, max_items, max_fields) -> bool\n\nTrue when the "
      "AdmitRequest's wire bytes are walked within the limits (see pbwire.check_admit_limits)."},

@@ -92,9 +92,11 @@ from .pbwire import (
     StrippedRequest,
     Undecodable,
     encode_varint,
+    ids_of,
     message_and_payloads,
     packed_uint32_field,
     resolve_inline,
+    unpadded_of,
 )
 from .pool import MaterializerPool
 from .profile import ModelProfile
@@ -352,26 +354,24 @@ def items_from_proto(
 
 
 def request_from_proto(
-    msg: pb.AdmitRequest,
+    request: pb.AdmitRequest | StrippedRequest,
     profile: ModelProfile,
-    payloads: Payloads = None,
     limits: Limits | None = None,
 ) -> Request:
     """Translate an ``AdmitRequest``; :class:`InvalidRequest` names what cannot be translated,
     :class:`~mmadmit.errors.TooLarge` a tensor over ``limits``.
 
-    ``payloads``: for a message the request deserializer stripped
-    (:class:`~mmadmit.pbwire.StrippedRequest`), the inline payloads its
-    markers stand for.
+    ``request``: the message, or what the request deserializer made of it, a
+    :class:`~mmadmit.pbwire.StrippedRequest`: its inline payloads and token ids
+    are read from the received bytes, not from the parsed message (which no
+    longer holds them).
     """
+    msg, payloads = message_and_payloads(request)
     rid = msg.request_id
     if not rid:
         raise InvalidRequest("request_id is empty; responses are matched by request_id")
-    # One C-level conversion of the repeated field, no per-token Python loop.
-    input_ids = np.array(msg.tokenized.input_ids, dtype=np.int64)
-    unpadded = (
-        np.array(msg.input_ids_unpadded, dtype=np.int64) if len(msg.input_ids_unpadded) else None
-    )
+    input_ids = ids_of(request, msg)
+    unpadded = unpadded_of(request, msg)
     mm = None
     has_mm = msg.HasField("mm_inputs")
     has_mrope = msg.HasField("mrope")
@@ -650,14 +650,14 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             logger.debug("rid=%s: refused from its bytes: %s", request.request_id, abort.message)
             self.admissions.observe(request.request_id, None, abort, t0)
             return abort_response(request.request_id, abort)
-        msg, payloads = message_and_payloads(request)
+        msg = message_and_payloads(request)[0]
         t0 = time.perf_counter()
         rid = msg.request_id
         self.stats.requests += 1
         req: Request | None = None
         admissions = self.admissions
         try:
-            req = request_from_proto(msg, self._profile, payloads, self.limits)
+            req = request_from_proto(request, self._profile, self.limits)
             key = (b"", rid)
             timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
             # InvalidRequest (a duplicate id) / Overloaded / ShuttingDown

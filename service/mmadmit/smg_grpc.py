@@ -64,7 +64,6 @@ from typing import Any
 
 import grpc
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 from google.protobuf import struct_pb2
@@ -88,6 +87,7 @@ from .pbwire import (
     RefusedRequest,
     StrippedRequest,
     Undecodable,
+    ids_of,
     message_and_payloads,
     parse_or_undecodable,
     parse_request,
@@ -95,7 +95,7 @@ from .pbwire import (
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .scheduler_link import SchedulerLink, SchedulerStats
-from .servicer import Payloads, items_from_proto
+from .servicer import items_from_proto
 from .telemetry import Telemetry
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
@@ -265,14 +265,15 @@ def _envelope(msg: ts.GenerateRequest) -> wire.WireExtra:
 
 
 def request_from_generate(
-    msg: ts.GenerateRequest,
+    request: ts.GenerateRequest | StrippedRequest,
     profile: ModelProfile,
-    payloads: Payloads = None,
     limits: Limits | None = None,
 ) -> Request:
-    """A ``GenerateRequest`` as the internal request (with its ADD envelope in
-    ``extra``); :class:`~mmadmit.errors.AdmissionError` names what cannot be carried
-    (a tensor over ``limits`` among them)."""
+    """A ``GenerateRequest`` (or what the deserializer made of it, see
+    :func:`mmadmit.servicer.request_from_proto`) as the internal request (with its
+    ADD envelope in ``extra``); :class:`~mmadmit.errors.AdmissionError` names what
+    cannot be carried (a tensor over ``limits`` among them)."""
+    msg, payloads = message_and_payloads(request)
     if not msg.request_id:
         raise InvalidRequest("request_id is empty; outputs are matched by request_id")
     if msg.HasField("encode_bootstrap_info"):
@@ -280,7 +281,7 @@ def request_from_generate(
             "encode_bootstrap_info (EPD: embeddings from an encode worker) is not carried by "
             "mmadmit; send the items' encoder inputs"
         )
-    ids = np.array(msg.tokenized.input_ids, dtype=np.int64)
+    ids = ids_of(request, msg)
     if not len(ids):
         raise InvalidRequest("tokenized.input_ids is empty")
     mm: MultimodalInputs | None = None
@@ -626,7 +627,7 @@ class SmgGrpcFace(SchedulerLink):
             why = f"the message does not parse as a GenerateRequest ({request.message})"
             await self._refuse(context, "", None, Abort(AbortCode.INVALID_REQUEST, why), t0)
             return
-        msg, payloads = message_and_payloads(request)
+        msg = message_and_payloads(request)[0]
         rid = msg.request_id
         if not self.ready or self._dead or self.draining:
             why = (
@@ -639,7 +640,7 @@ class SmgGrpcFace(SchedulerLink):
         key = (b"", rid)
         req: Request | None = None
         try:
-            req = request_from_generate(msg, self.profile, payloads, self.limits)
+            req = request_from_generate(request, self.profile, self.limits)
             if rid in self._calls:  # forwarded, still generating
                 raise self.admissions.duplicate(rid)
             outcome = await self._admit(key, req)
