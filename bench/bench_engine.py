@@ -287,8 +287,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ctx.term()
     elapsed = time.monotonic() - started
     print(
-        f"command: python bench/bench_engine.py --rounds {args.rounds} "
-        f"--per-round {args.per_round}"
+        f"command: python bench/bench_engine.py --rounds {args.rounds} --per-round {args.per_round}"
     )
     print(
         f"round trips at concurrency 1, {args.rounds * args.per_round} per path and workload, "

@@ -163,7 +163,7 @@ def _first_outside(d: Data) -> None:
     n = d.int_in(0, 80)
     buf = np.array([d.wild_int() % 2**64 - 2**63 if d.flag(8) else d.int_in(-2, 40)
                     for _ in range(n + 4)], np.int64)  # fmt: skip
-    ids = buf[: n] if d.flag() else buf[: n].copy()  # a view on a longer buffer, or not
+    ids = buf[:n] if d.flag() else buf[:n].copy()  # a view on a longer buffer, or not
     lo = d.wild_int() % 2**64 - 2**63 if d.flag(10) else d.int_in(-1, 3)
     hi = d.wild_int() % 2**64 - 2**63 if d.flag(10) else d.int_in(0, 40)
     got = kernels._BUILT.first_outside(ids, lo, hi)
