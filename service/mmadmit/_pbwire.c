@@ -615,43 +615,16 @@ typedef struct {
     int n_sizes, k_sizes;
 } taker;
 
-/* The new size of the TokenizedInput buf[start:end] without its field 1 (written
- * at out unless NULL), or -1 for bytes not taken. */
+enum { T_REQUEST, T_TOKENIZED };
+
+/* The new size of the message buf[start:end] of `kind` without the fields taken
+ * (a request: field 100 with t->unpadded, and field 1 of each TokenizedInput,
+ * field 2), written at out unless NULL; -1 for bytes not taken. */
 static Py_ssize_t
-take_tokenized(taker *t, Py_ssize_t start, Py_ssize_t end, uint8_t *out)
+take_message(taker *t, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out)
 {
     const uint8_t *buf = t->buf;
     Py_ssize_t pos = start, size = 0;
-    while (pos < end) {
-        Py_ssize_t field_start = pos;
-        uint64_t key;
-        if (!get_varint(buf, &pos, end, &key))
-            return -1;
-        uint64_t number = key >> 3;
-        int wire_type = (int)(key & 7);
-        if (number == 0 || number > 0x1FFFFFFF)
-            return -1;
-        if (number == 1) {
-            if (!take_values(buf, &pos, end, wire_type, t->ids, &t->n_ids))
-                return -1;
-            continue;
-        }
-        if (!skip_value(buf, &pos, end, wire_type))
-            return -1;
-        if (out != NULL)
-            memcpy(out + size, buf + field_start, (size_t)(pos - field_start));
-        size += pos - field_start;
-    }
-    return size;
-}
-
-/* The new size of the request buf[0:end] (written at out unless NULL), or -1 for
- * bytes not taken. */
-static Py_ssize_t
-take_request(taker *t, Py_ssize_t end, uint8_t *out)
-{
-    const uint8_t *buf = t->buf;
-    Py_ssize_t pos = 0, size = 0;
     while (pos < end) {
         Py_ssize_t field_start = pos;
         uint64_t key;
@@ -662,7 +635,18 @@ take_request(taker *t, Py_ssize_t end, uint8_t *out)
         int wire_type = (int)(key & 7);
         if (number == 0 || number > 0x1FFFFFFF)
             return -1;
-        if (number == 2) {
+        if (kind == T_TOKENIZED && number == 1) {
+            if (!take_values(buf, &pos, end, wire_type, t->ids, &t->n_ids))
+                return -1;
+            continue;
+        }
+        if (kind == T_REQUEST && number == 100 && t->unpadded) {
+            t->seen_unp = 1;
+            if (!take_values(buf, &pos, end, wire_type, t->unp, &t->n_unp))
+                return -1;
+            continue;
+        }
+        if (kind == T_REQUEST && number == 2) {
             uint64_t length;
             if (wire_type != 2 || !get_varint(buf, &pos, end, &length) ||
                 length > (uint64_t)(end - pos))
@@ -672,7 +656,7 @@ take_request(taker *t, Py_ssize_t end, uint8_t *out)
             Py_ssize_t tag_len = tag_end - field_start;
             Py_ssize_t inner;
             if (out == NULL) {
-                inner = take_tokenized(t, inner_start, pos, NULL);
+                inner = take_message(t, inner_start, pos, T_TOKENIZED, NULL);
                 if (inner < 0)
                     return -1;
                 if (t->n_sizes < TAKE_SIZES)
@@ -686,7 +670,7 @@ take_request(taker *t, Py_ssize_t end, uint8_t *out)
                     Py_ssize_t n_ids = t->n_ids;
                     int64_t *ids = t->ids;
                     t->ids = NULL;
-                    inner = take_tokenized(t, inner_start, pos, NULL);
+                    inner = take_message(t, inner_start, pos, T_TOKENIZED, NULL);
                     t->ids = ids;
                     t->n_ids = n_ids;
                     if (inner < 0)
@@ -695,16 +679,10 @@ take_request(taker *t, Py_ssize_t end, uint8_t *out)
                 uint8_t *o = out + size;
                 memcpy(o, buf + field_start, (size_t)tag_len);
                 o = put_varint(o + tag_len, (uint64_t)inner);
-                if (take_tokenized(t, inner_start, pos, o) != inner)
+                if (take_message(t, inner_start, pos, T_TOKENIZED, o) != inner)
                     return -1;
             }
             size += tag_len + varint_size((uint64_t)inner) + inner;
-            continue;
-        }
-        if (number == 100 && t->unpadded) {
-            t->seen_unp = 1;
-            if (!take_values(buf, &pos, end, wire_type, t->unp, &t->n_unp))
-                return -1;
             continue;
         }
         if (!skip_value(buf, &pos, end, wire_type))
@@ -731,7 +709,7 @@ pbwire_take_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *result = NULL, *small = NULL, *ids = NULL, *unp = NULL;
     taker t = {(const uint8_t *)view.buf, unpadded, NULL, NULL, 0, 0, 0, {0}, 0, 0};
-    Py_ssize_t size = take_request(&t, view.len, NULL);
+    Py_ssize_t size = take_message(&t, 0, view.len, T_REQUEST, NULL);
     if (size < 0 || size == view.len) { /* not taken, or nothing to take */
         PyBuffer_Release(&view);
         Py_RETURN_NONE;
@@ -752,7 +730,7 @@ pbwire_take_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     t.ids = (int64_t *)PyByteArray_AS_STRING(ids);
     t.unp = t.seen_unp ? (int64_t *)PyByteArray_AS_STRING(unp) : NULL;
     t.n_ids = t.n_unp = 0;
-    Py_ssize_t wrote = take_request(&t, view.len, (uint8_t *)PyBytes_AS_STRING(small));
+    Py_ssize_t wrote = take_message(&t, 0, view.len, T_REQUEST, (uint8_t *)PyBytes_AS_STRING(small));
     if (wrote < 0) { /* a value the count pass did not check (see take_values) */
         result = Py_NewRef(Py_None);
         goto done;
