@@ -1,6 +1,6 @@
-"""Protobuf wire-format shortcuts for the gRPC transport's two hot copies.
+"""Protobuf wire-format shortcuts for the gRPC transport's hot copies.
 
-Two things upb (the protobuf runtime) does slowly for our message shapes:
+Three things upb (the protobuf runtime) does slowly for our message shapes:
 
 * **Request side.** ``AdmitRequest.FromString`` copies every ``bytes`` field
   into its arena (a 2.4 MB image feature: about 120 us), and reading
@@ -13,6 +13,11 @@ Two things upb (the protobuf runtime) does slowly for our message shapes:
   small stripped message, and the servicer turns a marker back into a
   zero-copy ``memoryview`` slice of the received bytes
   (:meth:`StrippedRequest.inline`).
+* **Token ids.** upb reads a packed ``repeated uint32`` at about 7 ns a value,
+  and an int64 array is then made from the repeated field. :func:`take_ids`
+  (C only) takes ``tokenized.input_ids`` (and ``input_ids_unpadded``) out of
+  the received bytes first, at about 3 ns a value, and upb parses the rest; it
+  declines whatever it would not take exactly as upb parses it.
 * **Response side.** Filling a ``repeated uint32`` field from Python converts
   and range-checks element by element (about 75 us per 1K ids).
   :func:`packed_uint32_field` encodes an ``int64`` array as one packed field

@@ -154,9 +154,11 @@ def _named(name: _Name) -> str:
     return name if isinstance(name, str) else str(TensorName(*name))
 
 
-# A dtype name -> its DType, for the names seen (valid ones only: at most the
-# canonical names and their aliases); parse_dtype words a refusal.
+# A dtype name -> its DType, for the valid names seen (a finite set: the canonical
+# names, their aliases and numpy's type strings for them; capped all the same);
+# parse_dtype words a refusal.
 _DTYPES: dict[str, Any] = {}
+_DTYPES_MAX = 256
 
 
 def _dtype(td: pb.TensorData, name: _Name) -> Any:
@@ -168,7 +170,8 @@ def _dtype(td: pb.TensorData, name: _Name) -> Any:
         found = parse_dtype(text)
     except InvalidRequest as exc:
         raise InvalidRequest(f"{_named(name)}: {exc.message}") from None
-    _DTYPES[text] = found
+    if len(_DTYPES) < _DTYPES_MAX:
+        _DTYPES[text] = found
     return found
 
 
