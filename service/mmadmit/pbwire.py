@@ -224,20 +224,24 @@ def message_and_payloads(parsed: Any) -> tuple[Any, list[memoryview] | None]:
     return parsed, None
 
 
-def ids_of(parsed: Any, msg: Any) -> np.ndarray:
-    """The request's ``tokenized.input_ids`` as int64: taken before parsing, or read
-    from ``msg`` (the message :func:`message_and_payloads` gives)."""
-    if isinstance(parsed, StrippedRequest) and parsed.ids is not None:
-        return parsed.ids
-    return np.array(msg.tokenized.input_ids, dtype=np.int64)
+def ids_of(parsed: Any) -> np.ndarray:
+    """The ``tokenized.input_ids`` of what :func:`parse_request` made, as int64: the
+    ids taken before parsing, or read from the parsed message."""
+    if isinstance(parsed, StrippedRequest):
+        if parsed.ids is not None:
+            return parsed.ids
+        parsed = parsed.msg
+    return np.array(parsed.tokenized.input_ids, dtype=np.int64)
 
 
-def unpadded_of(parsed: Any, msg: Any) -> np.ndarray | None:
-    """An ``AdmitRequest``'s ``input_ids_unpadded`` as int64, None when it has none."""
-    if isinstance(parsed, StrippedRequest) and parsed.unpadded is not None:
-        taken = parsed.unpadded
-        return taken if len(taken) else None
-    values = msg.input_ids_unpadded
+def unpadded_of(parsed: Any) -> np.ndarray | None:
+    """An ``AdmitRequest``'s ``input_ids_unpadded`` (of what :func:`parse_request`
+    made) as int64, None when it has none."""
+    if isinstance(parsed, StrippedRequest):
+        if parsed.unpadded is not None:
+            return parsed.unpadded if len(parsed.unpadded) else None
+        parsed = parsed.msg
+    values = parsed.input_ids_unpadded
     return np.array(values, dtype=np.int64) if len(values) else None
 
 

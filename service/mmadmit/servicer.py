@@ -84,7 +84,6 @@ from .model import (
     Request,
     ShmHandle,
     Tensor,
-    TensorName,
     check_shm_name,
 )
 from .pbwire import (
@@ -101,6 +100,7 @@ from .pbwire import (
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .telemetry import Telemetry
+from .tensorcheck import label
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +146,8 @@ class ServicerStats(AdmissionStats):
 
 
 # A tensor's name in a message: a string, or (item index, what) formatted only
-# when a message is (as :class:`~mmadmit.model.Tensor` takes it).
+# when a message is (tensorcheck.label, as :class:`~mmadmit.model.Tensor` takes it).
 _Name: TypeAlias = str | tuple[int, str]
-
-
-def _named(name: _Name) -> str:
-    return name if isinstance(name, str) else str(TensorName(*name))
 
 
 # A dtype name -> its DType, for the valid names seen (a finite set: the canonical
@@ -169,7 +165,7 @@ def _dtype(td: pb.TensorData, name: _Name) -> Any:
     try:
         found = parse_dtype(text)
     except InvalidRequest as exc:
-        raise InvalidRequest(f"{_named(name)}: {exc.message}") from None
+        raise InvalidRequest(f"{label(name)}: {exc.message}") from None
     if len(_DTYPES) < _DTYPES_MAX:
         _DTYPES[text] = found
     return found
@@ -189,11 +185,11 @@ def tensor_from_proto(
     kind = td.WhichOneof("payload")
     if kind is None:
         raise InvalidRequest(
-            f"{_named(what)}: TensorData carries no payload (neither inline bytes nor shm)"
+            f"{label(what)}: TensorData carries no payload (neither inline bytes nor shm)"
         )
     if kind == "remote":  # SMG's RemoteTensorHandle (NIXL and the like)
         raise Unsupported(
-            f"{_named(what)}: a remote tensor payload "
+            f"{label(what)}: a remote tensor payload "
             f"({td.remote.transport or 'unnamed transport'}) cannot be forwarded; send it "
             "inline or in shared memory"
         )
@@ -205,10 +201,10 @@ def tensor_from_proto(
         return Tensor(dtype, shape, resolve_inline(td.inline, payloads), what, limits)
     expected = math.prod(shape) * dtype.itemsize
     shm = td.shm
-    check_shm_name(shm.name, _named(what))
+    check_shm_name(shm.name, label(what))
     if shm.nbytes and shm.nbytes != expected:
         raise InvalidRequest(
-            f"{_named(what)}: shm nbytes {shm.nbytes} but shape {list(shape)} of "
+            f"{label(what)}: shm nbytes {shm.nbytes} but shape {list(shape)} of "
             f"{dtype.name} needs {expected}"
         )
     return ShmHandle(
@@ -227,7 +223,7 @@ def _inline_tensor(
     t = tensor_from_proto(td, what, payloads, limits)
     if isinstance(t, ShmHandle):
         raise InvalidRequest(
-            f"{_named(what)}: must be inline bytes (shared memory is accepted only for "
+            f"{label(what)}: must be inline bytes (shared memory is accepted only for "
             "encoder_input)"
         )
     return t
@@ -373,8 +369,8 @@ def request_from_proto(
     rid = msg.request_id
     if not rid:
         raise InvalidRequest("request_id is empty; responses are matched by request_id")
-    input_ids = ids_of(request, msg)
-    unpadded = unpadded_of(request, msg)
+    input_ids = ids_of(request)
+    unpadded = unpadded_of(request)
     mm = None
     has_mm = msg.HasField("mm_inputs")
     has_mrope = msg.HasField("mrope")

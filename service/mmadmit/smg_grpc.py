@@ -281,7 +281,7 @@ def request_from_generate(
             "encode_bootstrap_info (EPD: embeddings from an encode worker) is not carried by "
             "mmadmit; send the items' encoder inputs"
         )
-    ids = ids_of(request, msg)
+    ids = ids_of(request)
     if not len(ids):
         raise InvalidRequest("tokenized.input_ids is empty")
     mm: MultimodalInputs | None = None

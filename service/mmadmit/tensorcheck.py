@@ -104,11 +104,11 @@ def _check(t: Any) -> None:
     dtype, shape, data, name, limits = astuple(t)
     if type(dtype) is not DType:
         found = DTYPES.get(dtype) if type(dtype) is str else None
-        dtype = found if found is not None else _dtype_named(dtype, _label(name))
+        dtype = found if found is not None else _dtype_named(dtype, label(name))
         _force(t, "dtype", dtype)
     if type(shape) is not tuple:
         if not isinstance(shape, (list, tuple)):
-            raise _bad_shape(_label(name), shape)
+            raise _bad_shape(label(name), shape)
         shape = tuple(shape)
         _force(t, "shape", shape)
     if _fits(dtype.itemsize, shape, data, limits):
@@ -116,7 +116,7 @@ def _check(t: Any) -> None:
     nbytes = dtype.itemsize
     for d in shape:  # the element count, each dimension checked on the way
         if type(d) is not int or d < 0:
-            raise _bad_shape(_label(name), shape)
+            raise _bad_shape(label(name), shape)
         nbytes *= d
     if limits is not None:
         _, max_bytes, max_rank, max_dim = _limits_bounds(limits)[:4]
@@ -126,7 +126,7 @@ def _check(t: Any) -> None:
         # a dimension is at most the element count, unless another one is 0
         or (not 0 < nbytes <= max_dim and shape and max(shape) > max_dim)
     ):
-        name = _label(name)
+        name = label(name)
         check_shape(name, shape, limits)  # rank and dimensions first
         raise tensor_bytes_over(name, shape, dtype.name, nbytes, limits.max_tensor_bytes)
     size: cython.Py_ssize_t = _byte_len(data)  # -1: not a flat byte view
@@ -136,7 +136,7 @@ def _check(t: Any) -> None:
         size = data.nbytes
     if size != nbytes:
         raise InvalidRequest(
-            f"{_label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
+            f"{label(name)}: {data.nbytes} data bytes but shape {list(shape)} of "
             f"{dtype.name} needs {nbytes}"
         )
 
@@ -213,12 +213,13 @@ def _byte_view(data: Any, what: Any) -> memoryview:
     """``data`` as a flat byte view (no copy); it must be C-contiguous."""
     view = data if type(data) is _MEMORYVIEW else memoryview(data)
     if not view.c_contiguous:
-        raise InvalidRequest(f"{_label(what)}: tensor data must be C-contiguous bytes")
+        raise InvalidRequest(f"{label(what)}: tensor data must be C-contiguous bytes")
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
-def _label(name: Any) -> Any:
-    """A tensor's name for a message: an ``(item, key)`` pair as a ``TensorName``."""
+def label(name: Any) -> Any:
+    """A tensor's name for a message: an ``(item, key)`` pair as a ``TensorName``
+    (the gRPC translation words its own refusals with it too)."""
     if type(name) is tuple:
         from .model import TensorName  # a message is being made: model is loaded
 

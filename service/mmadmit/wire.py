@@ -936,7 +936,7 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
                 None
                 if shm is None
                 else {"shm_name": shm.name, "shape": list(shm.shape or ()), "dtype": shm.dtype},
-                {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()},
+                _side_field(item, writer),
                 *_ITEM_UNSET,
             ]
         )
@@ -953,8 +953,14 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
     # side tensors may live in aux frames: re-emit them through the writer so
     # indices stay valid (received frames keep theirs).
     if item.side and any(isinstance(v, Tensor) for v in item.side.values()):
-        out[6] = {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()}
+        out[6] = _side_field(item, writer)
     return _ENC.encode(out)
+
+
+def _side_field(item: Item, writer: _FrameWriter) -> dict[str, Any]:
+    """model_specific_data: its tensors written through the writer, other values as
+    they are."""
+    return {k: writer.tensor(v) if isinstance(v, Tensor) else v for k, v in item.side.items()}
 
 
 def _encode_mm(
