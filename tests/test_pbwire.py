@@ -25,6 +25,7 @@ Run with: python -m pytest tests/test_pbwire.py -q
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import TESTS_DIR, load_vector, vector_names
+from conftest import REPO_ROOT, TESTS_DIR, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from mmadmit import pbwire
@@ -48,6 +49,10 @@ from mmadmit.servicer import (
 )
 from mmadmit_client._proto import admission_pb2 as pb
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+from fuzz.targets.pbwire_target import check_take  # noqa: E402  (the fuzz target's property)
 
 IMPLS = ["native", "python"]
 
@@ -695,33 +700,6 @@ def test_min_bytes_must_be_positive() -> None:
 # ------------------------------------------------------------------------------- take_ids
 
 
-def check_take(data: bytes, unpadded: bool = True) -> bool:
-    """take_ids on ``data`` held to protobuf: the rest parses exactly when ``data``
-    does, to the same message less the ids, which are the parsed ones. Whether it took."""
-    got = pbwire.take_ids(data, unpadded)
-    if got is None:
-        return False
-    small, ids, unp = got
-    assert ids.dtype == np.int64 and ids.flags.writeable  # as np.array would make them
-    try:
-        want = pb.AdmitRequest.FromString(data)
-    except DecodeError:
-        with pytest.raises(DecodeError):
-            pb.AdmitRequest.FromString(small)
-        return True
-    rest = pb.AdmitRequest.FromString(small)
-    assert ids.tolist() == list(want.tokenized.input_ids)
-    if unpadded:
-        assert ([] if unp is None else unp.tolist()) == list(want.input_ids_unpadded)
-        del want.input_ids_unpadded[:]
-    else:
-        assert unp is None
-    if want.HasField("tokenized"):
-        del want.tokenized.input_ids[:]
-    _same(rest, want)
-    return True
-
-
 def _take_cases() -> Iterator[tuple[str, bytes]]:
     yield from REQUESTS.items()
     a = build_request("u", [1, 200, 70000, 151655, 0, 2**32 - 1])
@@ -744,7 +722,7 @@ TAKEN = {"unpadded", "merged", "unpacked and packed", "empty packed", "overlong 
 
 @pytest.mark.parametrize("label", list(TAKE_CASES))
 def test_take_ids_equals_fromstring(impl: str, label: str) -> None:
-    took = check_take(TAKE_CASES[label]) | check_take(TAKE_CASES[label], unpadded=False)
+    took = check_take(TAKE_CASES[label], True) | check_take(TAKE_CASES[label], False)
     if impl == "python":
         assert not took  # the fallback leaves the ids to upb
     elif label.startswith(("vector", "large")) or label in TAKEN:
@@ -776,12 +754,12 @@ def test_take_ids_declines_what_it_does_not_take_exactly(data: bytes) -> None:
 
 def test_take_ids_truncations_and_bit_flips(impl: str) -> None:
     data = TAKE_CASES["unpacked and packed"] + TAKE_CASES["unpadded"]
-    took = sum(check_take(data[:k]) for k in range(len(data)))
+    took = sum(check_take(data[:k], True) for k in range(len(data)))
     rng = np.random.default_rng(7)
     for k in range(len(data)):
         flipped = bytearray(data)
         flipped[k] ^= 1 << int(rng.integers(0, 8))
-        took += check_take(bytes(flipped))
+        took += check_take(bytes(flipped), True)
         _same_outcome(bytes(flipped), 1)
     assert took > len(data) // 2 or impl == "python"
 

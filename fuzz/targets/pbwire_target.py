@@ -66,30 +66,41 @@ def _within(d: Data) -> None:
     assert native is walked, f"within_limits {native}, the walk {walked} ({limits})"
 
 
-def _take(d: Data) -> None:
-    unpadded = d.flag(50)
-    data = d.rest()
-    got = pbwire._BUILT.take_ids(data, unpadded)
+def check_take(data: bytes, unpadded: bool) -> bool:
+    """``take_ids`` on ``data`` held to protobuf (also ``tests/test_pbwire.py``'s
+    check): when it takes, the rest parses exactly when ``data`` does, to the same
+    message less the ids, and the ids are the parsed ones. Whether it took."""
+    got = pbwire.take_ids(data, unpadded)
     if got is None:
-        return
+        return False
     small, ids, unp = got
+    assert ids.dtype == np.int64 and ids.flags.writeable, "ids unlike np.array's"
     whole = outcome(pb.AdmitRequest.FromString, data, errors=(DecodeError,))
     part = outcome(pb.AdmitRequest.FromString, small, errors=(DecodeError,))
     assert whole[0] == part[0], f"take_ids: the whole message {whole[0]}, the rest {part[0]}"
     if whole[0] != "ok":
-        return
+        return True
     msg, rest = whole[1], part[1]
-    assert np.frombuffer(ids, np.int64).tolist() == list(msg.tokenized.input_ids), "ids differ"
+    assert ids.tolist() == list(msg.tokenized.input_ids), "ids differ"
     if unpadded:
-        want = list(msg.input_ids_unpadded)
-        got_unp = [] if unp is None else np.frombuffer(unp, np.int64).tolist()
-        assert got_unp == want, "input_ids_unpadded differ"
+        got_unp = [] if unp is None else unp.tolist()
+        assert got_unp == list(msg.input_ids_unpadded), "input_ids_unpadded differ"
         del msg.input_ids_unpadded[:]
     else:
         assert unp is None
     if msg.HasField("tokenized"):  # (reaching into an absent one would make it present)
         del msg.tokenized.input_ids[:]
     assert rest == msg, "take_ids: the rest parses to another message"
+    same_bytes = rest.SerializeToString(deterministic=True) == msg.SerializeToString(
+        deterministic=True
+    )
+    assert same_bytes, "take_ids: the rest serializes otherwise"
+    return True
+
+
+def _take(d: Data) -> None:
+    unpadded = d.flag(50)
+    check_take(d.rest(), unpadded)
 
 
 def one(data: bytes) -> None:
