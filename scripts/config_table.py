@@ -3,7 +3,8 @@
 
 The table is made from the one configuration object (``ServeConfig``): one row
 per field with its flag, its environment variable, its default and its help
-text, exactly what ``mmadmit serve --help`` shows. The README holds it between
+text with its valid range (``config.field_help``), exactly what ``mmadmit serve
+--help`` shows. The README holds it between
 ``<!-- config-table:begin -->`` and ``<!-- config-table:end -->``::
 
     python scripts/config_table.py            # print the table
@@ -39,11 +40,11 @@ def _default(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
 
 
 def table() -> str:
-    from mmadmit.config import ServeConfig, env_name, flag_name
+    from mmadmit.config import ServeConfig, env_name, field_help, flag_name
 
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(ServeConfig):
-        meaning = str(f.metadata.get("help", "")).replace("|", "\\|")
+        meaning = field_help(f).replace("|", "\\|")
         flag = flag_name(f.name) + ("" if f.metadata.get("flag") else " VALUE")
         rows.append(f"| `{flag}` | `{env_name(f.name)}` | `{_default(f)}` | {meaning} |")
     return "\n".join(rows) + "\n"

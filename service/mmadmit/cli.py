@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"mmadmit: configuration error: {exc}", file=sys.stderr)
+        print(f"mmadmit: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 

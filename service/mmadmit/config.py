@@ -3,7 +3,10 @@
 Every setting is a field of :class:`ServeConfig` with a default, a command-line
 flag and an environment variable (``MMADMIT_`` + the flag name upper-cased with
 ``-`` as ``_``). A flag wins over the variable, the variable over the default.
-Invalid values raise :class:`ConfigError`; the CLI prints one line and exits 2.
+Invalid values raise :class:`ConfigError`; the CLI prints one line naming the
+flag (and the variable, when the value came from it) and exits 2. Every
+``--max-*`` setting has a range (:class:`IntRange`), shown in ``--help`` and the
+README's table and checked here, typed values included.
 No other module reads the environment.
 """
 
@@ -13,13 +16,14 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .limits import MAX_DEPTH, Limits
+from .limits import INT32_MAX, INT64_MAX, MAX_DEPTH, MAX_RANK, MSGPACK_MAX_LEN, Limits
 from .profile import PRESETS, ROLES, ModelProfile, Role, load_profile
 from .runtime import ARENA_MAX
 from .security import curve_from_config, grpc_tls_from_config
@@ -31,46 +35,87 @@ LogFormat = Literal["text", "json"]
 OFF = "off"
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_HUGE = 10**30  # stands for a longer number: beyond every range, not worth int()
+
+
+def _integer(text: str) -> int:
+    """A decimal integer (ASCII digits, an optional sign, surrounding blanks)."""
+    s = text.strip()
+    if not _INTEGER.fullmatch(s):
+        raise ValueError("must be an integer")
+    digits = s.lstrip("+-").lstrip("0")
+    if len(digits) > 30:
+        return -_HUGE if s.startswith("-") else _HUGE
+    return int(s)
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("must be a number") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value <= 0:
         raise ValueError("must be a positive integer")
     return value
 
 
 def _nonneg_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise ValueError("must be a non-negative integer")
     return value
 
 
 def _nonneg_float(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value >= 0:  # also rejects NaN
         raise ValueError("must be a non-negative number")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value > 0:  # also rejects NaN
         raise ValueError("must be a positive number")
     return value
 
 
-def _depth(text: str) -> int:
-    value = int(text)
-    if not 2 <= value <= MAX_DEPTH:
-        raise ValueError(f"must be 2..{MAX_DEPTH}")
-    return value
+@dataclass(frozen=True)
+class IntRange:
+    """The valid values of an integer setting, ``lo..hi``, with why a bound is where
+    it is (``low``/``high``: said in the error line); parses a flag's or variable's
+    text and checks a typed value alike."""
+
+    lo: int
+    hi: int
+    low: str = ""
+    high: str = ""
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = _integer(text)
+        except ValueError:
+            raise ValueError(f"must be an integer in {self}") from None
+        return self.check(value)
+
+    def check(self, value: int) -> int:
+        if value < self.lo:
+            raise ValueError(f"must be at least {self.lo}" + (f": {self.low}" if self.low else ""))
+        if value > self.hi:
+            raise ValueError(f"must be at most {self.hi}" + (f": {self.high}" if self.high else ""))
+        return value
+
+    def __str__(self) -> str:
+        return f"{self.lo}..{self.hi}"
 
 
-def _frames(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise ValueError("must be at least 2 (a message has a type and a payload frame)")
-    return value
+_COUNT = IntRange(1, INT32_MAX)
+_BYTES = IntRange(1, INT64_MAX)
 
 
 def _engine_index(text: str) -> int:
@@ -152,7 +197,12 @@ class ServeConfig:
         },
     )
     max_model_len: int | None = field(
-        default=None, metadata={"parse": _positive_int, "help": "reject longer prompts (TOO_LARGE)"}
+        default=None,
+        metadata={
+            "parse": IntRange(2, INT32_MAX, low="one prompt token and one to generate"),
+            "help": "the model's context length: a prompt must leave room for one token to "
+            "generate (longer: TOO_LARGE)",
+        },
     )
     grpc_listen: str = field(
         default="127.0.0.1:50051", metadata={"parse": _host_port, "help": "gRPC HOST:PORT, or off"}
@@ -263,7 +313,7 @@ class ServeConfig:
     )
     max_inflight: int = field(
         default=64,
-        metadata={"parse": _positive_int, "help": "admitted requests in flight before OVERLOADED"},
+        metadata={"parse": _COUNT, "help": "admitted requests in flight before OVERLOADED"},
     )
     inline_max_tokens: int = field(
         default=16_384,
@@ -283,40 +333,48 @@ class ServeConfig:
         },
     )
     max_tokens: int = field(
-        default=262_144, metadata={"parse": _positive_int, "help": "tokens per request"}
+        default=262_144,
+        metadata={"parse": _COUNT, "help": "tokens per request (beyond: TOO_LARGE)"},
     )
     max_items: int = field(
-        default=256, metadata={"parse": _positive_int, "help": "multimodal items per request"}
+        default=256, metadata={"parse": _COUNT, "help": "multimodal items per request"}
     )
     max_tensor_bytes: int = field(
-        default=536_870_912, metadata={"parse": _positive_int, "help": "bytes of one tensor"}
+        default=536_870_912, metadata={"parse": _BYTES, "help": "bytes of one tensor"}
     )
     max_message_bytes: int = field(
         default=1_073_741_824,
         metadata={
-            "parse": _positive_int,
-            "help": "bytes of one received message (gRPC receive limit too)",
+            "parse": _BYTES,
+            "help": "bytes of one received message (gRPC receive limit too, at most "
+            "2147483647 there)",
         },
     )
     max_tensor_rank: int = field(
-        default=8, metadata={"parse": _positive_int, "help": "dimensions of one tensor"}
+        default=8,
+        metadata={
+            "parse": IntRange(1, MAX_RANK, high="numpy's largest rank"),
+            "help": "dimensions of one tensor",
+        },
     )
     max_tensor_dim: int = field(
         default=2**31 - 1,
-        metadata={"parse": _positive_int, "help": "size of any one dimension of a tensor"},
+        metadata={"parse": _BYTES, "help": "size of any one dimension of a tensor"},
     )
     max_msgpack_depth: int = field(
         default=32,
         metadata={
-            "parse": _depth,
+            "parse": IntRange(
+                2, MAX_DEPTH, low="the payload array and its elements", high="the walk's stack"
+            ),
             "help": "ZMQ: nesting depth of a payload's msgpack, the payload array being 1 "
-            f"(2..{MAX_DEPTH}; deeper is INVALID_REQUEST)",
+            "(deeper is INVALID_REQUEST)",
         },
     )
     max_msgpack_len: int = field(
         default=65_536,
         metadata={
-            "parse": _positive_int,
+            "parse": IntRange(1, MSGPACK_MAX_LEN, high="msgpack's longest array or map"),
             "help": "elements of one msgpack array or entries of one map (ZMQ); map entries "
             "of one item and fields of one message (gRPC, messages of 64 KiB or more); token "
             "arrays excepted (--max-tokens bounds those)",
@@ -325,21 +383,21 @@ class ServeConfig:
     max_abort_ids: int = field(
         default=4096,
         metadata={
-            "parse": _positive_int,
+            "parse": IntRange(1, MSGPACK_MAX_LEN, high="msgpack's longest array"),
             "help": "ZMQ: request ids in one ABORT message (a longer one is dropped)",
         },
     )
     max_frames: int = field(
         default=1024,
         metadata={
-            "parse": _frames,
-            "help": "ZMQ: frames of one message (type, payload and aux frames; at least 2)",
+            "parse": IntRange(2, INT32_MAX, low="a message has a type and a payload frame"),
+            "help": "ZMQ: frames of one message (type, payload and aux frames)",
         },
     )
     max_peer_inflight: int | None = field(
         default=None,
         metadata={
-            "parse": _positive_int,
+            "parse": _COUNT,
             "help": "ZMQ: requests one peer may have in flight before OVERLOADED (unset: "
             "--max-inflight); set it lower when several frontends share a replica",
         },
@@ -347,7 +405,7 @@ class ServeConfig:
     max_grpc_streams: int = field(
         default=1024,
         metadata={
-            "parse": _positive_int,
+            "parse": IntRange(1, INT32_MAX, high="gRPC's options are C ints"),
             "help": "gRPC: concurrent calls, streams and unary alike (beyond: "
             "RESOURCE_EXHAUSTED), and the HTTP/2 streams one connection may open",
         },
@@ -355,7 +413,7 @@ class ServeConfig:
     max_stream_inflight: int = field(
         default=64,
         metadata={
-            "parse": _positive_int,
+            "parse": _COUNT,
             "help": "gRPC: requests of one AdmitStream awaiting their outcome; the stream "
             "reads no further request until one is answered",
         },
@@ -468,6 +526,27 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def field_help(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
+    """A field's help text, its valid range appended (what ``--help`` and the README's
+    table show)."""
+    text = str(f.metadata.get("help", ""))
+    parse = f.metadata.get("parse")
+    return f"{text}; range {parse}" if isinstance(parse, IntRange) else text
+
+
+def limit_fields() -> list[str]:
+    """The ``--max-*`` settings (each has a range: tests/test_limit_flags.py)."""
+    return [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_")]
+
+
+def _shown(raw: str) -> str:
+    """A refused value as the error line shows it: as given, or quoted when blank,
+    spaced, unprintable or long."""
+    if re.fullmatch(r"[\x21-\x7e]{1,40}", raw):
+        return raw
+    return repr(raw if len(raw) <= 40 else raw[:40] + "...")
+
+
 def add_config_arguments(
     parser: argparse.ArgumentParser, fields: Sequence[str] | None = None
 ) -> None:
@@ -475,7 +554,7 @@ def add_config_arguments(
     for f in dataclasses.fields(ServeConfig):
         if fields is not None and f.name not in fields:
             continue
-        help_text = f"{f.metadata.get('help', '')} (env {env_name(f.name)}; default {f.default})"
+        help_text = f"{field_help(f)} (env {env_name(f.name)}; default {f.default})"
         if f.metadata.get("flag"):
             parser.add_argument(
                 flag_name(f.name),
@@ -503,17 +582,21 @@ def build_config(
         raw = given.get(f.name)
         source = flag_name(f.name)
         if raw is None and env_name(f.name) in env:
-            raw, source = env[env_name(f.name)], env_name(f.name)
+            raw, source = env[env_name(f.name)], f"{env_name(f.name)} ({flag_name(f.name)})"
         if raw is None:
-            continue
-        if not isinstance(raw, str):  # already typed (programmatic use)
-            values[f.name] = raw
             continue
         parse = f.metadata.get("parse", str)
         try:
-            values[f.name] = parse(raw)
+            if not isinstance(raw, str):  # already typed (programmatic use): ranges hold
+                if isinstance(parse, IntRange) and isinstance(raw, int):
+                    parse.check(raw)
+                values[f.name] = raw
+            else:
+                values[f.name] = parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{source}={raw!r}: {exc}") from exc
+            # one line: the flag (and the variable), what is wrong, the value given
+            shown = _shown(raw) if isinstance(raw, str) else repr(raw)
+            raise ConfigError(f"{source} {exc} (got {shown})") from exc
     config = ServeConfig(**values)
     if config.zmq_forward is not None and config.zmq_listen == OFF:
         raise ConfigError("--zmq-forward needs --zmq-listen (forward mode takes requests from it)")

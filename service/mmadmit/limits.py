@@ -37,10 +37,20 @@ from .errors import InvalidRequest, TooLarge
 # walk (mmadmit.msgpack_walk.check_structure) keeps a stack for. Defined here so
 # that the configuration and the materializer load no codec (tests/test_layering.py).
 MAX_DEPTH = 1024
+# The other ceilings of the limit settings (``config.ServeConfig`` checks every
+# ``--max-*`` value against its range at start-up; CLI.md).
+MAX_RANK = 64  # numpy's largest rank (NPY_MAXDIMS): no higher one can be built
+INT32_MAX = 2**31 - 1  # counts: gRPC's options and the engines' indices are C ints
+INT64_MAX = 2**63 - 1  # byte sizes and dimensions: int64, as the native code reads them
+MSGPACK_MAX_LEN = 2**32 - 1  # msgpack's longest array or map: no higher limit bites
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "INT32_MAX",
+    "INT64_MAX",
     "MAX_DEPTH",
+    "MAX_RANK",
+    "MSGPACK_MAX_LEN",
     "Limits",
     "abort_ids_over",
     "check_shape",
