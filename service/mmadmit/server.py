@@ -109,28 +109,75 @@ class ServerHandle:
         return "mmadmit ready " + " ".join(parts)
 
 
-def warmup_request(profile: ModelProfile) -> Request:
-    """A small valid request that exercises the profile's whole path."""
-    text = np.arange(1, 9, dtype=np.int64) % profile.vocab_size
-    if not (profile.multimodal_active and profile.supports(Modality.IMAGE)):
+def warmup_request(profile: ModelProfile, within: Materializer | None = None) -> Request:
+    """The service's own first request, built *within* the limits of ``within`` (the
+    materializer that will run it: its ``--max-*`` limits, its profile's
+    ``--max-model-len``), so that no valid setting refuses it.
+
+    Why built within the limits rather than run outside them: start-up runs it
+    through the pool, on the materializer that serves every request (the pool's
+    counts, its inline path or a worker, the rules of this very profile), and that
+    materializer holds the operator's limits; a twin materializer without them would
+    leave the real one unexercised. So the request shrinks to fit and still takes the
+    profile's multimodal path: 8 text tokens, an image of 2x2 merged patches (4
+    placeholders), 8 more tokens; with fewer tokens allowed, less text and an image
+    of one merged patch (one token: ``--max-model-len 2`` or ``--max-tokens 1`` leave
+    just that); its ``image_grid_thw`` is int64 ``[[t, h, w]]``, or rank 1 (``[t, h,
+    w]``) and a narrower integer type under tight tensor limits. Only when no grid can
+    pass at all (``--max-tensor-dim`` or ``--max-tensor-bytes`` under 3, which refuses
+    every image request) is it text alone, as it is for a text-only profile: the
+    service then runs nothing but text either. ``within`` None: the default limits.
+    """
+    from .limits import DEFAULT_LIMITS
+
+    limits = within.limits if within is not None else DEFAULT_LIMITS
+    budget = limits.max_tokens
+    if profile.max_model_len is not None:
+        budget = min(budget, profile.max_model_len - 1)
+    text = np.arange(1, 1 + min(8, budget), dtype=np.int64) % profile.vocab_size
+    grid_dtype = next(
+        (dt for dt in (np.int64, np.int32, np.int16, np.int8)
+         if 3 * np.dtype(dt).itemsize <= limits.max_tensor_bytes),
+        None,
+    )  # fmt: skip
+    if (
+        not (profile.multimodal_active and profile.supports(Modality.IMAGE))
+        or grid_dtype is None
+        or limits.max_tensor_dim < 3
+    ):
         return Request(rid="mmadmit-warmup", input_ids=text)
     merge = profile.spatial_merge_size
     image_id = profile.image_token_id
     assert image_id is not None
-    start = len(text)
-    ids = np.concatenate([text, np.full(4, image_id, np.int64), text])
-    grid = Tensor.from_numpy(np.array([[1, 2 * merge, 2 * merge]], np.int64))
+    side = 2 if budget >= 4 else 1  # merged patches per side: side**2 placeholders
+    placeholders = side * side
+    before = min(8, (budget - placeholders + 1) // 2)
+    after = min(8, budget - placeholders - before)
+    ids = np.concatenate([text[:before], np.full(placeholders, image_id, np.int64), text[:after]])
+    thw = np.array([1, side * merge, side * merge], grid_dtype)
+    grid = Tensor.from_numpy(thw if limits.max_tensor_rank < 2 else thw.reshape(1, 3))
     item = Item(
         modality=int(Modality.IMAGE),
         hash=0,
-        offsets=np.array([[start, start + 3]], np.int64),
+        offsets=np.array([[before, before + placeholders - 1]], np.int64),
         side={"image_grid_thw": grid},
     )
     return Request(rid="mmadmit-warmup", input_ids=ids, mm=MultimodalInputs(items=[item]))
 
 
-def calibration_request(profile: ModelProfile, tokens: int = 32_768) -> Request:
-    """A text request big enough for the pool to learn its inline rate from."""
+def calibration_request(
+    profile: ModelProfile, tokens: int = 32_768, within: Materializer | None = None
+) -> Request:
+    """A text request big enough for the pool to learn its inline rate from: ``tokens``
+    long, or the longest ``within`` (the materializer that will time it) admits when
+    its ``--max-tokens`` or ``--max-model-len`` is shorter. A refused request would
+    be timed as a near-zero rate, which sends every later request inline; a shorter
+    one is what the service can admit at all, and the pool learns nothing from a run
+    too short to say (``pool.InlineCost.learn``), so the default rate stands."""
+    if within is not None:
+        tokens = min(tokens, within.limits.max_tokens)
+        if within.profile.max_model_len is not None:
+            tokens = min(tokens, within.profile.max_model_len - 1)
     ids = np.arange(tokens, dtype=np.int64) % max(2, min(profile.vocab_size, 30_000))
     return Request(rid="mmadmit-calibration", input_ids=ids)
 
@@ -323,11 +370,11 @@ async def start_server(
         handle.addresses["metrics"] = await metrics.start()
         handle.metrics = metrics
 
-    outcome = await pool.materialize(warmup_request(profile))
+    outcome = await pool.materialize(warmup_request(profile, pool.materializer))
     if not isinstance(outcome, Materialized):
         raise RuntimeError(f"warm-up request failed: {outcome}")
     # this machine's inline rate (pool.InlineCost) before the first request
-    pool.calibrate_inline(calibration_request(profile))
+    pool.calibrate_inline(calibration_request(profile, within=pool.materializer))
     if handle.grpc is not None and handle.link is None:
         handle.grpc.set_serving()
     return handle
