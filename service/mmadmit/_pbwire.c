@@ -20,8 +20,9 @@
  *       entry with a field other than key and value is left whole). Returns
  *       the new message and the replaced contents as memoryview slices of
  *       `data`, in wire order; None when nothing was replaced or when the
- *       bytes are not understood (truncated, malformed varint, field number
- *       0, groups or a reserved wire type).
+ *       bytes are not understood (truncated, malformed varint, a tag or a
+ *       length over 5 bytes, field number 0 or above 2**29 - 1, groups or a
+ *       reserved wire type: nothing upb refuses is ever stripped).
  *   within_limits(data, max_tokens, max_items, max_fields) -> bool
  *       `data`: a serialized mmadmit.v1.AdmitRequest (or SMG's GenerateRequest,
  *       same numbers). True when pbwire._Count's walk of the wire bytes would
@@ -41,8 +42,10 @@
  *       unpadded values (None without `unpadded` or when field 100 is absent).
  *       None when there is nothing to take, and for anything the walk does
  *       not take exactly as upb would parse it: malformed or truncated bytes,
- *       field number 0, groups or reserved wire types, a field 2, 1 or 100 of
- *       an unexpected wire type, a value above 2**32 - 1 (upb would truncate).
+ *       a tag or a length over 5 bytes (upb refuses them; the fields taken
+ *       and rewritten would lose them), field number 0 or above 2**29 - 1,
+ *       groups or reserved wire types, a field 2, 1 or 100 of an unexpected
+ *       wire type, a value above 2**32 - 1 (upb would truncate).
  *
  * Plain C API, no numpy headers: buffers come through the buffer protocol.
  */
@@ -77,13 +80,17 @@ put_varint(uint8_t *out, uint64_t v)
     return out;
 }
 
-/* Read a varint of at most 10 bytes (64 bits) from [*pos, end); 0 on failure. */
+/* Read a varint of at most `most` bytes from [*pos, end); 0 on failure. A value
+ * takes up to 10 bytes (64 bits; the walks refuse more). A tag or a length takes
+ * at most 5 (SHORT_MAX): upb calls a 6th byte corrupt even where the value is
+ * small (a non-minimal encoding of up to 5 bytes it takes). */
+#define SHORT_MAX 5
 static inline int
-get_varint(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, uint64_t *value)
+get_varint_n(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, uint64_t *value, int most)
 {
     uint64_t result = 0;
     Py_ssize_t p = *pos;
-    for (int k = 0; k < 10; k++) {
+    for (int k = 0; k < most; k++) {
         if (p >= end)
             return 0;
         uint8_t b = buf[p++];
@@ -97,6 +104,22 @@ get_varint(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, uint64_t *value)
         }
     }
     return 0;
+}
+
+#define get_varint(buf, pos, end, value) get_varint_n(buf, pos, end, value, 10)
+#define get_length(buf, pos, end, value) get_varint_n(buf, pos, end, value, SHORT_MAX)
+
+/* A field's key: 5 bytes at most and a field number in [1, 2**29 - 1], as upb
+ * takes them (it refuses any other); 0 otherwise. */
+static inline int
+get_key(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, uint64_t *number, int *wire_type)
+{
+    uint64_t key;
+    if (!get_varint_n(buf, pos, end, &key, SHORT_MAX))
+        return 0;
+    *number = key >> 3;
+    *wire_type = (int)(key & 7);
+    return *number != 0 && *number <= 0x1FFFFFFF;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -216,14 +239,11 @@ walk(walker *w, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out, Py_ssi
     *stripped = 0;
     while (pos < end) {
         Py_ssize_t field_start = pos;
-        uint64_t key, v;
-        if (!get_varint(buf, &pos, end, &key))
+        uint64_t number, v;
+        int wire_type;
+        if (!get_key(buf, &pos, end, &number, &wire_type))
             return WALK_BAIL;
         Py_ssize_t tag_end = pos;
-        uint64_t number = key >> 3;
-        int wire_type = (int)(key & 7);
-        if (number == 0 || number > 0x1FFFFFFF)
-            return WALK_BAIL;
         if (number > 2 || wire_type != 2)
             plain = 0;
         switch (wire_type) {
@@ -247,7 +267,7 @@ walk(walker *w, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out, Py_ssi
             return WALK_BAIL; /* groups and reserved wire types */
         }
         uint64_t length;
-        if (!get_varint(buf, &pos, end, &length))
+        if (!get_length(buf, &pos, end, &length))
             return WALK_BAIL;
         if (length > (uint64_t)(end - pos))
             return WALK_BAIL;
@@ -427,11 +447,11 @@ count_message(counter *c, Py_ssize_t start, Py_ssize_t end, int kind)
     long long fields = 0, entries = 0, placeholders = 0;
     Py_ssize_t pos = start;
     while (pos < end) {
-        uint64_t key, length;
-        if (!get_varint(buf, &pos, end, &key))
+        uint64_t number, length;
+        int wire_type;
+        if (!get_key(buf, &pos, end, &number, &wire_type))
             return 0;
-        int wire_type = (int)(key & 7);
-        int sub = count_kind(kind, key >> 3);
+        int sub = count_kind(kind, number);
         int bounded = sub == C_IDS || sub == C_UNPADDED || sub == C_ITEM || sub == C_ENTRY ||
                       sub == C_PLACEHOLDER;
         if (!bounded && ++fields > c->max_fields)
@@ -439,7 +459,7 @@ count_message(counter *c, Py_ssize_t start, Py_ssize_t end, int kind)
         Py_ssize_t data_start = pos;
         int packed;
         if (wire_type == 2) {
-            if (!get_varint(buf, &pos, end, &length) || length > (uint64_t)(end - pos))
+            if (!get_length(buf, &pos, end, &length) || length > (uint64_t)(end - pos))
                 return 0;
             data_start = pos;
             pos += (Py_ssize_t)length;
@@ -541,7 +561,7 @@ skip_value(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int wire_type)
         return 1;
     }
     case 2:
-        if (!get_varint(buf, pos, end, &v) || v > (uint64_t)(end - *pos))
+        if (!get_length(buf, pos, end, &v) || v > (uint64_t)(end - *pos))
             return 0;
         *pos += (Py_ssize_t)v;
         return 1;
@@ -571,7 +591,7 @@ take_values(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int wire_type, 
     if (wire_type != 2)
         return 0;
     uint64_t length;
-    if (!get_varint(buf, pos, end, &length) || length > (uint64_t)(end - *pos))
+    if (!get_length(buf, pos, end, &length) || length > (uint64_t)(end - *pos))
         return 0;
     Py_ssize_t p = *pos, stop = p + (Py_ssize_t)length;
     if (out == NULL) {
@@ -627,14 +647,11 @@ take_message(taker *t, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out)
     Py_ssize_t pos = start, size = 0;
     while (pos < end) {
         Py_ssize_t field_start = pos;
-        uint64_t key;
-        if (!get_varint(buf, &pos, end, &key))
+        uint64_t number;
+        int wire_type;
+        if (!get_key(buf, &pos, end, &number, &wire_type))
             return -1;
         Py_ssize_t tag_end = pos;
-        uint64_t number = key >> 3;
-        int wire_type = (int)(key & 7);
-        if (number == 0 || number > 0x1FFFFFFF)
-            return -1;
         if (kind == T_TOKENIZED && number == 1) {
             if (!take_values(buf, &pos, end, wire_type, t->ids, &t->n_ids))
                 return -1;
@@ -648,7 +665,7 @@ take_message(taker *t, Py_ssize_t start, Py_ssize_t end, int kind, uint8_t *out)
         }
         if (kind == T_REQUEST && number == 2) {
             uint64_t length;
-            if (wire_type != 2 || !get_varint(buf, &pos, end, &length) ||
+            if (wire_type != 2 || !get_length(buf, &pos, end, &length) ||
                 length > (uint64_t)(end - pos))
                 return -1;
             Py_ssize_t inner_start = pos;

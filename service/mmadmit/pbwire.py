@@ -17,7 +17,8 @@ Three things upb (the protobuf runtime) does slowly for our message shapes:
   and an int64 array is then made from the repeated field. :func:`take_ids`
   (C only) takes ``tokenized.input_ids`` (and ``input_ids_unpadded``) out of
   the received bytes first, at about 3 ns a value, and upb parses the rest; it
-  declines whatever it would not take exactly as upb parses it.
+  declines whatever it would not take exactly as upb parses it, and whatever upb
+  refuses in the fields it takes out or rewrites.
 * **Response side.** Filling a ``repeated uint32`` field from Python converts
   and range-checks element by element (about 75 us per 1K ids).
   :func:`packed_uint32_field` encodes an ``int64`` array as one packed field
@@ -25,13 +26,18 @@ Three things upb (the protobuf runtime) does slowly for our message shapes:
   upb parses it in C.
 
 The walker is conservative: anything it does not fully understand (a
-malformed or truncated message, groups, a reserved wire type, an over-long
-varint) makes :func:`parse_admit_request` fall back to plain
+malformed or truncated message, groups, a reserved wire type, a varint over 64
+bits) and anything upb refuses in the keys and lengths it reads (a key or a
+length over 5 bytes: upb takes non-minimal ones of up to 5, and calls a 6th
+byte "Wire format was corrupt" whatever the value; field number 0 or above
+2**29 - 1) makes :func:`parse_admit_request` fall back to plain
 ``AdmitRequest.FromString`` on the original bytes, so a message that does not
-parse fails exactly as before, with protobuf's own error. Markers carry a
-per-process random nonce, so no client-sent ``inline`` value can be mistaken
-for one (and a marker never leaves the process: echoed features are the
-resolved tensors).
+parse fails exactly as before, with protobuf's own error. (The walks rewrite
+the lengths of what they change as minimal varints: read leniently, an
+over-long one would vanish and upb would take the rewritten message.) Markers
+carry a per-process random nonce, so no client-sent ``inline`` value can be
+mistaken for one (and a marker never leaves the process: echoed features are
+the resolved tensors).
 
 Which fields are walked (every other field is skipped whole, byte-exact)::
 
@@ -314,10 +320,11 @@ def take_ids(
 
     ``None`` when there is nothing to take, when the native extension is not
     active (upb then parses the ids), and for anything the walk does not take
-    exactly as upb parses it (malformed bytes, an unexpected wire type, a value
-    above ``2**32 - 1``, which upb truncates): the caller then parses ``data``
-    whole. Parsing the returned message gives what parsing ``data`` gives, less
-    those fields.
+    exactly as upb parses it (malformed bytes, a tag or a length over 5 bytes or
+    a field number upb refuses, an unexpected wire type, a value above
+    ``2**32 - 1``, which upb truncates): the caller then parses ``data`` whole.
+    Parsing the returned message gives what parsing ``data`` gives, less those
+    fields.
     """
     if _pbwire is None:
         return None
@@ -352,7 +359,8 @@ def strip_inline_payloads(
     replaced by markers, and those payloads (views on ``data``).
 
     ``None`` when there is nothing to strip or when the walker does not
-    understand the bytes (the caller then parses ``data`` as it is).
+    understand the bytes, which includes every key and length upb refuses (the
+    caller then parses ``data`` as it is).
     """
     if min_bytes < 1:
         raise ValueError("strip_inline_payloads: min_bytes must be positive")
@@ -368,10 +376,17 @@ class _Bail(Exception):
     """The walker met something it does not handle: parse the original bytes."""
 
 
-def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
-    """The varint at ``buf[pos]`` and where it ends; :class:`_Bail` if cut or over 64 bits."""
+# upb reads a tag or a length in 5 bytes at most: a 6th is "Wire format was corrupt",
+# even in a non-minimal encoding of a small value (one of 2 to 5 bytes it takes). A
+# value varint may take 10.
+_SHORT_MAX = 5
+
+
+def _varint(buf: bytes | memoryview, pos: int, end: int, most: int = 10) -> tuple[int, int]:
+    """The varint at ``buf[pos]`` and where it ends; :class:`_Bail` if cut, over 64 bits
+    or over ``most`` bytes (:data:`_SHORT_MAX` for a length)."""
     result = shift = 0
-    for k in range(10):
+    for k in range(most):
         if pos >= end:
             raise _Bail
         b = buf[pos]
@@ -383,6 +398,16 @@ def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
             return result, pos
         shift += 7
     raise _Bail
+
+
+def _key(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    """The field number, wire type and end of the key at ``buf[pos]``; :class:`_Bail`
+    for what upb refuses: a key over 5 bytes, field number 0 or above 2**29 - 1."""
+    key, pos = _varint(buf, pos, end, _SHORT_MAX)
+    number = key >> 3
+    if number == 0 or number > 0x1FFFFFFF:
+        raise _Bail
+    return number, key & 7, pos
 
 
 # Message kinds walked, and for each: field number -> kind of its contents.
@@ -420,11 +445,8 @@ class _Walk:
         pos = start
         while pos < end:
             field_start = pos
-            key, pos = self.varint(pos, end)
+            number, wire_type, pos = _key(self.buf, pos, end)
             tag_end = pos
-            number, wire_type = key >> 3, key & 7
-            if number == 0 or number > 0x1FFFFFFF:
-                raise _Bail
             if number > 2 or wire_type != 2:
                 plain = False
             if wire_type == 0:
@@ -434,7 +456,7 @@ class _Walk:
             elif wire_type == 5:
                 pos += 4
             elif wire_type == 2:
-                length, data_start = self.varint(pos, end)
+                length, data_start = _varint(self.buf, pos, end, _SHORT_MAX)
                 pos = data_start + length
                 if pos > end:
                     raise _Bail
@@ -568,11 +590,11 @@ class _Count:
         pos = start
         while pos < end:
             key = view[pos]
-            if key < 0x80:  # every field number mmadmit reads but 100 has a 1-byte key
+            if 8 <= key < 0x80:  # every field number mmadmit reads but 100 has a 1-byte key
+                number, wire_type = key >> 3, key & 7
                 pos += 1
             else:
-                key, pos = self.varint(pos, end)
-            number, wire_type = key >> 3, key & 7
+                number, wire_type, pos = _key(view, pos, end)
             sub = schema.get(number)
             if sub not in _BOUNDED:  # a field no other limit counts
                 fields += 1
@@ -583,7 +605,7 @@ class _Count:
                 if pos < end and view[pos] < 0x80:
                     length, data_start = view[pos], pos + 1
                 else:
-                    length, data_start = self.varint(pos, end)
+                    length, data_start = _varint(view, pos, end, _SHORT_MAX)
                 pos = data_start + length
                 if pos > end:
                     raise _Bail
