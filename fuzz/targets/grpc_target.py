@@ -8,6 +8,10 @@ inline-payload stripping), ``servicer.request_from_proto``, the materializer,
 servicer sends, which must parse to the same message); once with native code on
 and once off. The two must answer the same: both refuse the bytes (protobuf's ``DecodeError``),
 or both produce byte-identical responses. No response may carry ``INTERNAL``.
+In each mode the deserializer is also held to protobuf itself
+(``pbwire_target.check_parse``): it refuses exactly the bytes
+``AdmitRequest.FromString`` refuses, with its words, and otherwise gives its
+message once the stripped payloads and taken ids are put back.
 The pre-parse count (``pbwire.check_admit_limits``) runs on every input under
 tight limits and is held to protobuf's parse of the same bytes (:func:`_counted`).
 """
@@ -25,6 +29,7 @@ from mmadmit.profile import load_profile
 from mmadmit_client._proto import admission_pb2 as pb
 
 from ._common import native_mode
+from .pbwire_target import check_parse
 
 NAME = "grpc"
 MAX_LEN = 1 << 16
@@ -108,8 +113,10 @@ def one(data: bytes) -> None:
     body = data[2:]
     _counted(body)
     with native_mode(True):
+        check_parse(body, pb.AdmitRequest, min_bytes)
         a = _admit(m, body, min_bytes)
     with native_mode(False):
+        check_parse(body, pb.AdmitRequest, min_bytes)
         b = _admit(m, body, min_bytes)
     assert a == b, "native and fallback gRPC responses differ" + (
         ""

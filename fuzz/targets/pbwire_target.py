@@ -1,11 +1,12 @@
-"""The protobuf shortcuts (``_pbwire.c``) against the Python fallback.
+"""The protobuf shortcuts (``_pbwire.c``) against the Python fallback and protobuf.
 
 First byte even: ``strip_inline_payloads`` on the rest (a would-be
 ``AdmitRequest``) with a small strip threshold, so short inputs exercise it;
-the stripped bytes and payloads must be identical, and when the stripped
-message parses, it must parse to the original message once the markers are
-resolved. 1 mod 4: ``packed_uint32_field`` on an int64 array from the rest (the
-same bytes, or the same ``ValueError`` message). 3 mod 8: ``within_limits`` on
+the stripped bytes and payloads must be identical, and held to protobuf
+(:func:`check_strip`): when it strips, the stripped message parses exactly
+when the rest does, to the same message once the markers are resolved. 1 mod
+4: ``packed_uint32_field`` on an int64 array from the rest (the same bytes, or
+the same ``ValueError`` message). 3 mod 8: ``within_limits`` on
 the rest under limits drawn from the next bytes, held to the Python walk
 (``pbwire._Count``): it passes exactly what the walk passes. 7 mod 8:
 ``take_ids`` on the rest, held to protobuf itself (it has no Python twin: the
@@ -15,6 +16,8 @@ it returns are the parsed ones.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -35,6 +38,83 @@ def _strip(d: Data) -> None:
     a = outcome(pbwire._BUILT.strip_inline, data, min_bytes, pbwire._NONCE)
     b = outcome(pbwire._strip_py, data, min_bytes)
     same(a, b, f"strip_inline(min_bytes={min_bytes})")
+    if a[0] == "ok" and a[1] is not None:
+        check_strip(data, *a[1])
+
+
+def _inline_fields(msg: Any) -> list[Any]:
+    """The TensorData fields the stripper walks, of a parsed message (present ones only:
+    reaching into an absent one would make it present)."""
+    out = []
+    if msg.HasField("mm_inputs"):
+        for item in msg.mm_inputs.items:
+            if item.HasField("encoder_input"):
+                out.append(item.encoder_input)
+            out.extend(item.model_specific_tensors.values())
+    if isinstance(msg, pb.AdmitRequest) and msg.HasField("mrope"):
+        if msg.mrope.HasField("positions"):
+            out.append(msg.mrope.positions)
+    return out
+
+
+def restored(msg: Any, payloads: list[memoryview]) -> Any:
+    """A copy of the stripped message ``msg`` with every marker replaced by its bytes."""
+    out = type(msg)()
+    out.CopyFrom(msg)
+    for td in _inline_fields(out):
+        if td.WhichOneof("payload") == "inline":
+            td.inline = bytes(pbwire.resolve_inline(td.inline, payloads))
+    return out
+
+
+def _same_message(a: Any, b: Any, what: str) -> None:
+    assert a == b, f"{what}: another message than protobuf's"
+    same_bytes = a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+    assert same_bytes, f"{what}: serializes otherwise than protobuf's"
+
+
+def check_strip(data: bytes, small: bytes, payloads: list[memoryview]) -> None:
+    """A strip of ``data`` (an ``AdmitRequest``) held to protobuf: ``small`` parses exactly
+    when ``data`` does (a string upb refuses stays in it: the walk reads no strings),
+    and then to ``data``'s message once the markers are resolved."""
+    assert payloads, "strip_inline: a result without payloads"
+    whole = outcome(pb.AdmitRequest.FromString, data, errors=(DecodeError,))
+    part = outcome(pb.AdmitRequest.FromString, small, errors=(DecodeError,))
+    assert whole[0] == part[0], f"strip_inline: the message {whole[0]}, the stripped {part[0]}"
+    if whole[0] == "ok":
+        _same_message(restored(part[1], payloads), whole[1], "strip_inline")
+
+
+def check_parse(data: bytes, message: Any, min_bytes: int) -> None:
+    """``pbwire.parse_request`` (the strip and the take, thresholds ``min_bytes``, in the
+    current native mode) held to ``message.FromString``: the same ``DecodeError``
+    text, or the same message once the payloads and ids are put back. For a message
+    other than ``AdmitRequest`` unknown fields are not compared: the walk enters field
+    101 (``AdmitRequest.mrope``) of any message, and its markers stay in that unknown
+    field, which no face reads."""
+    ref = outcome(message.FromString, data, errors=(DecodeError,))
+    got = outcome(
+        pbwire.parse_request, data, message, min_bytes, None, min_bytes, errors=(DecodeError,)
+    )
+    if got[0] != "ok" or ref[0] != "ok":
+        assert got == ref, f"parse_request {got}, protobuf {ref}"
+        return
+    parsed, want = got[1], ref[1]
+    if isinstance(parsed, pbwire.StrippedRequest):
+        msg = restored(parsed.msg, parsed.payloads)
+        if parsed.ids is not None:
+            assert not msg.tokenized.input_ids, "ids taken and left"
+            if len(parsed.ids):  # (extend([]) would make tokenized present)
+                msg.tokenized.input_ids.extend(parsed.ids.tolist())
+        if parsed.unpadded is not None:
+            assert not msg.input_ids_unpadded, "unpadded ids taken and left"
+            msg.input_ids_unpadded.extend(parsed.unpadded.tolist())
+    else:
+        msg = parsed
+    if message is not pb.AdmitRequest:
+        msg.DiscardUnknownFields()
+        want.DiscardUnknownFields()
+    _same_message(msg, want, f"parse_request({message.__name__}, min_bytes={min_bytes})")
 
 
 def _packed(d: Data) -> None:

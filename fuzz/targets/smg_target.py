@@ -9,6 +9,10 @@ once with native code on and once off. The two must answer the same: both
 refuse the bytes (protobuf's ``DecodeError``), both refuse the request with the
 same code, or both produce the same ADD. No outcome may be ``INTERNAL``, and
 every ADD must decode with the scheduler's codec (``wire.decode_message``).
+In each mode ``parse_request`` is also held to protobuf itself
+(``pbwire_target.check_parse``): it refuses exactly the bytes
+``GenerateRequest.FromString`` refuses, with its words, and otherwise gives its
+message once the stripped payloads and taken ids are put back.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from mmadmit.profile import load_profile
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 
 from ._common import native_mode
+from .pbwire_target import check_parse
 
 NAME = "smg"
 MAX_LEN = 1 << 16
@@ -68,8 +73,10 @@ def one(data: bytes) -> None:
     min_bytes = 1 + data[1] % 64
     body = data[2:]
     with native_mode(True):
+        check_parse(body, ts.GenerateRequest, min_bytes)
         a = _generate(m, body, min_bytes)
     with native_mode(False):
+        check_parse(body, ts.GenerateRequest, min_bytes)
         b = _generate(m, body, min_bytes)
     assert a == b, f"native and fallback SMG face outcomes differ:\n  {a}\n  {b}"
 
