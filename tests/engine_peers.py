@@ -560,6 +560,79 @@ async def run_scheduler(
             s.close(linger=0)
 
 
+@dataclasses.dataclass
+class SchedulerSockets:
+    """A scheduler driven by the test itself (:func:`connect_scheduler`): it reads
+    the face's requests and sends whatever outputs the test makes."""
+
+    hs: zmq.asyncio.Socket
+    inp: zmq.asyncio.Socket
+    push: zmq.asyncio.Socket
+    init: dict[str, Any]
+
+    async def recv(self) -> tuple[str, Any]:
+        """The next input message: ``("ADD", Request)``, ``("ABORT", rids)`` or
+        ``("OTHER", frames)``."""
+        frames = await self.inp.recv_multipart(copy=False)
+        kind = frames[0].bytes
+        if kind == b"\x00":
+            return "ADD", wire.decode_message(frames).request
+        if kind == b"\x01":
+            return "ABORT", msgspec.msgpack.decode(frames[1].bytes)
+        return "OTHER", frames
+
+    async def send(self, body: Any) -> None:
+        """One output: ``body`` msgpack-encoded, or as it is when bytes."""
+        data = body if isinstance(body, bytes) else _ENC.encode(body)
+        await self.push.send(data)
+
+    def close(self) -> None:
+        for s in (self.hs, self.inp, self.push):
+            s.close(linger=0)
+
+
+async def _connected(sock: zmq.asyncio.Socket, address: str) -> None:
+    """Connect ``sock`` and wait for the ZMTP handshake with its peer (from then on
+    the peer sees the connection, and its drop)."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(address)
+        await monitor.recv_multipart()
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+async def connect_scheduler(
+    ctx: zmq.asyncio.Context, handshake: str, *, engine_index: int = 0, ready: bool = True
+) -> SchedulerSockets:
+    """A scheduler's handshake, step by step: HELLO, INIT, its input and output
+    connected; with ``ready``, READY and the ready response (the face's handshake
+    completes). Without it the scheduler stops before READY, as one that dies
+    there: :meth:`SchedulerSockets.close` drops its connections."""
+    ident = identity_of(engine_index)
+    socks = [ctx.socket(kind) for kind in (zmq.DEALER, zmq.DEALER, zmq.PUSH)]
+    for sock in socks:
+        sock.setsockopt(zmq.LINGER, 0)
+    hs, inp, push = socks
+    hs.setsockopt(zmq.IDENTITY, ident)
+    inp.setsockopt(zmq.IDENTITY, ident)
+    try:
+        hs.connect(handshake)
+        await hs.send(status("HELLO"))
+        init = msgspec.msgpack.decode((await hs.recv_multipart())[-1])
+        await _connected(inp, init["addresses"]["inputs"][0])
+        await _connected(push, init["addresses"]["outputs"][0])
+        if ready:
+            await hs.send(status("READY"))
+            await inp.send(_ENC.encode(dict(READY_RESPONSE, data_parallel_rank=engine_index)))
+    except BaseException:
+        for sock in socks:
+            sock.close(linger=0)
+        raise
+    return SchedulerSockets(hs, inp, push, init)
+
+
 async def _scheduler_main(args: argparse.Namespace) -> int:
     ctx = zmq.asyncio.Context()
     save = Path(args.save) if args.save else None

@@ -47,6 +47,7 @@ from mmadmit import wire
 from mmadmit.config import build_config
 from mmadmit.errors import AbortCode, ConfigError
 from mmadmit.grpc_server import GrpcPort
+from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
@@ -122,15 +123,23 @@ async def face_env(
     workers: int = 1,
     hold: threading.Event | None = None,
     telemetry: Telemetry | None = None,
+    limits: Limits | None = None,
+    max_inflight: int = 64,
 ) -> AsyncIterator[Env]:
     profile = load_profile(str(MODEL))
 
     def before_run(req: Request) -> None:
         if hold is not None and req.rid.startswith("hold"):
             assert hold.wait(20)
+        if req.rid.startswith("boom"):
+            raise RuntimeError("a worker bug (test hook)")
 
     pool = MaterializerPool(
-        Materializer(profile), workers=workers, inline_max_tokens=0, before_run=before_run
+        Materializer(profile, limits),
+        workers=workers,
+        max_inflight=max_inflight,
+        inline_max_tokens=0,
+        before_run=before_run,
     )
     gone: list[str] = []
     face = SmgGrpcFace(
@@ -254,11 +263,54 @@ async def test_a_refused_request_never_reaches_the_scheduler() -> None:
         assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
 
 
-def test_status_table_covers_every_code() -> None:
+# SMG_GRPC.md's table, and what SMG makes of each status (HTTP 400: no retry; 429 and
+# 503: another worker is tried): a code in the wrong row changes what the client sees.
+SMG_TABLE = {
+    AbortCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,  # 400
+    AbortCode.TEXT_ONLY_MODEL: grpc.StatusCode.INVALID_ARGUMENT,  # 400
+    AbortCode.UNSUPPORTED: grpc.StatusCode.INVALID_ARGUMENT,  # 400
+    AbortCode.TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,  # 400
+    AbortCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # 429
+    AbortCode.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,  # 503
+    AbortCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,  # 504
+    AbortCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    AbortCode.INTERNAL: grpc.StatusCode.INTERNAL,  # 500
+}
+
+
+def test_status_table_is_smgs() -> None:
     assert set(STATUS_OF) == set(AbortCode)
-    assert STATUS_OF[AbortCode.OVERLOADED] is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert STATUS_OF[AbortCode.SHUTTING_DOWN] is grpc.StatusCode.UNAVAILABLE
-    assert STATUS_OF[AbortCode.INTERNAL] is grpc.StatusCode.INTERNAL
+    assert STATUS_OF == SMG_TABLE
+
+
+async def test_each_refusal_ends_with_its_table_status_through_the_face() -> None:
+    """TOO_LARGE, OVERLOADED and INTERNAL refusals through the face (the others:
+    the tests above), each with SMG_GRPC.md's status and its code first."""
+    hold = threading.Event()
+    limits = Limits(max_tokens=8)
+    async with face_env(scheduler={}, hold=hold, limits=limits, max_inflight=1) as env:
+
+        def generate(rid: str, tokens: int = 3) -> ts.GenerateRequest:
+            req = ts.GenerateRequest(request_id=rid)
+            req.tokenized.input_ids.extend(range(1, tokens + 1))
+            return req
+
+        async def refused(req: ts.GenerateRequest, code: AbortCode) -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(collect(env.stub.Generate(req)), 10)
+            assert info.value.code() is SMG_TABLE[code], info.value.details()
+            assert str(info.value.details()).startswith(f"{code.value}: ")
+
+        await refused(generate("big", tokens=9), AbortCode.TOO_LARGE)
+        await refused(generate("boom"), AbortCode.INTERNAL)
+        held = asyncio.ensure_future(collect(env.stub.Generate(generate("hold-1"))))
+        await until(lambda: "hold-1" in env.face.admissions.rids())
+        await refused(generate("over"), AbortCode.OVERLOADED)
+        hold.set()
+        (resp,) = await asyncio.wait_for(held, 10)
+        assert resp.complete.finish_reason == "stop"
+        assert [req.rid for req in env.adds()] == ["hold-1"]
+        assert env.face.stats.aborted_by_code == {"TOO_LARGE": 1, "INTERNAL": 1, "OVERLOADED": 1}
 
 
 async def test_abort_ends_the_stream_and_follows_the_add() -> None:
@@ -344,6 +396,84 @@ async def test_scheduler_death_ends_open_calls_unavailable() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await collect(env.stub.Generate(ts.GenerateRequest(request_id="late")))
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+# --------------------------------------------------------------------------- the connections
+
+
+def plain(rid: str) -> ts.GenerateRequest:
+    msg = ts.GenerateRequest(request_id=rid)
+    msg.tokenized.input_ids.extend([1, 2, 3])
+    return msg
+
+
+async def test_a_dropped_connection_after_the_handshake_is_death() -> None:
+    """The scheduler's sockets close (a crash, no ENGINE_CORE_DEAD): every open call
+    ends UNAVAILABLE promptly and on_gone fires once."""
+    async with face_env(scheduler={"delay_s": 30}) as env:
+        calls = []
+        for rid in ("d1", "d2"):
+            calls.append(asyncio.ensure_future(collect(env.stub.Generate(plain(rid)))))
+            await until(lambda rid=rid: rid in [r.rid for r in env.adds()])
+        for task in env.tasks:
+            task.cancel()  # the test scheduler closes its sockets
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(call, 5)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert len(env.gone) == 1 and env.gone[0].endswith("connection dropped")
+        assert env.face.scheduler_gone and env.face.stats.scheduler_alive == 0
+        health = await env.stub.HealthCheck(ts.HealthCheckRequest())
+        assert not health.healthy
+
+
+async def test_a_drop_before_the_handshake_is_not_death() -> None:
+    """A scheduler that connects its input and output and dies before READY, then
+    comes back: the face completes the new handshake and serves; nothing is gone."""
+    async with face_env() as env:
+        assert env.face.endpoint is not None
+        handshake = asyncio.ensure_future(env.face.handshake())
+        env.tasks.append(handshake)
+        first = await asyncio.wait_for(
+            engine_peers.connect_scheduler(env.ctx, env.face.endpoint, ready=False), 10
+        )
+        first.close()
+        await until(lambda: env.face.stats.scheduler_drops == 2)  # input and output
+        env.scheduler()  # the restarted one: a new HELLO
+        await asyncio.wait_for(handshake, 20)
+        (resp,) = await asyncio.wait_for(collect(env.stub.Generate(plain("after"))), 10)
+        assert resp.complete.finish_reason == "stop"
+        assert env.gone == [] and not env.face.scheduler_gone
+        assert (await env.stub.HealthCheck(ts.HealthCheckRequest())).healthy
+
+
+async def test_a_drop_while_stopping_is_not_death(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler goes away while the face stops (SIGTERM reaches both): no death
+    is reported (on_gone would make ``mmadmit serve`` exit 3)."""
+    async with face_env() as env:
+        face = env.face
+        assert face.endpoint is not None
+        sched, _ = await asyncio.wait_for(
+            asyncio.gather(
+                engine_peers.connect_scheduler(env.ctx, face.endpoint), face.handshake()
+            ),
+            20,
+        )
+        assert face._sender is not None
+        sender_stop = face._sender.stop
+
+        async def stop_slowly() -> None:  # the scheduler drops while the face stops
+            sched.close()
+            await until(lambda: face.stats.scheduler_drops == 2)
+            await sender_stop()
+
+        monkeypatch.setattr(face._sender, "stop", stop_slowly)
+        try:
+            await asyncio.wait_for(face.stop(), 10)
+        finally:
+            sched.close()
+        assert face.stats.scheduler_drops == 2  # seen, while stopping
+        assert env.gone == [] and not face.scheduler_gone
 
 
 async def test_health_model_info_server_info_loads_and_unimplemented() -> None:

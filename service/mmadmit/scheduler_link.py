@@ -67,6 +67,9 @@ class SchedulerStats:
 
     handshake_steps_scheduler: int = 0  # HELLO, INIT, READY, ready response
     scheduler_alive: int = 0  # 1 from the scheduler's ready response until it goes away
+    # the scheduler's input / output connections seen dropping (before its handshake,
+    # while stopping or after it: a death only in between)
+    scheduler_drops: int = 0
 
 
 def _bind_next_to(endpoint: str, suffix: str) -> str:
@@ -304,8 +307,13 @@ class SchedulerLink:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and self._scheduler_ready:
+                if event["event"] != zmq.EVENT_DISCONNECTED:
+                    continue
+                self.stats.scheduler_drops += 1
+                if self._scheduler_ready:
                     self._scheduler_died(f"its {what} connection dropped")
+                else:
+                    logger.info("engine handshake: a connection to the scheduler %s dropped", what)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
 
