@@ -304,3 +304,58 @@ def test_numpy_type_strings_stay_legal() -> None:
     for refused in (">f4", "<c8", "O", "U4"):
         with pytest.raises(Exception, match="unsupported tensor dtype"):
             parse_dtype(refused)
+
+
+# ------------------------------------ 6. keys and lengths over 5 bytes, which upb refuses
+
+
+def _wide(value: int, n: int) -> bytes:
+    """``value`` as an ``n``-byte (non-minimal) varint."""
+    return bytes(((value >> (7 * k)) & 0x7F) | (0x80 if k < n - 1 else 0) for k in range(n))
+
+
+@pytest.mark.parametrize("where", ["tokenized length", "input_ids length", "items length"])
+def test_six_byte_lengths_end_admit_and_generate_as_protobuf(where: str) -> None:
+    """Found by an independent fuzz (issue 33): upb reads a key or a length in 5 bytes at
+    most ("Wire format was corrupt" at a 6th), but ``take_ids`` and ``strip_inline`` read
+    up to 10 and rewrote what they changed as minimal varints, so the over-long length
+    vanished and upb took the rewritten message: with native code on, ``Generate``
+    answered and ``Admit`` materialized; off, both ended ``INVALID_ARGUMENT``
+    (``take_ids`` is native only; the Python stripper did the same). Both now decline
+    such bytes (or keep them, where they do not walk), and the deserializers fail
+    with protobuf's words either way."""
+    from google.protobuf.message import DecodeError
+    from mmadmit import pbwire, smg_grpc
+    from mmadmit_client._proto import admission_pb2 as pb
+    from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
+
+    def ld(number: int, payload: bytes, width: int = 0) -> bytes:
+        length = _wide(len(payload), width) if width else pbwire.encode_varint(len(payload))
+        return pbwire.encode_varint((number << 3) | 2) + length + payload
+
+    ids = b"".join(pbwire.encode_varint(v) for v in range(1000, 1600))
+    tok = ld(1, ids, 6 if where == "input_ids length" else 0)
+    td = ld(2, b"uint8") + ld(3, bytes(70_000))
+    mm = ld(1, ld(3, td), 6 if where == "items length" else 0)
+    data = ld(1, b"r") + ld(2, tok, 6 if where == "tokenized length" else 0) + ld(9, mm)
+    for message, parse in (
+        (pb.AdmitRequest, lambda b: pbwire.parse_admit_request(b, limits=DEFAULT_LIMITS)),
+        (ts.GenerateRequest, lambda b: smg_grpc.parse_generate(b, DEFAULT_LIMITS)),
+    ):
+        with pytest.raises(DecodeError) as want:
+            message.FromString(data)
+        for on in (True, False):
+            native.set_enabled(on)
+            try:
+                got = pbwire.parse_or_undecodable(parse, data)
+                # each declines, or keeps the wide length where it does not walk
+                taken = pbwire.take_ids(data, True)
+                stripped = pbwire.strip_inline_payloads(data)
+                for rest in (taken, stripped):
+                    if rest is not None:
+                        with pytest.raises(DecodeError):
+                            message.FromString(rest[0])
+            finally:
+                native.set_enabled(True)
+            assert isinstance(got, pbwire.Undecodable), (message.__name__, on)
+            assert got.message == str(want.value)

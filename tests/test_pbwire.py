@@ -37,7 +37,8 @@ from client_helpers import build_item, build_request, tensor_data
 from conftest import REPO_ROOT, TESTS_DIR, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-from mmadmit import pbwire
+from mmadmit import pbwire, smg_grpc
+from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
 from mmadmit.profile import load_profile
@@ -48,11 +49,12 @@ from mmadmit.servicer import (
     response_from_outcome,
 )
 from mmadmit_client._proto import admission_pb2 as pb
+from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-from fuzz.targets.pbwire_target import check_take  # noqa: E402  (the fuzz target's property)
+from fuzz.targets.pbwire_target import check_parse, check_take  # noqa: E402  (the targets' properties)
 
 IMPLS = ["native", "python"]
 
@@ -777,6 +779,230 @@ def test_request_from_taken_ids_equals_the_plain_parse(impl: str, name: str) -> 
     assert response_from_outcome("v", a, echo_features=True) == response_from_outcome(
         "v", b, echo_features=True
     )
+
+
+# ------------------------------------------------------- keys and lengths as upb reads them
+
+# upb (protobuf 7.x, the python package's runtime) reads a key or a length in 5 bytes
+# at most, a non-minimal encoding included (test_upb_reads_keys_and_lengths_in_5_bytes
+# pins it): a 6th byte is "Wire format was corrupt". The walks rewrite the lengths of
+# what they change (minimal varints) and take ids' keys and lengths out, so read
+# leniently, a 6-to-10-byte key or length vanished and upb took the rewritten message.
+UPB_KEY_LEN_MAX = 5
+
+
+def _wide(value: int, n: int) -> bytes:
+    """``value`` as an ``n``-byte varint (non-minimal when ``n`` is more than it needs)."""
+    assert value < 1 << (7 * n)
+    return bytes(((value >> (7 * k)) & 0x7F) | (0x80 if k < n - 1 else 0) for k in range(n))
+
+
+def _wfield(number: int, payload: bytes, key_bytes: int = 0, len_bytes: int = 0) -> bytes:
+    """A length-delimited field, its key and/or length that many bytes wide (or minimal,
+    when that is wider)."""
+    key, length = _varint((number << 3) | 2), _varint(len(payload))
+    key = _wide((number << 3) | 2, max(key_bytes, len(key)))
+    return key + _wide(len(payload), max(len_bytes, len(length))) + payload
+
+
+_IDS = b"".join(_varint(v) for v in (5, 300, 70000, 2**32 - 1))
+
+
+def _take_wide(where: str, n: int) -> bytes:
+    """A request whose key or length at ``where`` (``"<field> key"`` or ``"<field> length"``)
+    takes ``n`` bytes; the others minimal."""
+
+    def w(name: str, number: int, payload: bytes) -> bytes:
+        key = n if where == f"{name} key" else 0
+        return _wfield(number, payload, key, n if where == f"{name} length" else 0)
+
+    unpacked = _wide(0x08, max(n, 1) if where == "input_ids key, unpacked" else 1) + _varint(9)
+    tok = w("input_ids", 1, _IDS) + unpacked + w("original_text", 2, b"t")
+    return w("request_id", 1, b"r") + w("tokenized", 2, tok) + w("unpadded", 100, _IDS)
+
+
+TAKE_WIDE = [
+    f"{name} {part}"
+    for name in ("tokenized", "input_ids", "unpadded", "request_id", "original_text")
+    for part in ("key", "length")
+] + ["input_ids key, unpacked"]
+
+
+def _strip_wide(where: str, n: int) -> bytes:
+    """A request of 3 large inline payloads (an item's feature, a side tensor, the M-RoPE
+    positions) whose key or length at ``where`` takes ``n`` bytes; the others minimal."""
+
+    def w(name: str, number: int, payload: bytes) -> bytes:
+        key = n if where == f"{name} key" else 0
+        return _wfield(number, payload, key, n if where == f"{name} length" else 0)
+
+    big = bytes(range(256)) * 275  # 70,400 bytes: over STRIP_MIN_BYTES
+    td = w("dtype", 2, b"uint8") + w("inline", 3, big)
+    entry = w("map key", 1, b"k") + w("map value", 2, td)
+    item = w("encoder_input", 3, td) + w("map entry", 4, entry)
+    mrope = w("positions", 1, td)
+    return (
+        w("request_id", 1, b"r") + w("mm_inputs", 9, w("items", 1, item)) + w("mrope", 101, mrope)
+    )
+
+
+STRIP_WIDE = [
+    f"{name} {part}"
+    for name in ("mm_inputs", "items", "encoder_input", "map entry", "map key", "map value",
+                 "mrope", "positions", "dtype", "inline", "request_id")
+    for part in ("key", "length")
+]  # fmt: skip
+
+
+def _width_cases(build: Any, places: list[str]) -> list[Any]:
+    """(where, n) for every width from the minimal one (keys and lengths alike) to 10."""
+    out = []
+    for where in places:
+        minimal = build(where, 0)
+        low = next(n for n in range(1, 11) if len(build(where, n)) > len(minimal)) - 1
+        out += [pytest.param(where, n, id=f"{where}-{n}") for n in range(max(low, 1), 11)]
+    return out
+
+
+def _parses(message: Any, data: bytes) -> bool:
+    try:
+        message.FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+def test_upb_reads_keys_and_lengths_in_5_bytes() -> None:
+    """The facts the walks follow, established on protobuf's own parser: a key or a
+    length of 1 to 5 bytes, minimal or not, parses; 6 to 10 bytes do not; a value
+    varint takes 10 bytes (any 10th byte below 0x80; upb drops the bits over 64),
+    not 11; a 5-byte key above 2**32 - 1 or of field number 0 does not parse."""
+    for message in (pb.AdmitRequest, ts.GenerateRequest):
+        for n in range(1, 11):
+            upb_takes = n <= UPB_KEY_LEN_MAX
+            for where in ("tokenized key", "tokenized length", "input_ids key",
+                          "input_ids length", "input_ids key, unpacked"):  # fmt: skip
+                assert _parses(message, _take_wide(where, n)) is upb_takes, (where, n)
+            assert _parses(message, _field(50, 0, _wide(1, n)))  # a value: 10 bytes
+        for last in (1, 2, 0x7F):
+            assert _parses(message, _field(50, 0, b"\xff" * 9 + bytes([last])))
+        assert not _parses(message, _field(50, 0, b"\x81" * 10 + b"\x00"))
+        assert not _parses(message, b"\xfa\xff\xff\xff\x1f\x00")  # field 2**30 - 1: key > u32
+        assert _parses(message, b"\xfa\xff\xff\xff\x0f\x00")  # field 2**29 - 1
+        assert not _parses(message, _wide(2, 5) + b"\x00")  # field 0, length-delimited
+    for n in range(2, 11):
+        assert _parses(pb.AdmitRequest, _take_wide("unpadded key", n)) is (n <= 5)
+        assert _parses(pb.AdmitRequest, _take_wide("unpadded length", n)) is (n <= 5)
+
+
+@pytest.mark.parametrize(("where", "n"), _width_cases(_take_wide, TAKE_WIDE))
+def test_take_ids_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> None:
+    """take_ids takes a request with a 1-to-5-byte key or length anywhere, and declines
+    one of 6 to 10 bytes (which protobuf refuses); the transport's parse answers as
+    ``FromString`` either way, AdmitRequest and GenerateRequest alike."""
+    data = _take_wide(where, n)
+    upb_takes = n <= UPB_KEY_LEN_MAX
+    assert _parses(pb.AdmitRequest, data) is upb_takes
+    for unpadded in (True, False):
+        took = check_take(data, unpadded)
+        assert took is (upb_takes and impl == "native"), (unpadded, took)
+    check_parse(data, pb.AdmitRequest, 1)
+    check_parse(data, ts.GenerateRequest, 1)
+    _same_outcome(data, 1)
+
+
+COUNTED = {"request_id", "mm_inputs", "items", "encoder_input", "map entry", "mrope"}
+
+
+@pytest.mark.parametrize(("where", "n"), _width_cases(_strip_wide, STRIP_WIDE))
+def test_strip_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> None:
+    """strip_inline (C and Python) strips a request with a 1-to-5-byte key or length
+    anywhere it walks or skips, and declines one of 6 to 10 bytes (which protobuf
+    refuses); so does the limits count (``within_limits`` and ``_Count`` bail)."""
+    data = _strip_wide(where, n)
+    upb_takes = n <= UPB_KEY_LEN_MAX
+    assert _parses(pb.AdmitRequest, data) is upb_takes
+    if upb_takes:
+        assert check_strip(data, pbwire.STRIP_MIN_BYTES) == 3
+    else:
+        assert pbwire._strip_py(data, pbwire.STRIP_MIN_BYTES) is None
+        if pbwire._BUILT is not None:
+            assert pbwire._BUILT.strip_inline(data, pbwire.STRIP_MIN_BYTES, pbwire._NONCE) is None
+        assert pbwire.strip_inline_payloads(data) is None
+    _same_outcome(data, pbwire.STRIP_MIN_BYTES)
+    check_parse(data, pb.AdmitRequest, pbwire.STRIP_MIN_BYTES)
+    check_parse(data, ts.GenerateRequest, pbwire.STRIP_MIN_BYTES)
+    # the pre-parse count reads keys and lengths alike, where it walks (not in map
+    # entries, tensors or mrope)
+    counted = where.rsplit(" ", 1)[0] in COUNTED
+    count = pbwire._Count(data, DEFAULT_LIMITS)
+    try:
+        count.message(0, len(data), pbwire._C_ADMIT)
+        walked = True
+    except pbwire._Bail:
+        walked = False
+    assert walked is (upb_takes or not counted)
+    if pbwire._BUILT is not None:
+        lim = DEFAULT_LIMITS
+        ok = pbwire._BUILT.within_limits(data, lim.max_tokens, lim.max_items, lim.max_msgpack_len)
+        assert ok is walked
+    assert pbwire.check_admit_limits(data, DEFAULT_LIMITS) is None
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        _wide(0x12, 5)[:4] + b"\x10",  # field 2 in 5 bytes, the key above 2**32 - 1
+        _wide(2, 5),  # field 0, length-delimited, in 5 bytes
+    ],
+)
+def test_five_byte_keys_upb_refuses_are_declined(impl: str, key: bytes) -> None:
+    tok = _field(1, 2, _IDS)
+    for data in (key + _varint(len(tok)) + tok, _field(2, 2, key + b"\x00" + tok)):
+        assert not _parses(pb.AdmitRequest, data)
+        assert not check_take(data, True)
+        check_parse(data, pb.AdmitRequest, 1)
+        check_parse(data, ts.GenerateRequest, 1)
+    big = _strip_wide("", 1)
+    for data in (big + key + b"\x00", _field(9, 2, _field(1, 2, key + b"\x00")) + big):
+        assert not _parses(pb.AdmitRequest, data)
+        assert pbwire._strip_py(data, pbwire.STRIP_MIN_BYTES) is None
+        assert pbwire.strip_inline_payloads(data) is None
+        _same_outcome(data, pbwire.STRIP_MIN_BYTES)
+
+
+@pytest.mark.parametrize("n", [1, 5, 6, 10])
+def test_wide_lengths_end_admit_and_generate_as_protobuf(native_mode: Any, n: int) -> None:
+    """End to end through the request deserializers of ``Admit`` and SMG's ``Generate``
+    (the transport's thresholds: the ids are taken), native on and off: a 6-byte
+    length of ``tokenized`` or of its ``input_ids`` is undecodable (``INVALID_ARGUMENT``,
+    protobuf's words), a 5-byte one materializes as the minimal one does."""
+    ids = list(range(1000, 1600))  # 1.2 KB: over TAKE_MIN_BYTES
+    packed = b"".join(_varint(v) for v in ids)
+    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
+    for at in ("tokenized", "input_ids"):
+        tok = _wfield(1, packed, len_bytes=n if at == "input_ids" else 0)
+        data = _field(1, 2, b"wide") + _wfield(2, tok, len_bytes=n if at == "tokenized" else 0)
+        assert len(data) >= pbwire.TAKE_MIN_BYTES
+        admit = pbwire.parse_or_undecodable(
+            lambda b: pbwire.parse_admit_request(b, limits=DEFAULT_LIMITS), data
+        )
+        gen = pbwire.parse_or_undecodable(
+            lambda b: smg_grpc.parse_generate(b, DEFAULT_LIMITS), data
+        )
+        if n > UPB_KEY_LEN_MAX:
+            for got, message in ((admit, pb.AdmitRequest), (gen, ts.GenerateRequest)):
+                with pytest.raises(DecodeError) as info:
+                    message.FromString(data)
+                assert isinstance(got, pbwire.Undecodable) and got.message == str(info.value)
+            continue
+        assert pbwire.ids_of(admit).tolist() == ids and pbwire.ids_of(gen).tolist() == ids
+        if pbwire.HAVE_NATIVE:
+            assert isinstance(admit, pbwire.StrippedRequest) and admit.ids is not None
+        out = Materializer(profile).run(request_from_proto(admit, profile))
+        assert isinstance(out, Materialized) and out.request.input_ids.tolist() == ids
+        gen_req = smg_grpc.request_from_generate(gen, profile)
+        assert gen_req.input_ids.tolist() == ids
 
 
 # ------------------------------------------------------------------------------ zero copy
