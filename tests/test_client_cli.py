@@ -569,7 +569,7 @@ async def test_bench(transport: str, servers: Servers, tmp_path: Path) -> None:
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert 1.9 < doc["elapsed_s"] < 30 and doc["throughput_rps"] > 0
     if transport == "zmq":
-        assert doc["transport_counters"] == {"unmatched_replies": 0}
+        assert doc["transport_counters"] == {"unmatched_replies": 0, "connection_resets": 0}
     blob = png.read_bytes()
     assert blob.startswith(b"\x89PNG\r\n\x1a\n") and len(blob) > 10_000
 
