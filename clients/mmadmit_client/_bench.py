@@ -11,7 +11,10 @@ any other request sent as the same :class:`~mmadmit_client.Request` under it.
 Accounting: ``sent`` counts requests handed to the transport, ``received`` the
 outcomes that came back (materialized or aborted; an abort such as
 ``OVERLOADED`` is a result, not an error), ``errors`` what ended without an
-outcome (a timeout, a transport error), by exception type. ``sent == received``
+outcome (a timeout, a transport error), by exception type: over ZMQ a server
+that goes away mid-run ends the requests it held ``ServerUnavailable`` at once,
+and later ones find no connection within ``--timeout`` and end so too, none of
+them sent afterwards (the table's ``error: ServerUnavailable``). ``sent == received``
 is the transport keeping its promise of exactly one outcome per request; the
 report says whether it held. Latencies are per outcome, from the send to the
 outcome (the client's own decoding included).

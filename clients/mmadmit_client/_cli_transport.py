@@ -27,6 +27,11 @@ nothing answers), over ZMQ the socket monitor's first connection
 :class:`~mmadmit_client.ServerUnavailable` (the CLI's exit status 3), and so does
 a failed TLS or CURVE handshake; :func:`explain_unavailable` adds what can be
 told about why.
+
+Over ZMQ the same ``connect_timeout_s`` bounds how long each later request waits
+for a connection, so a server that goes away mid-``bench`` ends the requests it
+held ``ServerUnavailable`` at once and the ones after it within that time, none
+of them sent later (:mod:`mmadmit_client._transports.zmq`).
 """
 
 from __future__ import annotations
@@ -186,7 +191,12 @@ def _transport(target: Target, options: TransportOptions) -> AsyncTransport:
         return GrpcTransport(target.address, credentials=options.grpc_credentials())
     from ._transports.zmq import ZmqTransport
 
-    return ZmqTransport(target.address, timeout_s=options.request_timeout_s, **options.curve_keys())
+    return ZmqTransport(
+        target.address,
+        timeout_s=options.request_timeout_s,
+        connect_timeout_s=options.connect_timeout_s,
+        **options.curve_keys(),
+    )
 
 
 def grpc_client(target: Target, options: TransportOptions) -> BlockingClient:
