@@ -8,6 +8,13 @@ side refused the server's certificate, as a closed socket when the server
 refused ours), DEADLINE_EXCEEDED :class:`~mmadmit_client.RequestTimeout`,
 anything else :class:`~mmadmit_client.TransportError`.
 
+Nothing is delivered after the caller gave up: a call that is cancelled (its
+timeout, a cancelled await, :meth:`GrpcTransport.aclose`) before its channel
+has a connection is dropped from the channel's queue, never sent to a server
+that comes up later; one already sent is cancelled on the server too (an
+HTTP/2 ``RST_STREAM``). A call the client's close cut short raises
+:class:`~mmadmit_client.ClientStateError`, not ``CancelledError``.
+
 TLS: ``credentials=tls_credentials(ca="ca.pem")`` opens a TLS channel (add
 ``cert=`` and ``key=`` for a server that requires client certificates).
 
@@ -20,6 +27,7 @@ the server's default). A message over a limit fails its whole call; on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -160,6 +168,7 @@ class GrpcTransport(AsyncTransport):
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.AdmissionStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
+        self._closed = False
 
     async def open(self) -> None:
         if self.credentials is not None:
@@ -172,9 +181,23 @@ class GrpcTransport(AsyncTransport):
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close()  # cancels every call still in flight or queued
         self._channel = self._stub = self._health = None
+
+    @contextlib.contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """:func:`map_grpc_errors`, and a call that :meth:`aclose` cancelled (grpc.aio
+        raises ``CancelledError`` in its caller) as :class:`ClientStateError`."""
+        try:
+            with map_grpc_errors(what):
+                yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and (task is None or not task.cancelling()):
+                raise ClientStateError(f"{what}: the client was closed") from None
+            raise
 
     @property
     def stub(self) -> pb_grpc.AdmissionStub:
@@ -198,7 +221,7 @@ class GrpcTransport(AsyncTransport):
     ) -> Outcome:
         """Send a ready-made ``AdmitRequest`` (any content: the server judges it)."""
         stub = self.stub
-        with map_grpc_errors(f"Admit {message.request_id!r}"):
+        with self._calling(f"Admit {message.request_id!r}"):
             resp = await stub.Admit(message, timeout=timeout_s)
         return outcome_from_proto(resp)
 
@@ -223,7 +246,7 @@ class GrpcTransport(AsyncTransport):
         """Ready-made ``AdmitRequest`` messages on one ``AdmitStream`` call."""
         call = self.stub.AdmitStream(messages, timeout=timeout_s)
         try:
-            with map_grpc_errors("AdmitStream"):
+            with self._calling("AdmitStream"):
                 async for resp in call:
                     yield outcome_from_proto(resp)
         finally:
@@ -234,7 +257,7 @@ class GrpcTransport(AsyncTransport):
         stub = self.stub
         found = False
         for rid in request_ids:
-            with map_grpc_errors(f"Abort {rid!r}"):
+            with self._calling(f"Abort {rid!r}"):
                 resp = await stub.Abort(pb.AbortRequest(request_id=rid, reason=reason))
             found = found or resp.success
         return found
@@ -243,7 +266,7 @@ class GrpcTransport(AsyncTransport):
         if self._health is None:
             raise ClientStateError(f"the gRPC transport to {self.target} is not open")
         try:
-            with map_grpc_errors(f"Health.Check {service!r}"):
+            with self._calling(f"Health.Check {service!r}"):
                 resp = await self._health.Check(
                     health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
                 )
@@ -255,7 +278,7 @@ class GrpcTransport(AsyncTransport):
         return _HEALTH_NAMES.get(resp.status, str(resp.status))
 
     async def model_info(self, timeout_s: float | None = None) -> ModelInfo:
-        with map_grpc_errors("GetModelInfo"):
+        with self._calling("GetModelInfo"):
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
         return model_info_from_proto(info)
 
