@@ -326,3 +326,69 @@ async def test_text_only_model_is_counted_once_on_both_transports() -> None:
         await counted_once(
             svc, aborted("grpc", AbortCode.TEXT_ONLY_MODEL), gc.admit(image_proto("i-g"))
         )
+
+
+# --------------------------------------------------------------------------- encoding fails
+
+
+def failing_for(rid: str, real: Any) -> Any:
+    """``real`` (an encoder), raising for a materialized request ``rid``: a bug of ours
+    met after the outcome was known."""
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        named = [a for a in args if getattr(a, "rid", None) == rid or a == rid]
+        inner = [a for a in args if getattr(getattr(a, "request", None), "rid", None) == rid]
+        if named or inner:
+            raise RuntimeError("planted: the encoder failed")
+        return real(*args, **kwargs)
+
+    return encode
+
+
+@pytest.mark.parametrize("transport", ["grpc", "reply", "forward"])
+async def test_an_outcome_that_fails_to_encode_is_counted_internal_once(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ladder counts what the client receives: the request was materialized, its
+    reply could not be made, so it ends INTERNAL, counted once (never materialized)."""
+    from mmadmit import servicer, zmq_output
+
+    mode = "forward" if transport == "forward" else "reply"
+    async with (
+        downstream(mode) as (settings, pull),
+        running(workers=1, max_inflight=1, max_tokens=MAX_TOKENS, **settings) as svc,
+    ):
+        if transport == "grpc":
+            monkeypatch.setattr(
+                servicer, "encode_response", failing_for("enc", servicer.encode_response)
+            )
+            async with grpc_peer(svc) as gc:
+                resp = await counted_once(
+                    svc, aborted("grpc", AbortCode.INTERNAL), gc.admit(image_proto("enc"))
+                )
+            assert resp.WhichOneof("outcome") == "abort"
+            assert resp.abort.code == pb.INTERNAL
+            stats = svc.handle.grpc.stats
+        else:
+            add = [bytes([wire.MSG_ADD]), *wire.encode_request(small_request("enc"))]
+            name = "encode_materialized" if mode == "reply" else "encode_request"
+            monkeypatch.setattr(zmq_output.wire, name, failing_for("enc", getattr(wire, name)))
+            async with zmq_peer(svc, pull) as peer:
+
+                async def admit() -> list[zmq.Frame]:
+                    await peer.send(add)
+                    return await peer.outcome()
+
+                frames = await counted_once(svc, aborted("zmq", AbortCode.INTERNAL), admit())
+            monkeypatch.undo()
+            if mode == "reply":
+                assert frames[0].bytes == bytes([wire.STATUS_ABORTED])
+                body = msgspec.msgpack.decode(frames[1].bytes)
+                assert "INTERNAL" in repr(body)
+            else:
+                req = wire.decode_message(frames).request
+                assert req is not None and req.validation_error is not None
+                assert "INTERNAL" in str(req.validation_error)
+            stats = svc.handle.zmq.stats
+        assert stats.materialized == 0
+        assert stats.aborted_by_code == {"INTERNAL": 1}

@@ -237,6 +237,38 @@ async def test_stream_chunks_then_complete_and_the_envelope() -> None:
         assert sampling[26] == ["ab", "\n"] and sampling[27] == 2 and sampling[28] is True
 
 
+async def test_an_add_that_fails_to_encode_ends_internal_counted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request materialized but its ADD could not be made (a bug of ours): the call
+    ends INTERNAL, the scheduler never sees it, and it is counted INTERNAL once, never
+    materialized (the ladder counts only once the outcome is encoded)."""
+    from mmadmit import smg_grpc
+
+    real = smg_grpc.wire.encode_request
+
+    def encode(req: Request, *args: Any, **kwargs: Any) -> Any:
+        if req.rid == "enc":
+            raise RuntimeError("planted: the ADD encoder failed")
+        return real(req, *args, **kwargs)
+
+    async with face_env(scheduler={}) as env:
+        monkeypatch.setattr(smg_grpc.wire, "encode_request", encode)
+        msg = ts.GenerateRequest(request_id="enc")
+        msg.tokenized.input_ids.extend([1, 2, 3])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(msg))
+        assert info.value.code() is grpc.StatusCode.INTERNAL
+        assert info.value.details().startswith("INTERNAL: ")
+        ok = ts.GenerateRequest(request_id="ok")
+        ok.tokenized.input_ids.extend([1, 2, 3])
+        (resp,) = await collect(env.stub.Generate(ok))
+        assert resp.complete.finish_reason == "stop"
+        assert [req.rid for req in env.adds()] == ["ok"]
+        stats = env.face.stats
+        assert stats.materialized == 1 and stats.aborted_by_code == {"INTERNAL": 1}
+
+
 async def test_a_refused_request_never_reaches_the_scheduler() -> None:
     async with face_env(scheduler={}) as env:
         msg, _ = vector_generate("qwen3_5_image1", "bad")

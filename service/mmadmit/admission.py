@@ -13,6 +13,16 @@ between is the same on every face, and lives here once
   pool (which may refuse ``OVERLOADED`` / ``SHUTTING_DOWN`` itself, or
   materialize a small request at once: such a ticket is never registered);
 * **cancel**: by key, with the code that says why;
+* **the ladder** (submit, await, release, encode, count), written once:
+  :meth:`Admissions.admit` for a transport that awaits each request, or its
+  two halves :meth:`Admissions.wait` and :meth:`Admissions.finish` for one
+  that answers a small request from its reader callback (ZMQ). A transport
+  hands in ``encode(outcome)``, which makes its reply; the outcome is counted
+  only after that succeeded, so the count is of what the client receives: an
+  encoder that raises turns the outcome into ``INTERNAL`` (our bug), one that
+  raises an :class:`~mmadmit.errors.AdmissionError` into that error's code
+  (e.g. the scheduler went away meanwhile), and a call cancelled while
+  waiting is counted ``CANCELLED``;
 * **outcome counting**: :meth:`Admissions.observe` counts every terminal
   outcome of the transport once (:class:`AdmissionStats`, the transport's
   ``materialized`` / ``aborted_by_code``), and that count is the only one:
@@ -28,15 +38,39 @@ Non-goals: decoding, encoding and delivery (the transports), materializing
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import asyncio
+import logging
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from .errors import Abort, AbortCode, InvalidRequest, Overloaded, ShuttingDown
+from .errors import (
+    Abort,
+    AbortCode,
+    AdmissionError,
+    InvalidRequest,
+    Overloaded,
+    ShuttingDown,
+    abort_from_exception,
+)
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
 from .telemetry import Telemetry
 
+logger = logging.getLogger(__name__)
+
+# At shutdown an intake (a ZMQ socket, a gRPC port) stays open, answering
+# SHUTTING_DOWN, until nothing has arrived for INTAKE_QUIET_S: neither libzmq
+# nor gRPC can say whether a peer's message is still on its way, so silence is
+# the only sign. A peer that never falls silent holds it for INTAKE_MAX_S at most.
+INTAKE_QUIET_S = 0.2
+INTAKE_MAX_S = 5.0
+
 Key = tuple[Hashable, str]  # (peer, rid)
+Outcome = Materialized | Abort
+T = TypeVar("T")
+Encode = Callable[[Outcome], T]  # a transport's reply for one outcome
+CALL_GONE = "the call went away"
 
 
 @dataclass
@@ -153,6 +187,81 @@ class Admissions:
         ticket = self._inflight.get(key)
         return ticket is not None and ticket.cancel(code, message)
 
+    # ------------------------------------------------------------------ the ladder
+
+    async def admit(
+        self,
+        key: Key,
+        request: Request,
+        encode: Encode[T],
+        t0: float,
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """Submit, await, release, encode and count one request: its reply.
+
+        Refusals at submit are outcomes like any other (encoded, counted). If
+        the awaiting task is cancelled (the call went away) the ticket is
+        cancelled with it, the request is counted ``CANCELLED`` and
+        ``CancelledError`` propagates.
+        """
+        rid = key[1]
+        try:
+            ticket = self.submit(key, request, timeout_s=timeout_s)
+        except AdmissionError as exc:
+            return self.finish(rid, request, exc.to_abort(), t0, encode)
+        if ticket.done:  # materialized at once, never registered
+            return self.finish(rid, request, ticket.result(), t0, encode)
+        try:
+            outcome = await self.wait(key, ticket)
+        except asyncio.CancelledError:
+            self.observe(rid, request, Abort(AbortCode.CANCELLED, CALL_GONE), t0)
+            raise
+        return self.finish(rid, request, outcome, t0, encode)
+
+    async def wait(self, key: Key, ticket: Ticket) -> Outcome:
+        """A registered ticket's outcome; ``key`` is released however the wait ends
+        (a cancelled wait cancels the ticket and raises ``CancelledError``)."""
+        try:
+            return await ticket.outcome()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the pool never raises here; a bug must still end
+            logger.exception("rid=%s: waiting for the outcome failed", key[1])
+            return abort_from_exception(exc)
+        finally:
+            self.release(key, ticket)
+
+    def finish(
+        self,
+        rid: str,
+        request: Request | None,
+        outcome: Outcome,
+        t0: float,
+        encode: Encode[T],
+        encode_failed: Encode[T] | None = None,
+    ) -> T:
+        """Encode ``outcome`` into the transport's reply, then count what was encoded.
+
+        ``encode`` raising :class:`~mmadmit.errors.AdmissionError` replaces the
+        outcome with that refusal (encoded by ``encode``); raising anything
+        else is a bug of ours: logged, and the request ends ``INTERNAL``,
+        encoded by ``encode_failed`` (default ``encode``; a transport whose
+        encoder reads the request gives one that does not). Exactly one
+        :meth:`observe` per call, after the reply exists.
+        """
+        try:
+            reply = encode(outcome)
+        except AdmissionError as exc:
+            outcome = exc.to_abort()
+            reply = encode(outcome)
+        except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer, counted once
+            logger.exception("rid=%s: encoding the outcome failed", rid)
+            outcome = abort_from_exception(exc)
+            reply = (encode_failed or encode)(outcome)
+        self.observe(rid, request, outcome, t0)
+        return reply
+
     # ------------------------------------------------------------------ outcomes
 
     def observe(
@@ -165,4 +274,42 @@ class Admissions:
             self.telemetry.outcome(self.transport, rid, request, outcome, t0)
 
 
-__all__ = ["AdmissionStats", "Admissions", "Key"]
+async def until_quiet(
+    activity: Callable[[], int],
+    until: float,
+    *,
+    quiet_s: float = INTAKE_QUIET_S,
+    waiting: Callable[[], bool] | None = None,
+) -> bool:
+    """Wait until ``activity()`` (a count of arrivals) has not moved for ``quiet_s``
+    and ``waiting()`` (input queued unread) is false, or until ``until`` (loop time).
+
+    True once quiet; False at ``until``. The intake keeps answering meanwhile:
+    nothing is read here.
+    """
+    loop = asyncio.get_running_loop()
+    seen = activity()
+    last = loop.time()
+    while (now := loop.time()) < until:
+        count = activity()
+        if count != seen:
+            seen, last = count, now
+        elif waiting is not None and waiting():
+            last = now
+        elif now - last >= quiet_s:
+            return True
+        await asyncio.sleep(min(quiet_s / 4, max(0.0, until - now)))
+    return False
+
+
+__all__ = [
+    "CALL_GONE",
+    "INTAKE_MAX_S",
+    "INTAKE_QUIET_S",
+    "until_quiet",
+    "AdmissionStats",
+    "Admissions",
+    "Encode",
+    "Key",
+    "Outcome",
+]

@@ -53,7 +53,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -137,7 +137,6 @@ class ServicerStats(AdmissionStats):
     streams: int = 0  # AdmitStream calls opened
     calls_cancelled: int = 0  # requests whose call was cancelled or expired: nothing sent
     aborts_requested: int = 0  # Abort RPCs that cancelled a request
-    internal_errors: int = 0  # unexpected exceptions answered INTERNAL
     received_bytes: int = 0  # bytes of AdmitRequest messages received
     sent_bytes: int = 0  # bytes of AdmitResponse messages serialized for sending
 
@@ -642,55 +641,46 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
 
         ``request``: what the request deserializer made (``pbwire.parse_admit_request``).
         """
-        if isinstance(request, RefusedRequest):  # a limit, decided before protobuf parsed it
-            t0 = time.perf_counter()
-            self.stats.requests += 1
-            abort = Abort(request.code, request.message)
-            logger.debug("rid=%s: refused from its bytes: %s", request.request_id, abort.message)
-            self.admissions.observe(request.request_id, None, abort, t0)
-            return abort_response(request.request_id, abort)
-        msg = message_and_payloads(request)[0]
         t0 = time.perf_counter()
-        rid = msg.request_id
         self.stats.requests += 1
-        req: Request | None = None
         admissions = self.admissions
+        if isinstance(request, RefusedRequest):  # a limit, decided before protobuf parsed it
+            rid = request.request_id
+            abort = Abort(request.code, request.message)
+            logger.debug("rid=%s: refused from its bytes: %s", rid, abort.message)
+            return admissions.finish(rid, None, abort, t0, self._encoder(rid, False))
+        msg = message_and_payloads(request)[0]
+        rid = msg.request_id
+        encode = self._encoder(rid, msg.echo_features)
         try:
             req = request_from_proto(request, self._profile, self.limits)
-            key = (b"", rid)
-            timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
-            # InvalidRequest (a duplicate id) / Overloaded / ShuttingDown
-            ticket = admissions.submit(key, req, timeout_s=timeout_s)
-            try:
-                outcome = await ticket.outcome()  # cancels the ticket if this task is cancelled
-            finally:
-                admissions.release(key, ticket)
-            if isinstance(outcome, Abort):
-                logger.debug("rid=%s: aborted %s: %s", rid, outcome.code.value, outcome.message)
-            else:
-                logger.debug("rid=%s: materialized (%s)", rid, outcome.rule.value)
-            response = encode_response(rid, outcome, echo_features=msg.echo_features)
-            admissions.observe(rid, req, outcome, t0)
-            return response
         except AdmissionError as exc:
-            logger.debug("rid=%s: aborted %s: %s", rid, exc.code.value, exc.message)
-            abort = exc.to_abort()
-            admissions.observe(rid, req, abort, t0)
-            return abort_response(rid, abort)
-        except grpc.aio.AbortError:
-            raise  # the call was already ended with a status; never wrap it again
+            logger.debug("rid=%s: refused %s: %s", rid, exc.code.value, exc.message)
+            return admissions.finish(rid, None, exc.to_abort(), t0, encode)
+        except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
+            logger.exception("rid=%s: unexpected error while translating", rid)
+            return admissions.finish(rid, None, abort_from_exception(exc), t0, encode)
+        timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
+        try:
+            return await admissions.admit((b"", rid), req, encode, t0, timeout_s=timeout_s)
         except asyncio.CancelledError:
-            # The client cancelled or its deadline passed: it can receive nothing more.
+            # The client cancelled or its deadline passed: it can receive nothing more
+            # (counted CANCELLED by the ladder).
             self.stats.calls_cancelled += 1
             logger.info("rid=%s: call cancelled or past its deadline; its work is cancelled", rid)
-            admissions.observe(rid, req, Abort(AbortCode.CANCELLED, "the call went away"), t0)
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
-            self.stats.internal_errors += 1
-            logger.exception("rid=%s: unexpected error while admitting", rid)
-            abort = abort_from_exception(exc)
-            admissions.observe(rid, req, abort, t0)
-            return abort_response(rid, abort)
+
+    def _encoder(self, rid: str, echo_features: bool) -> Callable[[Materialized | Abort], Response]:
+        """The ladder's ``encode``: one outcome to its response bytes."""
+
+        def encode(outcome: Materialized | Abort) -> Response:
+            if isinstance(outcome, Abort):
+                logger.debug("rid=%s: aborted %s: %s", rid, outcome.code.value, outcome.message)
+                return abort_response(rid, outcome)
+            logger.debug("rid=%s: materialized (%s)", rid, outcome.rule.value)
+            return encode_response(rid, outcome, echo_features=echo_features)
+
+        return encode
 
     # ------------------------------------------------------------------ RPCs
 

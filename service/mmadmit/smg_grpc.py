@@ -77,6 +77,7 @@ from .errors import (
     AbortCode,
     AdmissionError,
     InvalidRequest,
+    ShuttingDown,
     Unsupported,
     abort_from_exception,
 )
@@ -860,41 +861,28 @@ class SmgGrpcFace(SchedulerLink):
             )
             await self._refuse(context, rid, None, Abort(AbortCode.SHUTTING_DOWN, why), t0)
             return
-        key = (b"", rid)
         req: Request | None = None
         try:
             req = request_from_generate(request, self.profile, self.limits)
             if rid in self._calls:  # forwarded, still generating
                 raise self.admissions.duplicate(rid)
-            outcome = await self._admit(key, req)
         except AdmissionError as exc:
             await self._refuse(context, rid, req, exc.to_abort(), t0)
             return
-        except asyncio.CancelledError:
-            self.stats.calls_cancelled += 1
-            self.admissions.observe(rid, req, Abort(AbortCode.CANCELLED, "the call went away"), t0)
-            raise
         except Exception as exc:  # noqa: BLE001 - a bug must still end the call with a status
-            logger.exception("rid=%s: unexpected error while admitting", rid)
+            logger.exception("rid=%s: unexpected error while translating", rid)
             await self._refuse(context, rid, req, abort_from_exception(exc), t0)
             return
-        if not isinstance(outcome, Materialized):
-            await self._refuse(context, rid, req, outcome, t0)
-            return
-        # No await since the admission check: a twin of this rid was refused there.
-        if not self.ready:  # the scheduler went while this request materialized
-            abort = Abort(AbortCode.SHUTTING_DOWN, "the scheduler went away")
-            await self._refuse(context, rid, req, abort, t0)
-            return
-        self.admissions.observe(rid, req, outcome, t0)
         try:
-            frames = [_ADD, *wire.encode_request(outcome.request)]
-        except Exception as exc:  # noqa: BLE001 - an encoding bug still ends the call
-            logger.exception("rid=%s: encoding the ADD failed", rid)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, _status_message(abort_from_exception(exc))
-            )
+            frames = await self.admissions.admit((b"", rid), req, self._add_frames, t0)
+        except asyncio.CancelledError:
+            self.stats.calls_cancelled += 1
+            raise
+        if isinstance(frames, Abort):
+            await self._end(context, rid, frames)
             return
+        # No await since the outcome was encoded: a twin of this rid was refused at
+        # submit, and the scheduler was there (see _add_frames).
         call = self._calls[rid] = _Call(msg.stream)
         self.stats.open_calls = len(self._calls)
         self.stats.adds_sent += 1
@@ -914,16 +902,14 @@ class SmgGrpcFace(SchedulerLink):
                 del self._calls[rid]
             self.stats.open_calls = len(self._calls)
 
-    async def _admit(self, key: Key, req: Request) -> Materialized | Abort:
-        """Materialize through the shared pool (a cancelled call cancels the ticket);
-        raises the ``AdmissionError`` that refuses the request."""
-        ticket = self.admissions.submit(key, req)
-        if ticket.done:  # materialized at once, never registered
-            return ticket.result()
-        try:
-            return await ticket.outcome()
-        finally:
-            self.admissions.release(key, ticket)
+    def _add_frames(self, outcome: Materialized | Abort) -> list[Any] | Abort:
+        """The ladder's ``encode``: the scheduler's ADD for a materialized request
+        (an abort stays itself, for :meth:`_end`)."""
+        if isinstance(outcome, Abort):
+            return outcome
+        if not self.ready:  # the scheduler went while this request materialized
+            raise ShuttingDown("the scheduler went away")
+        return [_ADD, *wire.encode_request(outcome.request)]
 
     async def _responses(
         self, rid: str, call: _Call, context: grpc.aio.ServicerContext
@@ -1010,9 +996,12 @@ class SmgGrpcFace(SchedulerLink):
         abort: Abort,
         t0: float,
     ) -> None:
-        """End a call that never reached the scheduler (counted once, as its outcome:
+        """End a call that never reached the pool (counted once, as its outcome:
         ``requests_total{transport="smg_grpc",outcome="aborted"}``)."""
-        self.admissions.observe(rid, req, abort, t0)
+        await self._end(context, rid, self.admissions.finish(rid, req, abort, t0, _same))
+
+    async def _end(self, context: grpc.aio.ServicerContext, rid: str, abort: Abort) -> None:
+        """End a call with the status of its (counted) abort."""
         logger.debug("rid=%s: refused %s: %s", rid, abort.code.value, abort.message)
         await context.abort(STATUS_OF[abort.code], _status_message(abort))
 
@@ -1224,6 +1213,12 @@ def _reason_text(reason: Any) -> str:
         reason = reason.get("type", "stop")
     text = str(reason)
     return text if text in ("stop", "length", "abort") else "stop"
+
+
+def _same(outcome: Materialized | Abort) -> Abort:
+    """``_refuse``'s ``encode``: the call ends with the abort's own status."""
+    assert isinstance(outcome, Abort)
+    return outcome
 
 
 def _ignore(msg: list[Any]) -> None:
