@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +39,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from mmadmit_client._proto import admission_pb2
 
+from .admission import until_quiet
 from .pbwire import (
     RefusedRequest,
     StrippedRequest,
@@ -161,10 +162,14 @@ class GrpcPort:
         extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
         credentials: grpc.ServerCredentials | None = None,
         security: str = "plaintext",
+        activity: Callable[[], int] | None = None,
     ) -> None:
         if max_streams is not None and max_streams < 1:
             raise ValueError("max_streams must be positive")
         self.services = dict(services)
+        # A count of the requests received (calls, stream messages): quiesce()
+        # waits until it stops moving.
+        self.activity = activity
         self.max_streams = max_streams
         self.health = health_aio.HealthServicer()
         self.listen = listen
@@ -194,7 +199,9 @@ class GrpcPort:
             raise ValueError(f"listen address must be HOST:PORT, got {self.listen!r}")
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            # Replies are not held to the receive limit: a materialized reply
+            # (positions, echoed features) is often larger than its request.
+            ("grpc.max_send_message_length", -1),
             # Refuse a port another process already serves instead of sharing it.
             ("grpc.so_reuseport", 0),
         ]
@@ -261,6 +268,15 @@ class GrpcPort:
         """Health NOT_SERVING for every service, for good (the server is draining)."""
         return self._schedule(self.health.enter_graceful_shutdown())
 
+    async def quiesce(self, until: float) -> None:
+        """Shutdown: keep serving (every new request is answered ``SHUTTING_DOWN``)
+        until none has arrived for :data:`~mmadmit.admission.INTAKE_QUIET_S`, or
+        ``until`` (loop time). A call that arrives after :meth:`stop` is refused by
+        gRPC itself (``UNAVAILABLE``); one caught mid-way by it would end ``CANCELLED``."""
+        if self.activity is not None and self._server is not None and not self._stopped:
+            if not await until_quiet(self.activity, until):
+                logger.warning("[shutdown] gRPC on %s still receiving; stopping it", self.address)
+
     async def stop(self, grace_s: float | None) -> None:
         """Stop accepting calls; let running calls finish for ``grace_s`` seconds (idempotent)."""
         if self._server is None or self._stopped:
@@ -292,11 +308,13 @@ class GrpcServer(GrpcPort):
         self.servicer = AdmissionServicer(
             pool, profile, telemetry, max_stream_inflight=max_stream_inflight
         )
+        stats = self.servicer.stats
         super().__init__(
             {ADMISSION_SERVICE: admission_handlers(self.servicer)},
             listen=listen,
             max_message_bytes=max_message_bytes,
             max_streams=max_streams,
+            activity=lambda: stats.requests,
             extra_handlers=extra_handlers,
             credentials=credentials,
             security=security,

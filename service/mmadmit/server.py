@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from . import native, security
+from .admission import INTAKE_MAX_S
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
@@ -339,6 +340,7 @@ async def start_server(
             max_streams=config.max_grpc_streams,
             credentials=tls.server_credentials() if tls is not None else None,
             security=("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
+            activity=lambda: face.stats.generate_calls,
         )
         stack.push_async_callback(port.stop, 0.0)
         handle.addresses["smg-grpc"] = await port.start()
@@ -463,12 +465,11 @@ async def shutdown(handle: ServerHandle) -> None:
         if handle.smg.ready:
             await handle.smg.drain(deadline)  # outputs flow until forwarded work finished
         await handle.smg.stop()  # the calls still open end UNAVAILABLE
-    if handle.smg_port is not None:
-        await handle.smg_port.stop(1.0)
-    if handle.zmq is not None:
-        await handle.zmq.stop(config.drain_timeout)
-    if handle.grpc is not None:
-        await handle.grpc.stop(1.0)
+    # Each intake answers SHUTTING_DOWN until nothing more arrives, then closes.
+    await asyncio.gather(
+        *(_close_port(port, deadline) for port in (handle.smg_port, handle.grpc) if port),
+        *([handle.zmq.stop(config.drain_timeout)] if handle.zmq is not None else []),
+    )
     stats = handle.pool.stats
     logger.info(
         "[shutdown] done: %d admitted, %d ended SHUTTING_DOWN by the drain deadline",
@@ -476,6 +477,12 @@ async def shutdown(handle: ServerHandle) -> None:
         stats.shutdown_aborted,
         extra=fields("stopped", admitted=stats.admitted, shutdown_aborted=stats.shutdown_aborted),
     )
+
+
+async def _close_port(port: Any, deadline: float) -> None:
+    """A gRPC port at shutdown: serve until quiet, then stop (running calls get 1 s)."""
+    await port.quiesce(max(deadline, asyncio.get_running_loop().time()) + INTAKE_MAX_S)
+    await port.stop(1.0)
 
 
 async def serve(

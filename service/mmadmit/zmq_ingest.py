@@ -116,7 +116,7 @@ import zmq
 import zmq.asyncio
 
 from . import wire
-from .admission import Admissions, AdmissionStats
+from .admission import INTAKE_MAX_S, INTAKE_QUIET_S, Admissions, AdmissionStats, until_quiet
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, abort_from_exception
 from .limits import DEFAULT_LIMITS, Limits
 from .model import Materialized, Request
@@ -128,9 +128,11 @@ from .zsock import WATCHDOG_S, CutMessage, Slot, SocketReader, sizes
 
 logger = logging.getLogger(__name__)
 
-# Messages still queued in the ROUTER when stop() runs are answered
-# SHUTTING_DOWN; at most this many, so a peer that keeps sending cannot hold
-# stop() forever.
+# Replies handed to libzmq before close get at least this long to leave
+# (LINGER), even past the drain deadline.
+CLOSE_LINGER_MIN_S = 1.0
+# What is still queued in the ROUTER after the reader stopped is answered
+# SHUTTING_DOWN; at most this many, so the last sweep is bounded.
 _FINAL_SWEEP_MAX = 10_000
 
 
@@ -250,7 +252,8 @@ class ZmqIngest:
     that tests see a lost wake-up as a stall); ``transport`` names the outcomes
     in telemetry; ``stats`` may be a subclass of :class:`ZmqIngestStats` its
     owner extends (engine mode); ``curve`` makes the ROUTER a CURVE server
-    (``start()`` only; adopted sockets are the adopter's).
+    (``start()`` only; adopted sockets are the adopter's); ``quiet_s``: how
+    long intake must be silent before :meth:`stop` closes it.
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class ZmqIngest:
         transport: str = "zmq",
         stats: ZmqIngestStats | None = None,
         curve: CurveServer | None = None,
+        quiet_s: float = INTAKE_QUIET_S,
     ) -> None:
         if max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
@@ -306,6 +310,7 @@ class ZmqIngest:
         self._answered = False  # the message being handled got its outcome path
         self._watchdog_s = watchdog_s
         self._curve = curve
+        self._quiet_s = quiet_s
 
     @property
     def mode(self) -> str:
@@ -415,19 +420,26 @@ class ZmqIngest:
         reader.start()
 
     async def stop(self, linger_s: float) -> None:
-        """Stop intake, finish or abandon outputs within ``linger_s``, close sockets.
+        """Answer what still arrives, finish outputs within ``linger_s``, close sockets.
 
-        Idempotent; concurrent callers wait for the same shutdown. Steps:
+        Idempotent; concurrent callers wait for the same shutdown. Every message
+        that reaches the socket before it closes gets its one outcome. Steps:
 
-        1. stop the receive loop (cancellation-safe, see module docstring), then
-           answer what is still queued in the ROUTER ``SHUTTING_DOWN``;
+        1. new ADDs are answered ``SHUTTING_DOWN``; the reader keeps reading;
         2. wait up to ``linger_s`` for completion and reply tasks (after
            ``pool.drain()`` every ticket has its outcome, so these only send);
            cancel the rest, counting them undeliverable;
-        3. let the output flush until the deadline (forward mode: the FIFO; what
-           is left is counted undeliverable); a forward socket lingers for the
-           rest of ``linger_s`` (messages inside libzmq by then are its to deliver);
-        4. close the sockets, terminate an owned context.
+        3. keep reading until intake has been quiet for ``quiet_s``
+           (:data:`INTAKE_QUIET_S`) with no task left, or :data:`INTAKE_MAX_S`
+           past ``linger_s``; then stop the reader and answer what is queued;
+        4. let the output flush until the deadline (forward mode: the FIFO; what
+           is left is counted undeliverable);
+        5. close the sockets with a linger of what is left of ``linger_s``, at
+           least :data:`CLOSE_LINGER_MIN_S` (replies handed to libzmq leave),
+           terminate an owned context.
+
+        A message a peer sends after the close stays in the peer's queue: ZMQ
+        delivers it to whichever server binds the address next.
         """
         if self._stop_task is None:
             self._stop_task = asyncio.ensure_future(self._stop(max(0.0, linger_s)))
@@ -440,9 +452,25 @@ class ZmqIngest:
         res = self._res
         if not self._finalizer.alive:  # never started, or start() failed: released
             return
+        await self._finish_tasks(deadline, linger_s)
+        await self._until_quiet(deadline + INTAKE_MAX_S)
+        await self._finish_tasks(deadline, linger_s)  # retries of the last answers
         res.stop_reading()
         if self._intake is not None and res.router is not None and not res.router.closed:
             self._intake.read_batch(_FINAL_SWEEP_MAX)  # SHUTTING_DOWN for what is queued
+        await self.output.flush(deadline)
+        linger_ms = int(max(CLOSE_LINGER_MIN_S, deadline - loop.time()) * 1000)
+        res.close_sockets(linger_ms)
+        res.stop_auth()
+        if res.own_ctx and res.ctx is not None and not res.ctx.closed:
+            # term() waits for the sockets' linger: off the loop thread.
+            await asyncio.to_thread(res.ctx.term)
+        self._finalizer.detach()
+        logger.info("[shutdown] ZMQ ingest (%s) stopped (%s)", self.transport, self.stats)
+
+    async def _finish_tasks(self, deadline: float, linger_s: float) -> None:
+        """Wait for the completion and reply tasks until ``deadline``; cancel the rest."""
+        loop = asyncio.get_running_loop()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - loop.time()))
         late = [t for t in self._tasks if not t.done()]
@@ -453,15 +481,28 @@ class ZmqIngest:
             logger.warning(
                 "[shutdown] %d ZMQ output(s) unfinished after %.1fs", len(late), linger_s
             )
-        await self.output.flush(deadline)
-        linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
-        res.close_sockets(linger_ms)
-        res.stop_auth()
-        if res.own_ctx and res.ctx is not None and not res.ctx.closed:
-            # term() waits for the sockets' linger: off the loop thread.
-            await asyncio.to_thread(res.ctx.term)
-        self._finalizer.detach()
-        logger.info("[shutdown] ZMQ ingest (%s) stopped (%s)", self.transport, self.stats)
+
+    async def _until_quiet(self, until: float) -> None:
+        """Keep answering until intake has been quiet for ``quiet_s`` (or ``until``):
+        a burst still on the wire when the drain ends is answered, not dropped
+        with the socket."""
+        intake = self._intake
+        if intake is None or intake.registration is None:
+            return
+
+        def waiting() -> bool:
+            if intake.input_waiting():  # the FD's signal is consumed: read it ourselves
+                intake.schedule_read()
+                return True
+            return False
+
+        stats = self.stats
+        if not await until_quiet(
+            lambda: stats.received, until, quiet_s=self._quiet_s, waiting=waiting
+        ):
+            logger.warning(
+                "[shutdown] ZMQ intake (%s) still receiving; closing it anyway", self.transport
+            )
 
     # ------------------------------------------------------------------ intake
 
@@ -557,7 +598,7 @@ class ZmqIngest:
             return
         if ticket.done:  # materialized inline: emit now, no task, never in flight
             self.stats.inline += 1
-            frames_out = self._outcome_frames(request, ticket.result(), t0)
+            frames_out = self._outcome_frames(request, request.rid, ticket.result(), t0)
             self._answered = True
             self.output.emit_now(identity, request.rid, frames_out)
             return
@@ -629,23 +670,23 @@ class ZmqIngest:
     ) -> None:
         """An ADD answered without reaching the pool (malformed, dup, refused)."""
         self._answered = True
-        self.admissions.observe(rid, request, abort, t0)
-        self.output.emit_now(identity, rid, self.output.frames(request, rid, abort))
+        self.output.emit_now(identity, rid, self._outcome_frames(request, rid, abort, t0))
 
     def _outcome_frames(
-        self, request: Request, outcome: Materialized | Abort, t0: float
+        self, request: Request | None, rid: str, outcome: Materialized | Abort, t0: float
     ) -> list[Any]:
-        """The output's message for ``outcome``; counts it once encoded (an encoding
-        failure is answered, and counted, as INTERNAL)."""
-        rid = request.rid
-        try:
-            frames = self.output.frames(request, rid, outcome)
-        except Exception as exc:  # noqa: BLE001 - an encoding bug must still answer
-            logger.exception("rid=%s: encoding the outcome failed", rid)
-            outcome = abort_from_exception(exc)
-            frames = self.output.frames(None, rid, outcome)
-        self.admissions.observe(rid, request, outcome, t0)
-        return frames
+        """The output's message for ``outcome``, counted once encoded
+        (:meth:`~mmadmit.admission.Admissions.finish`: an encoding failure is
+        answered, and counted, ``INTERNAL``, worded without the request)."""
+        frames = self.output.frames
+        return self.admissions.finish(
+            rid,
+            request,
+            outcome,
+            t0,
+            lambda out: frames(request, rid, out),
+            lambda out: frames(None, rid, out),
+        )
 
     async def _complete(
         self,
@@ -660,16 +701,8 @@ class ZmqIngest:
         rid = request.rid
         emitted = False  # handed to the output, which counts what it cannot deliver
         try:
-            try:
-                outcome: Materialized | Abort = await ticket.outcome()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the pool never raises here; a bug must still answer
-                logger.exception("rid=%s: waiting for the outcome failed", rid)
-                outcome = abort_from_exception(exc)
-            finally:
-                self.admissions.release(key, ticket)
-            frames = self._outcome_frames(request, outcome, t0)
+            outcome = await self.admissions.wait(key, ticket)
+            frames = self._outcome_frames(request, rid, outcome, t0)
             emitted = True
             await self.output.emit(identity, rid, frames, slot)
         finally:
