@@ -269,6 +269,28 @@ async def test_an_add_that_fails_to_encode_ends_internal_counted_once(
         assert stats.materialized == 1 and stats.aborted_by_code == {"INTERNAL": 1}
 
 
+@pytest.mark.parametrize("limit", ["max_tokens", "max_items"])
+async def test_request_limits_hold_at_their_value_and_refuse_one_past_it(limit: str) -> None:
+    """The face enforces the request limits as the other transports do: a request at
+    the limit reaches the scheduler, one past it ends TOO_LARGE naming the flag."""
+    msg, _ = vector_generate("qwen3_5_mixed", "at")
+    value = {
+        "max_tokens": len(msg.tokenized.input_ids),
+        "max_items": len(msg.mm_inputs.items),
+    }[limit]
+    async with face_env(scheduler={}, limits=Limits(**{limit: value})) as env:
+        (resp,) = await collect(env.stub.Generate(msg))
+        assert resp.complete.finish_reason == "stop"
+    async with face_env(scheduler={}, limits=Limits(**{limit: value - 1})) as env:
+        msg.request_id = "past"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(msg))
+        assert info.value.code() is STATUS_OF[AbortCode.TOO_LARGE]
+        assert info.value.details().startswith("TOO_LARGE: ")
+        assert f"--{limit.replace('_', '-')}" in info.value.details()
+        assert not env.adds()
+
+
 async def test_a_refused_request_never_reaches_the_scheduler() -> None:
     async with face_env(scheduler={}) as env:
         msg, _ = vector_generate("qwen3_5_image1", "bad")
