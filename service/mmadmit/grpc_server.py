@@ -80,14 +80,14 @@ def admission_handlers(servicer: AdmissionServicer) -> dict[str, grpc.RpcMethodH
 
     limits = servicer.limits
 
-    def parse(data: bytes) -> pb.AdmitRequest | StrippedRequest | RefusedRequest:
+    def parse(data: bytes) -> admission_pb2.AdmitRequest | StrippedRequest | RefusedRequest:
         return parse_admit_request(data, limits=limits)
 
     def deserialize_admit(
         data: bytes,
-    ) -> pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable:
+    ) -> admission_pb2.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable:
         stats.received_bytes += len(data)
-        result: pb.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable = (
+        result: admission_pb2.AdmitRequest | StrippedRequest | RefusedRequest | Undecodable = (
             parse_or_undecodable(parse, data)
         )
         return result
