@@ -9,11 +9,13 @@ Every resource is entered into one ``AsyncExitStack`` as soon as it exists, so
 a start-up that fails half-way still releases what it had.
 
 Shutdown (SIGTERM or SIGINT), in this order: health NOT_SERVING; the pool
-refuses new work, so both transports, which keep reading, answer every new
+refuses new work, so every transport, which keeps reading, answers each new
 request ``SHUTTING_DOWN`` at once; in-flight work gets ``--drain-timeout``
-seconds, then what remains ends ``SHUTTING_DOWN``; the transports send their
-last replies and stop; the process exits 0. A second signal exits at once with
-status 1.
+seconds, then what remains ends ``SHUTTING_DOWN``; each intake (ZMQ socket,
+gRPC port) closes once nothing has arrived on it for
+:data:`~mmadmit.admission.INTAKE_QUIET_S` (a message still on the wire is
+answered, not dropped), ZMQ replies lingering to leave; the process exits 0. A
+second signal exits at once with status 1.
 
 Engine mode (``--smg-handshake`` with ``--engine-handshake-listen``,
 :mod:`mmadmit.engine_mode`): the scheduler-facing sockets are bound with the
