@@ -280,16 +280,19 @@ async def until_quiet(
     *,
     quiet_s: float = INTAKE_QUIET_S,
     waiting: Callable[[], bool] | None = None,
+    since: float | None = None,
 ) -> bool:
     """Wait until ``activity()`` (a count of arrivals) has not moved for ``quiet_s``
     and ``waiting()`` (input queued unread) is false, or until ``until`` (loop time).
+    ``since``: the loop time of the last arrival, when the intake knows it (else
+    the quiet period is counted from now).
 
     True once quiet; False at ``until``. The intake keeps answering meanwhile:
     nothing is read here.
     """
     loop = asyncio.get_running_loop()
     seen = activity()
-    last = loop.time()
+    last = loop.time() if since is None else since
     while (now := loop.time()) < until:
         count = activity()
         if count != seen:

@@ -498,7 +498,11 @@ class ZmqIngest:
 
         stats = self.stats
         if not await until_quiet(
-            lambda: stats.received, until, quiet_s=self._quiet_s, waiting=waiting
+            lambda: stats.received,
+            until,
+            quiet_s=self._quiet_s,
+            waiting=waiting,
+            since=intake.last_read,
         ):
             logger.warning(
                 "[shutdown] ZMQ intake (%s) still receiving; closing it anyway", self.transport

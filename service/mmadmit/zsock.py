@@ -174,6 +174,7 @@ class SocketReader:
         self.blocked = False  # back-pressure: read nothing until resume()
         self.registration: tuple[asyncio.AbstractEventLoop, int] | None = None  # (loop, ZMQ_FD)
         self.read_scheduled = False  # a call_soon(on_readable) is pending
+        self.last_read = 0.0  # loop time of the last wake-up (the drain counts quiet from it)
         self._on_message = _weak_callable(on_message)
         self._watchdog: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -237,6 +238,7 @@ class SocketReader:
         try:
             if self.read_batch(self.batch):
                 self.schedule_read()  # more may wait: after the loop ran other work
+            self.last_read = self._loop.time() if self._loop is not None else 0.0
         except Exception:  # noqa: BLE001 - the service must not go deaf silently
             logger.exception("%s intake failed; reading again on the next wake-up", self.name)
 
