@@ -333,6 +333,9 @@ async def service() -> AsyncIterator[Callable[..., Any]]:
         )
         ingest_kw.setdefault("max_message_bytes", 64 << 20)
         ingest_kw.setdefault("watchdog_s", None)  # a lost wake-up must fail the test
+        # stop() waits for this much silence on the socket (0.2 s in service): the
+        # peers here are in process, and tests/test_drain.py holds the real value
+        ingest_kw.setdefault("quiet_s", 0.02)
         output = _output(ingest_kw)
         ingest = ZmqIngest(pool, output, listen="tcp://127.0.0.1:0", **ingest_kw)
         svc = Service(pool, ingest, "", gate)
