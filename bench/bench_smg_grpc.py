@@ -2,7 +2,7 @@
 
     python bench/bench_smg_grpc.py [--rounds 50] [--per-round 100]
 
-The client here plays SMG on the gRPC transport (SMG_GRPC.md): one
+The client here plays SMG on the gRPC transport (docs/spec/SMG_GRPC.md): one
 ``grpc.aio`` channel per path and ``smg_grpc_proto``'s generated
 ``TokenSpeedScheduler`` contract. A round trip is one non-stream ``Generate``,
 from the call leaving the client until its ``GenerateComplete`` arrives,

@@ -14,7 +14,7 @@ of seconds).
   with ``wire.encode_request`` on the event loop, without materializing (its
   ``input_ids`` are encoded, not re-emitted verbatim, as in a real reply);
 * ``codec+reply``: the codec passthrough whose reply also carries what every
-  materialized M-RoPE reply must add (WIRE.md): ``input_ids_unpadded`` (the
+  materialized M-RoPE reply must add (docs/spec/WIRE.md): ``input_ids_unpadded`` (the
   received bytes, re-emitted as mmadmit does) and a ``[3, N]`` int64 positions
   frame (24 bytes a token: 3 MiB at 128K). Not a target: the floor of this
   reply on these sockets with no work done, which separates what the larger
@@ -34,7 +34,7 @@ Per cell: latency at concurrency 1 (median, p99) and throughput at a higher
 concurrency. The table reports medians and the ratios the targets name
 (median latency): the 100 MiB request within 1.5x of echo; 8K tokens within
 1.5x of the codec passthrough; 128K tokens within 1.25x of ``codec+reply``.
-The 128K target is stated against that floor because the reply WIRE.md fixes
+The 128K target is stated against that floor because the reply docs/spec/WIRE.md fixes
 (positions and unpadded ids, 3.6 MiB at 128K) alone costs about 1.4x of the
 bare codec on loopback, which puts 1.5x of the codec out of reach of any
 materializer.
@@ -51,7 +51,7 @@ every feature). One ``mmadmit`` server per profile, as above. A pair is one
 mmadmit round trip, then one reply-echo round trip of the same request
 frames, at concurrency 1; the excess is the median of the pairs' differences,
 over rounds that rotate over the twelve cells. The echo sends the same bytes
-(checked frame by frame at warm-up), so the reply's size WIRE.md fixes is not
+(checked frame by frame at warm-up), so the reply's size docs/spec/WIRE.md fixes is not
 counted against mmadmit; what is left is its own work: the event loop,
 decoding, materializing (hashing, without hashes), encoding, a worker hop
 when one is taken. Targets (hashes supplied, issue #18): both families 8K

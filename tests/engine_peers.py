@@ -3,7 +3,7 @@
     python tests/engine_peers.py smg --handshake tcp://127.0.0.1:0 [--init malformed]
     python tests/engine_peers.py scheduler --handshake tcp://127.0.0.1:PORT [--trailing N]
 
-Both speak the engine handshake of WIRE.md ("Engine mode") with plain pyzmq
+Both speak the engine handshake of docs/spec/WIRE.md ("Engine mode") with plain pyzmq
 and report on standard output, one JSON object a line (``{"event": ...}``),
 so that a test can follow them; ``time`` fields are ``time.monotonic()``
 (system-wide on Linux, so comparable across processes).

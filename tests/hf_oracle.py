@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` as the M-RoPE oracle (MATERIALIZE.md "The model profile").
+"""Hugging Face ``transformers`` as the M-RoPE oracle (docs/spec/MATERIALIZE.md, "The model
+profile").
 
 For each family this builds the transformers class that owns ``get_rope_index``
 from its default config on the ``meta`` device (no weights, no download), with

@@ -1,7 +1,7 @@
 """Seeded random prompts per M-RoPE family, as mmadmit items and as transformers inputs.
 
 A prompt is a random sequence of text and media laid out by the family's
-convention (MATERIALIZE.md "M-RoPE conventions per family"):
+convention (docs/spec/MATERIALIZE.md "M-RoPE conventions per family"):
 
 * Qwen2-VL / Qwen2.5-VL: ``<vision_start>`` run ``<vision_end>``; a video row is
   one run holding all its frames.

@@ -1,6 +1,6 @@
 """One shared materializer pool behind both transports: back-pressure, cancellation,
-drain and metrics, in process (MATERIALIZE.md "Execution", GRPC.md, WIRE.md reply
-mode, CLI.md drain semantics).
+drain and metrics, in process (docs/spec/MATERIALIZE.md "Execution", docs/spec/GRPC.md,
+docs/spec/WIRE.md reply mode, docs/spec/CLI.md drain semantics).
 
 Contract pinned here:
 

@@ -1,4 +1,4 @@
-"""``mmadmit-client`` as a real command against real servers (CLI.md, ``mmadmit-client``).
+"""``mmadmit-client`` as a real command against real servers (docs/spec/CLI.md, ``mmadmit-client``).
 
 Contract pinned here:
 

@@ -31,7 +31,7 @@ def test_defaults_match_cli_md() -> None:
         10.0,
     )
     assert c.load_profile().family is Family.QWEN2_5_VL
-    assert c.inline_max_tokens == 16384  # not in CLI.md: small requests skip the workers
+    assert c.inline_max_tokens == 16384  # not in docs/spec/CLI.md: small requests skip the workers
 
 
 def test_limits_is_one_object_per_config() -> None:

@@ -128,7 +128,7 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 def check_service_config(env: dict[str, str]) -> None:
     """Every MMADMIT_* variable is a real setting and its value is accepted."""
     unknown = {k for k in env if k.startswith("MMADMIT_")} - KNOWN_ENV
-    assert not unknown, f"not mmadmit settings (CLI.md): {sorted(unknown)}"
+    assert not unknown, f"not mmadmit settings (docs/spec/CLI.md): {sorted(unknown)}"
     resolved = dict(env)
     if "MMADMIT_MODEL" in resolved:
         resolved["MMADMIT_MODEL"] = str(MODEL_CONFIG)  # the mounted file, here

@@ -1,6 +1,6 @@
 """The drain promise: every request that reaches the service gets exactly one answer.
 
-Contract (CLI.md, "Shutdown"): on SIGTERM the service answers every request
+Contract (docs/spec/CLI.md, "Shutdown"): on SIGTERM the service answers every request
 that reaches it, on every path and whichever way it runs: materialized when
 its work finishes within ``--drain-timeout``, otherwise ``SHUTTING_DOWN``; it
 closes a socket only once its own work is done and nothing more is arriving,

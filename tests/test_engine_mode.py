@@ -1,4 +1,5 @@
-"""Engine mode (WIRE.md "Engine mode", CLI.md): mmadmit between a test SMG and a test scheduler.
+"""Engine mode (docs/spec/WIRE.md "Engine mode", docs/spec/CLI.md): mmadmit between a test SMG
+and a test scheduler.
 
 Three real processes on loopback per case: ``tests/engine_peers.py smg`` (binds,
 answers HELLO with INIT, publishes on command, reports every output with its

@@ -298,7 +298,7 @@ def test_dtype_strings_numpy_would_parse_are_invalid_request(dtype: str) -> None
 
 
 def test_numpy_type_strings_stay_legal() -> None:
-    """WIRE.md: a numpy type string such as "<f4" is legal."""
+    """docs/spec/WIRE.md: a numpy type string such as "<f4" is legal."""
     for typestr, name in (("<f4", "float32"), ("|u1", "uint8"), ("=i8", "int64"), ("?", "bool")):
         assert parse_dtype(typestr).name == name
     for refused in (">f4", "<c8", "O", "U4"):

@@ -1,4 +1,4 @@
-"""The gRPC admission API (GRPC.md) against a real server on an ephemeral port.
+"""The gRPC admission API (docs/spec/GRPC.md) against a real server on an ephemeral port.
 
 Contract pinned here: every wire vector, translated into an ``AdmitRequest``,
 comes back with exactly the reference ids, pad values, hashes, positions and

@@ -1,4 +1,4 @@
-"""MATERIALIZE.md, rule by rule and abort by abort, on the internal model directly."""
+"""docs/spec/MATERIALIZE.md, rule by rule and abort by abort, on the internal model directly."""
 
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def simple_image_request(**mm_kw: Any) -> Request:
     return p.request(**mm_kw)
 
 
-# hand-computed for simple_image_request (MATERIALIZE.md "M-RoPE conventions")
+# hand-computed for simple_image_request (docs/spec/MATERIALIZE.md "M-RoPE conventions")
 SIMPLE_POS = np.array(
     [
         [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7],

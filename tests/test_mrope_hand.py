@@ -1,4 +1,4 @@
-"""Hand-computed M-RoPE positions for the cases where MATERIALIZE.md departs from
+"""Hand-computed M-RoPE positions for the cases where docs/spec/MATERIALIZE.md departs from
 transformers 5.x, and for the conventions worth pinning down by hand.
 
 Every expected array below was written out from the spec's rules
@@ -28,7 +28,7 @@ from mmadmit.errors import InvalidRequest  # noqa: E402
 from mmadmit.model import Item, Modality, Tensor  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
 
-# Public checkpoint ids (MATERIALIZE.md).
+# Public checkpoint ids (docs/spec/MATERIALIZE.md).
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
 AUD, AS, AE = 151675, 151669, 151670
 Q35_VID, Q35_VS, Q35_VE = 248057, 248053, 248054

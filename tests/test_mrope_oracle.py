@@ -1,6 +1,6 @@
 """Differential test: mmadmit's M-RoPE positions equal transformers' ``get_rope_index``.
 
-MATERIALIZE.md makes each family's ``get_rope_index`` in Hugging Face
+docs/spec/MATERIALIZE.md makes each family's ``get_rope_index`` in Hugging Face
 transformers the reference, except for two known deviations of 5.x, which are
 kept out of these prompts and covered by hand-computed tests in
 ``test_mrope_hand.py``:

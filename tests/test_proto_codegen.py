@@ -4,7 +4,7 @@ The stubs in ``mmadmit_client._proto`` (one copy, for client and service) are
 build outputs (``setup.py`` and ``clients/setup.py`` run ``scripts/gen_protos.py``
 on ``pip install .`` and ``pip install -e .``); nothing generated is committed.
 These tests fail when they are missing, or stale with respect to ``protos/``
-(edit a ``.proto``, forget to reinstall), and pin the field numbers GRPC.md
+(edit a ``.proto``, forget to reinstall), and pin the field numbers docs/spec/GRPC.md
 fixes (shared with SMG's ``GenerateRequest``).
 
 Run with: python -m pytest tests/test_proto_codegen.py -q
@@ -162,7 +162,7 @@ def test_messages_pickle(pb2: ModuleType) -> None:
 
 
 # --------------------------------------------------------------------------
-# Contract (GRPC.md)
+# Contract (docs/spec/GRPC.md)
 
 
 def test_service_and_methods(pb2: ModuleType, pb2_grpc: ModuleType) -> None:

@@ -1,4 +1,4 @@
-"""Secure transports (CLI.md): gRPC over TLS and mutual TLS, ZMQ CURVE with an allow-list.
+"""Secure transports (docs/spec/CLI.md): gRPC over TLS and mutual TLS, ZMQ CURVE with an allow-list.
 
 Contract pinned here:
 

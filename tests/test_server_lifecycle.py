@@ -1,6 +1,6 @@
 """``mmadmit serve`` as a real process: readiness, SIGTERM drain, forced exit, bad config.
 
-Contract pinned here (CLI.md, STYLE 7 and 8):
+Contract pinned here (docs/spec/CLI.md, STYLE 7 and 8):
 
 * readiness: the one machine-readable line ``mmadmit ready grpc=HOST:PORT
   zmq=tcp://HOST:PORT metrics=HOST:PORT`` on stderr, with the addresses really

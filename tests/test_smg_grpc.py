@@ -1,4 +1,4 @@
-"""The SMG gRPC face in process (SMG_GRPC.md): the real gRPC server and the real
+"""The SMG gRPC face in process (docs/spec/SMG_GRPC.md): the real gRPC server and the real
 scheduler sockets, with the project's test scheduler (``tests/engine_peers.py``)
 on the other side of the engine handshake and SMG's own generated client
 (``smg_grpc_proto``) on this side.
@@ -13,7 +13,7 @@ Contract pinned here:
   SMG's own msgpack encoder would write; the scheduler's output comes back as
   ``GenerateStreamChunk``s and one ``GenerateComplete``;
 * a refused request never reaches the scheduler and ends with the status of
-  SMG_GRPC.md's table, its message starting with mmadmit's code;
+  docs/spec/SMG_GRPC.md's table, its message starting with mmadmit's code;
 * ``Abort`` ends the open stream at once and the scheduler sees the ABORT
   after the ADD; a cancelled call does the same; a request still
   materializing is cancelled there and never forwarded;
@@ -317,7 +317,7 @@ async def test_a_refused_request_never_reaches_the_scheduler() -> None:
         assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
 
 
-# SMG_GRPC.md's table, and what SMG makes of each status (HTTP 400: no retry; 429 and
+# docs/spec/SMG_GRPC.md's table, and what SMG makes of each status (HTTP 400: no retry; 429 and
 # 503: another worker is tried): a code in the wrong row changes what the client sees.
 SMG_TABLE = {
     AbortCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,  # 400
@@ -339,7 +339,7 @@ def test_status_table_is_smgs() -> None:
 
 async def test_each_refusal_ends_with_its_table_status_through_the_face() -> None:
     """TOO_LARGE, OVERLOADED and INTERNAL refusals through the face (the others:
-    the tests above), each with SMG_GRPC.md's status and its code first."""
+    the tests above), each with docs/spec/SMG_GRPC.md's status and its code first."""
     hold = threading.Event()
     limits = Limits(max_tokens=8)
     async with face_env(scheduler={}, hold=hold, limits=limits, max_inflight=1) as env:

@@ -1,4 +1,4 @@
-"""The SMG gRPC face and what its scheduler sends back, in process (SMG_GRPC.md).
+"""The SMG gRPC face and what its scheduler sends back, in process (docs/spec/SMG_GRPC.md).
 
 Contract pinned here, with a scheduler the test drives itself
 (:func:`engine_peers.connect_scheduler`) behind the real face and gRPC server:

@@ -4,18 +4,18 @@ Both of mmadmit's SMG faces, driven through SMG's own HTTP API with the
 project's test scheduler (``tests/engine_peers.py``, which answers every ADD
 the way TokenSpeed's scheduler does) behind mmadmit:
 
-* **the SMG gRPC face** (``--smg-grpc-listen``, SMG_GRPC.md): SMG sends every
+* **the SMG gRPC face** (``--smg-grpc-listen``, docs/spec/SMG_GRPC.md): SMG sends every
   Qwen-VL family only over gRPC. A text request; Qwen2.5-VL with two images;
   Qwen3-VL and Qwen3.5 with an image and a video; Qwen3-Omni with an image and
   audio: each reaches the scheduler materialized, and the test checks what the
   scheduler received against computations of its own: the pad values from
-  MATERIALIZE.md rule 6's formula over the item hash, the substitution against
+  docs/spec/MATERIALIZE.md rule 6's formula over the item hash, the substitution against
   the unpadded ids, and the M-RoPE positions and delta against transformers'
   ``get_rope_index`` (``tests/hf_oracle.py``) over the unpadded ids and the
   grids SMG sent. Then: a client that goes away (the ABORT follows the ADD), a
   refused request (HTTP 400 whose message names mmadmit's code, nothing
   forwarded), and the scheduler's death (mmadmit exits 3, SMG answers an error).
-* **engine mode** (``--smg-handshake``, WIRE.md "Engine mode"): text, a client
+* **engine mode** (``--smg-handshake``, docs/spec/WIRE.md "Engine mode"): text, a client
   that goes away (SMG's ABORT reaches the scheduler after the ADD), the
   scheduler's death (``ENGINE_CORE_DEAD`` to SMG, exit 3) and a LLaVA image.
 

@@ -196,7 +196,7 @@ def test_vector_through_cli(name: str, replies: dict[str, tuple]) -> None:
 
 
 def test_prefill_role_reproduces_vectors(tmp_path: Path) -> None:
-    """The prefill role behaves exactly like aggregated (MATERIALIZE.md definitions)."""
+    """The prefill role behaves exactly like aggregated (docs/spec/MATERIALIZE.md definitions)."""
     if not NAMES:
         pytest.skip(f"no vectors at {VECTORS}")
     name = "qwen3_5_mixed" if "qwen3_5_mixed" in NAMES else NAMES[0]

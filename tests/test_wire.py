@@ -1,4 +1,4 @@
-"""The msgpack wire codec (WIRE.md): decode, re-encode, errors, zero-copy."""
+"""The msgpack wire codec (docs/spec/WIRE.md): decode, re-encode, errors, zero-copy."""
 
 from __future__ import annotations
 

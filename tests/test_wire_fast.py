@@ -1,4 +1,5 @@
-"""The wire codec's shortcuts held to plain encoding and to the pure-Python intcodec (WIRE.md).
+"""The wire codec's shortcuts held to plain encoding and to the pure-Python intcodec
+(docs/spec/WIRE.md).
 
 The codec splits every array natively (decoding the token arrays in the same
 walk) and decodes every multimodal item with one typed ``msgspec`` call (its

@@ -1,4 +1,4 @@
-"""The ZMQ msgpack ingest (WIRE.md) against real sockets on ephemeral loopback ports.
+"""The ZMQ msgpack ingest (docs/spec/WIRE.md) against real sockets on ephemeral loopback ports.
 
 Contract pinned here:
 
@@ -446,7 +446,7 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
 
 @needs_vectors
 async def test_abort_is_scoped_to_its_peer(service: Factory, zctx: Sockets) -> None:
-    """WIRE.md: ABORT cancels only the sending peer's requests. Two peers hold the same
+    """docs/spec/WIRE.md: ABORT cancels only the sending peer's requests. Two peers hold the same
     rid (one running, one queued); a third peer's ABORT of that rid and the queued
     owner's ABORT leave the other peer's request alone."""
     v = load_vector(SMALL)

@@ -13,7 +13,7 @@ transports, a thin :class:`BlockingClient`, one exception tree::
         outcome = await client.admit(request)       # Materialized | Aborted
 
 Transports: :class:`GrpcTransport` (the admission API), :class:`ZmqTransport`
-(the msgpack reply mode, WIRE.md), :class:`MemoryTransport` (a function of
+(the msgpack reply mode, docs/spec/WIRE.md), :class:`MemoryTransport` (a function of
 yours, for tests). The gRPC and ZMQ ones are imported lazily, so
 ``import mmadmit_client`` loads neither grpc nor zmq, and a ZMQ-only user never
 loads grpc (and the other way round). Nothing here imports the service

@@ -1,4 +1,4 @@
-"""Tensor dtype names of both wires (WIRE.md, GRPC.md), owned by the client.
+"""Tensor dtype names of both wires (docs/spec/WIRE.md, docs/spec/GRPC.md), owned by the client.
 
 The wires name dtypes as torch does without the ``torch.`` prefix
 (``"float32"``, ``"bfloat16"``); a numpy type string (``"<f4"``) is also legal

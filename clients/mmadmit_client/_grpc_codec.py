@@ -1,4 +1,4 @@
-"""The client's model <-> the admission API's protobuf messages (GRPC.md).
+"""The client's model <-> the admission API's protobuf messages (docs/spec/GRPC.md).
 
 :func:`request_to_proto` makes an ``AdmitRequest`` of a
 :class:`~mmadmit_client.Request`; :func:`outcome_from_proto` reads an
@@ -53,7 +53,8 @@ def _item_to_proto(i: int, item: models.Item) -> pb.MultimodalItem:
     if item.feature is not None:
         msg.encoder_input.CopyFrom(tensor_to_proto(item.feature))
     if item.hash is not None:
-        msg.content_hash = int(item.hash).to_bytes(8, "little")  # read little-endian (GRPC.md)
+        # read little-endian (docs/spec/GRPC.md)
+        msg.content_hash = int(item.hash).to_bytes(8, "little")
     if item.pad_value is not None:
         msg.pad_value = item.pad_value
     if item.placeholder_token_id is not None:

@@ -2,7 +2,7 @@
 
 One :class:`Request` goes over gRPC or ZMQ alike (the transports encode it:
 ``_grpc_codec.py`` into an ``AdmitRequest``, :mod:`mmadmit_client.wire` into
-the msgpack frames of WIRE.md), and every transport answers with one
+the msgpack frames of docs/spec/WIRE.md), and every transport answers with one
 :class:`Outcome`: :class:`Materialized` or :class:`Aborted`. An abort is the
 server's in-band answer, a value and not an exception (``_exceptions.py``).
 
@@ -184,7 +184,7 @@ class Request:
     """One admission request, for any transport.
 
     ``input_ids_unpadded`` set means materialized upstream (``input_ids`` then
-    hold the substituted ids; MATERIALIZE.md rule 4). ``mrope_positions``
+    hold the substituted ids; docs/spec/MATERIALIZE.md rule 4). ``mrope_positions``
     ``[3, N]`` and ``mrope_position_delta`` are values computed upstream.
     ``multimodal`` says whether the request carries multimodal inputs at all
     (default: when it has items, M-RoPE values or a placeholder override); a

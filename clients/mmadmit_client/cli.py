@@ -1,4 +1,4 @@
-"""``mmadmit-client``: the command-line client over the client library (CLI.md).
+"""``mmadmit-client``: the command-line client over the client library (docs/spec/CLI.md).
 
 ::
 
@@ -13,7 +13,7 @@ TARGET is ``grpc://HOST:PORT`` (gRPC) or ``tcp://HOST:PORT`` / ``ipc://PATH``
 message) or a JSON request (schema: ``clients/README.md``). Every command
 takes ``--timeout S`` (reaching the server, default 5) and the request
 commands ``--request-timeout S`` (one outcome, default 60). Transport
-security, as the server's (CLI.md): ``--tls-ca``, ``--tls-cert``,
+security, as the server's (docs/spec/CLI.md): ``--tls-ca``, ``--tls-cert``,
 ``--tls-key`` for gRPC over TLS (mutual with a client certificate),
 ``--curve-server-key`` and ``--curve-client-key`` for ZMQ CURVE.
 

@@ -1,4 +1,4 @@
-"""The frames container of captured ZMQ messages (shared/vectors/README.md).
+"""The frames container of captured ZMQ messages (tests/data/vectors/README.md).
 
 Layout: the 13 bytes ``TSREFFRAMES1\\n``, a little-endian u32 frame count, one
 little-endian u64 length per frame, then the frames back to back. Used by

@@ -1,4 +1,4 @@
-"""The ZMQ msgpack wire (WIRE.md) as the client speaks it: its constants and codec.
+"""The ZMQ msgpack wire (docs/spec/WIRE.md) as the client speaks it: its constants and codec.
 
 The constants (message types, reply status bytes, the struct tag, element
 indices, the tensor ext code and inline limit) are the one copy of them: the
@@ -84,7 +84,7 @@ MODALITY_OF_NUMBER = {v: k for k, v in MODALITY_NUMBERS.items()}
 
 
 class WireFormatError(ValueError):
-    """A message that does not decode as WIRE.md describes it."""
+    """A message that does not decode as docs/spec/WIRE.md describes it."""
 
 
 @dataclass(frozen=True)

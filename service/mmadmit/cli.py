@@ -1,4 +1,4 @@
-"""``mmadmit`` command line: ``serve`` and ``materialize`` (CLI.md).
+"""``mmadmit`` command line: ``serve`` and ``materialize`` (docs/spec/CLI.md).
 
 Exit statuses: ``serve`` 0 after a clean drain, 1 on a forced exit, 2 for
 unusable configuration (or, in engine mode, a malformed handshake message), 3

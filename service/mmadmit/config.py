@@ -1,4 +1,4 @@
-"""One typed, frozen configuration object, built once at start-up (CLI.md).
+"""One typed, frozen configuration object, built once at start-up (docs/spec/CLI.md).
 
 Every setting is a field of :class:`ServeConfig` with a default, a command-line
 flag and an environment variable (``MMADMIT_`` + the flag name upper-cased with

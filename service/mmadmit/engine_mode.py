@@ -1,7 +1,7 @@
 """Engine mode: mmadmit as a transparent admission hop between SMG and a scheduler.
 
 In SMG's msgpack deployment the gateway binds its sockets and every engine
-connects to it with a HELLO / INIT / READY handshake (WIRE.md, "Engine
+connects to it with a HELLO / INIT / READY handshake (docs/spec/WIRE.md, "Engine
 mode"). :class:`EngineRelay` looks like an engine to SMG and like SMG to the
 scheduler:
 

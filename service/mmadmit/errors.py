@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 
 class AbortCode(enum.Enum):
-    """Terminal abort codes (MATERIALIZE.md). Values are the names on the wire."""
+    """Terminal abort codes (docs/spec/MATERIALIZE.md). Values are the names on the wire."""
 
     INVALID_REQUEST = "INVALID_REQUEST"
     TEXT_ONLY_MODEL = "TEXT_ONLY_MODEL"

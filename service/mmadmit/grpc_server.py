@@ -22,7 +22,7 @@ certificates: :mod:`mmadmit.security`) the port is bound with
 Message-size limits: receive and send are both ``max_message_bytes``
 (``--max-message-bytes``), clamped to gRPC's ceiling of ``2**31 - 1``. They
 sit far above the per-request limits on purpose: a message gRPC refuses fails
-the whole call, which on ``AdmitStream`` ends the stream (GRPC.md).
+the whole call, which on ``AdmitStream`` ends the stream (docs/spec/GRPC.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The engine handshake of SMG's msgpack deployment (WIRE.md, "Engine mode"): messages only.
+"""The engine handshake of SMG's msgpack deployment (docs/spec/WIRE.md, "Engine mode"):
+messages only.
 
 Scope: building and validating the handshake messages mmadmit exchanges when
 it stands between SMG and a scheduler (:mod:`mmadmit.engine_mode`), and the
@@ -34,7 +35,7 @@ import msgspec
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
-# The keys WIRE.md lists for the ready response; a missing one is logged, not refused
+# The keys docs/spec/WIRE.md lists for the ready response; a missing one is logged, not refused
 # (an older scheduler may send fewer, and SMG decides what it needs).
 READY_RESPONSE_KEYS = (
     "max_model_len",
@@ -81,7 +82,7 @@ _ENC = msgspec.msgpack.Encoder()
 
 
 class HandshakeError(Exception):
-    """A handshake message that does not fit WIRE.md: names the step and the field."""
+    """A handshake message that does not fit docs/spec/WIRE.md: names the step and the field."""
 
     def __init__(self, step: str, field_name: str, problem: str) -> None:
         self.step = step
@@ -130,7 +131,7 @@ def decode_map(data: Any, step: str) -> dict[str, Any]:
 
 
 def status_message(status: str) -> bytes:
-    """HELLO or READY as an engine sends it (WIRE.md, steps 1 and 3)."""
+    """HELLO or READY as an engine sends it (docs/spec/WIRE.md, steps 1 and 3)."""
     return _ENC.encode(
         {"status": status, "local": True, "headless": True, "parallel_config_hash": None}
     )
@@ -219,10 +220,10 @@ def parse_init(data: Any, step: str = "INIT from SMG") -> Init:
 
 
 def parse_ready_response(data: Any, step: str = "ready response from the scheduler") -> list[str]:
-    """Validate the scheduler's ready response; return the WIRE.md keys it lacks.
+    """Validate the scheduler's ready response; return the docs/spec/WIRE.md keys it lacks.
 
     Required: a map whose ``max_model_len`` is a positive integer. Every other
-    key WIRE.md names is type-checked when present; keys it does not name pass.
+    key docs/spec/WIRE.md names is type-checked when present; keys it does not name pass.
     """
     msg = decode_map(data, step)
     mml = msg.get("max_model_len")

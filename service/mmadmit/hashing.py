@@ -1,5 +1,5 @@
-"""Content hashes (MATERIALIZE.md rule 6; the pad values are :mod:`mmadmit.rules`'). Always on
-the CPU.
+"""Content hashes (docs/spec/MATERIALIZE.md rule 6; the pad values are
+:mod:`mmadmit.rules`'). Always on the CPU.
 
 ``hashlib.blake2b`` reads the feature through the buffer protocol: no copy of
 the feature is made, and CPython releases the GIL while hashing buffers larger

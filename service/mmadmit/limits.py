@@ -1,6 +1,6 @@
 """What one request may hold: the per-request limits, in one frozen object.
 
-Every field is a setting (``config.ServeConfig``, CLI.md) and each breach is
+Every field is a setting (``config.ServeConfig``, docs/spec/CLI.md) and each breach is
 one terminal outcome naming the limit's flag:
 
 * ``TOO_LARGE``: tokens, items, bytes of one tensor, tensor rank, one tensor
@@ -38,7 +38,7 @@ from .errors import InvalidRequest, TooLarge
 # that the configuration and the materializer load no codec (tests/test_layering.py).
 MAX_DEPTH = 1024
 # The other ceilings of the limit settings (``config.ServeConfig`` checks every
-# ``--max-*`` value against its range at start-up; CLI.md).
+# ``--max-*`` value against its range at start-up; docs/spec/CLI.md).
 MAX_RANK = 64  # numpy's largest rank (NPY_MAXDIMS): no higher one can be built
 INT32_MAX = 2**31 - 1  # counts: gRPC's options and the engines' indices are C ints
 INT64_MAX = 2**63 - 1  # byte sizes and dimensions: int64, as the native code reads them
@@ -65,7 +65,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits (CLI.md); see the module docstring for the codes."""
+    """Per-request limits (docs/spec/CLI.md); see the module docstring for the codes."""
 
     max_tokens: int = 262_144
     max_items: int = 256

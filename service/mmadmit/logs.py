@@ -1,4 +1,4 @@
-"""Logging set-up of ``mmadmit serve``: ``--log-level`` and ``--log-format`` (CLI.md).
+"""Logging set-up of ``mmadmit serve``: ``--log-level`` and ``--log-format`` (docs/spec/CLI.md).
 
 ``text`` is the classic ``time LEVEL logger: message`` line. ``json`` writes
 one JSON object per line on standard error, with ``ts`` (UTC, ISO 8601, ms),

@@ -1,4 +1,4 @@
-"""The materializer: MATERIALIZE.md rules 1 to 8, transport-free.
+"""The materializer: docs/spec/MATERIALIZE.md rules 1 to 8, transport-free.
 
 ``Materializer.materialize(request)`` returns a :class:`Materialized` outcome or
 raises an :class:`AdmissionError`; ``Materializer.run`` turns the latter into an

@@ -255,7 +255,7 @@ class Request:
 
 
 class Rule(enum.Enum):
-    """Which rule of MATERIALIZE.md produced a materialized outcome."""
+    """Which rule of docs/spec/MATERIALIZE.md produced a materialized outcome."""
 
     TEXT = "text"
     DECODE_EXEMPT = "decode_exempt"

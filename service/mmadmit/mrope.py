@@ -1,4 +1,4 @@
-"""M-RoPE positions for the Qwen-VL families (MATERIALIZE.md "M-RoPE conventions").
+"""M-RoPE positions for the Qwen-VL families (docs/spec/MATERIALIZE.md "M-RoPE conventions").
 
 Two steps, both transport-free:
 

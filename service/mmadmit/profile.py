@@ -3,7 +3,7 @@
 Built once per process from a Hugging Face ``config.json`` (a file, or a
 directory holding one; never a download) or from a built-in preset name, plus
 the deployment role and the ``language_model_only`` flag. Lookups follow
-MATERIALIZE.md "The model profile": placeholder ids on the config and then its
+docs/spec/MATERIALIZE.md "The model profile": placeholder ids on the config and then its
 nested configs, the family from ``model_type`` then ``architectures``.
 """
 
@@ -36,7 +36,7 @@ PRESETS: tuple[str, ...] = (
 
 
 class Family(enum.Enum):
-    """Architecture families (MATERIALIZE.md table). Values are the names reported
+    """Architecture families (docs/spec/MATERIALIZE.md table). Values are the names reported
     by ``GetModelInfo``."""
 
     TEXT_ONLY = "text_only"

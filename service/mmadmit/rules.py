@@ -1,4 +1,4 @@
-"""MATERIALIZE.md rules 5 and 6 over a request's items: the one source.
+"""docs/spec/MATERIALIZE.md rules 5 and 6 over a request's items: the one source.
 
 :func:`plan_items` checks every item of a request (rule 5: modality, spans,
 placeholders, hash and pad value ranges, and for the M-RoPE families the
@@ -63,7 +63,7 @@ PAD_BASE = 1_000_000
 PAD_SLOTS = (2**31 - 1 - PAD_BASE + 1) // 3  # 715_494_549
 UINT64_MAX = 2**64 - 1
 
-# Timing side tensors, in lookup order per family (MATERIALIZE.md table).
+# Timing side tensors, in lookup order per family (docs/spec/MATERIALIZE.md table).
 _QWEN25_TIME_KEYS = ("second_per_grid_ts", "video_second_per_grid")
 _OMNI_TIME_KEYS = ("video_second_per_grid", "second_per_grid_ts")
 
@@ -499,7 +499,7 @@ def _seconds_per_row(keys: tuple, idx: ssize, side: dict, rows: ssize) -> memory
 @cython.cfunc
 @cython.exceptval(check=False)
 def _time(mode: cython.int, k: i64, seconds: cython.double, rate: cython.double) -> cython.double:
-    """Frame ``k``'s temporal index of a video run (MATERIALIZE.md table) before its
+    """Frame ``k``'s temporal index of a video run (docs/spec/MATERIALIZE.md table) before its
     truncation: float32 math; ``rate``: the profile's tokens_per_second or
     position_id_per_seconds. The caller bounds it before making it an int."""
     if mode == _TIME_QWEN25:  # trunc((k * s) * tokens_per_second)

@@ -1,6 +1,6 @@
 """The scheduler side of the engine handshake, shared by engine mode and the SMG gRPC face.
 
-A headless scheduler connects to whoever plays SMG for it (WIRE.md, "Engine
+A headless scheduler connects to whoever plays SMG for it (docs/spec/WIRE.md, "Engine
 mode"). :class:`SchedulerLink` plays that part, once, for every face that
 stands in front of a scheduler:
 

@@ -1,7 +1,7 @@
 """Transport security from files: gRPC over TLS (optionally mutual) and ZMQ CURVE.
 
 Scope: read and check the operator's files once at start-up, and hand the
-transports what they need (CLI.md, ``--grpc-tls-*`` and ``--zmq-curve-*``):
+transports what they need (docs/spec/CLI.md, ``--grpc-tls-*`` and ``--zmq-curve-*``):
 
 * **gRPC TLS**: a PEM certificate chain and its private key (both or neither),
   optionally a PEM CA bundle that client certificates must chain to (mutual

@@ -4,7 +4,7 @@ Scope: decode an ``AdmitRequest`` into a :class:`mmadmit.model.Request`, hand it
 to the :class:`~mmadmit.pool.MaterializerPool` (through
 :class:`~mmadmit.admission.Admissions`, which keeps the request ids in flight
 and counts outcomes), encode the one outcome as an ``AdmitResponse``. No
-materialization rule lives here (MATERIALIZE.md: a transport only decodes,
+materialization rule lives here (docs/spec/MATERIALIZE.md: a transport only decodes,
 submits and encodes); what this module checks is only
 what the internal model cannot represent or what is specific to the gRPC
 encoding:
@@ -33,7 +33,7 @@ large tensors stay in the received bytes (the tensors built here are views on
 them: no copy at all); the response's id fields are encoded as packed varints
 in one pass (``pbwire.packed_uint32_field``) instead of element by element.
 
-Outcomes are in band (GRPC.md): an abort is an ``AdmitResponse`` with an
+Outcomes are in band (docs/spec/GRPC.md): an abort is an ``AdmitResponse`` with an
 ``AbortStatus`` and gRPC status OK on ``Admit`` and ``AdmitStream`` alike. The
 per-RPC error ladder (STYLE 5): :class:`~mmadmit.errors.AdmissionError` ->
 in-band abort of its code; ``grpc.aio.AbortError`` -> re-raised untouched;
@@ -104,7 +104,7 @@ from .tensorcheck import label
 
 logger = logging.getLogger(__name__)
 
-# gRPC Modality enum value -> internal Modality (GRPC.md: the numberings differ).
+# gRPC Modality enum value -> internal Modality (docs/spec/GRPC.md: the numberings differ).
 MODALITY_FROM_PROTO: dict[Any, Modality] = {
     pb.IMAGE: Modality.IMAGE,
     pb.AUDIO: Modality.AUDIO,
@@ -717,7 +717,7 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         message over the size limit is refused by gRPC itself
         (``RESOURCE_EXHAUSTED``), which ends the stream at once (answers not yet
         delivered are lost); that is why the
-        transport's limit sits far above the per-request limits (GRPC.md).
+        transport's limit sits far above the per-request limits (docs/spec/GRPC.md).
         """
         self.stats.streams += 1
         window = asyncio.Semaphore(self.max_stream_inflight)

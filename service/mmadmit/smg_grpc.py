@@ -2,7 +2,7 @@
 
 SMG 1.13 sends the M-RoPE families (Qwen2/2.5-VL, Qwen3-VL, Qwen3.5,
 Qwen3-Omni) to an engine only over its gRPC transport, preprocessed, with the
-placeholder token repeated in ``input_ids`` and no positions (SMG_GRPC.md).
+placeholder token repeated in ``input_ids`` and no positions (docs/spec/SMG_GRPC.md).
 This face serves that contract (``tokenspeed.grpc.scheduler.TokenSpeedScheduler``,
 taken from the ``smg-grpc-proto`` package, never a hand copy) and stands, as
 SMG would, in front of a headless scheduler that connects to
@@ -26,7 +26,7 @@ A ``Generate`` call:
    pool and outcome counting as every other transport, label ``smg_grpc``);
 3. **forward**: the materialized request goes to the scheduler as an ADD under
    the call's ``request_id``; a refused one never reaches it and the call ends
-   with the status of SMG_GRPC.md's table, its message starting with
+   with the status of docs/spec/SMG_GRPC.md's table, its message starting with
    mmadmit's code;
 4. **outputs**: each ``BatchTokenIDOutSlim`` from the scheduler is read
    leniently (rids, token ids, finish reasons, token counts, load counters)
@@ -109,7 +109,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree
     _VERSION = "mmadmit"
 SERVICE = ts.DESCRIPTOR.services_by_name["TokenSpeedScheduler"].full_name
 
-# mmadmit's abort code -> the status a refused Generate ends with (SMG_GRPC.md).
+# mmadmit's abort code -> the status a refused Generate ends with (docs/spec/SMG_GRPC.md).
 STATUS_OF: dict[AbortCode, grpc.StatusCode] = {
     AbortCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     AbortCode.TEXT_ONLY_MODEL: grpc.StatusCode.INVALID_ARGUMENT,
@@ -143,7 +143,7 @@ _MODALITIES = {
 # --------------------------------------------------------------------------- request side
 
 # TokenSpeed's SamplingParams on the msgpack wire: an untagged positional array
-# (WIRE.md). The defaults are what SMG 1.13's own msgpack encoder sends for a
+# (docs/spec/WIRE.md). The defaults are what SMG 1.13's own msgpack encoder sends for a
 # request that sets nothing (captured from the real gateway): already normalized,
 # top_k "all" as 1 << 30, n 1, no stop strings.
 _SAMPLING_FIELDS = (

@@ -1,4 +1,4 @@
-"""The ZMQ msgpack wire of SMG / TokenSpeed (WIRE.md): frames <-> internal model.
+"""The ZMQ msgpack wire of SMG / TokenSpeed (docs/spec/WIRE.md): frames <-> internal model.
 
 Scope: pure codec, no sockets. A message is ``[type, payload, aux_1, ...]``;
 the payload is a positional msgpack array (``TokenizedGenerateReqInput``).

@@ -1,4 +1,4 @@
-"""The ZMQ msgpack front end (WIRE.md): a ROUTER that admits requests into the pool.
+"""The ZMQ msgpack front end (docs/spec/WIRE.md): a ROUTER that admits requests into the pool.
 
 Scope: a thin adapter. Decoding and encoding are :mod:`mmadmit.wire`; the
 request-id registry, submit, cancel and outcome counting are
@@ -234,7 +234,7 @@ def _curve_note(curve: CurveServer | None) -> str:
 
 
 class ZmqIngest:
-    """The ZMQ ROUTER front end of WIRE.md; ``output`` says where outcomes go.
+    """The ZMQ ROUTER front end of docs/spec/WIRE.md; ``output`` says where outcomes go.
 
     Usage (the server wires it; tests do the same on an ephemeral port)::
 

@@ -5,7 +5,7 @@ counts each outcome once (:mod:`mmadmit.admission`); what happens to an
 outcome after that is the one thing reply mode and forward mode do
 differently, and it lives here:
 
-* :class:`Reply` (WIRE.md reply mode): the outcome goes back on the intake
+* :class:`Reply` (docs/spec/WIRE.md reply mode): the outcome goes back on the intake
   ROUTER, addressed by the sender's identity, as ``[status, payload, *aux]``;
   ABORT messages only cancel. Sends are ``NOBLOCK`` on a ``ROUTER_MANDATORY``
   socket, retried with backoff for ``send_timeout_s``, then counted

@@ -1,4 +1,4 @@
-"""ZMQ transport: mmadmit's reply mode (WIRE.md) over one DEALER socket.
+"""ZMQ transport: mmadmit's reply mode (docs/spec/WIRE.md) over one DEALER socket.
 
 The DEALER connects to the service's ROUTER; each ADD gets exactly one reply,
 possibly out of order. A background task reads replies and routes each to the
