@@ -260,25 +260,40 @@ def zmq_forward_client(pull: zmq.asyncio.Socket) -> Client:
     return client
 
 
-async def grpc_admit_client(rnd: Round, addresses: dict[str, Any]) -> None:
-    async with grpc.aio.insecure_channel(addresses["grpc"]) as channel:
-        stub = pb_grpc.AdmissionStub(channel)
+async def one_call_each(
+    rnd: Round,
+    target: str,
+    build: Callable[[str, int], Any],
+    call: Callable[[grpc.aio.Channel, Any], Awaitable[str]],
+) -> None:
+    """Each request on a gRPC call of its own (``call`` returns the answer's code);
+    a call that ends with a status is answered by it (``SHUTTING_DOWN`` when its
+    details say so, else the status' name)."""
+    async with grpc.aio.insecure_channel(target) as channel:
         calls: list[asyncio.Task[None]] = []
 
         async def one(rid: str, msg: Any) -> None:
             try:
-                resp = await stub.Admit(msg, timeout=20)
+                code = await call(channel, msg)
             except grpc.aio.AioRpcError as exc:
-                rnd.answer(rid, exc.code().name)
-                return
-            kind = resp.WhichOneof("outcome")
-            rnd.answer(rid, MATERIALIZED if kind == "materialized" else abort_name(resp))
+                said = (exc.details() or "").split(":")[0]
+                code = SHUTTING_DOWN if said == SHUTTING_DOWN else exc.code().name
+            rnd.answer(rid, code)
 
         async def send(rid: str, msg: Any) -> None:
             calls.append(asyncio.ensure_future(one(rid, msg)))
 
-        await paced(rnd, admit_request, send)
+        await paced(rnd, build, send)
         await asyncio.gather(*calls)
+
+
+async def grpc_admit_client(rnd: Round, addresses: dict[str, Any]) -> None:
+    async def admit(channel: grpc.aio.Channel, msg: Any) -> str:
+        resp = await pb_grpc.AdmissionStub(channel).Admit(msg, timeout=20)
+        kind = resp.WhichOneof("outcome")
+        return MATERIALIZED if kind == "materialized" else abort_name(resp)
+
+    await one_call_each(rnd, addresses["grpc"], admit_request, admit)
 
 
 def admit_request(rid: str, size: int) -> Any:
@@ -334,25 +349,13 @@ def generate_of(rid: str, size: int) -> ts.GenerateRequest:
 
 
 async def smg_face_client(rnd: Round, addresses: dict[str, Any]) -> None:
-    async with grpc.aio.insecure_channel(addresses["smg-grpc"]) as channel:
+    async def generate(channel: grpc.aio.Channel, msg: Any) -> str:
         stub = ts_grpc.TokenSpeedSchedulerStub(channel)
-        calls: list[asyncio.Task[None]] = []
+        responses = [r async for r in stub.Generate(msg, timeout=20)]
+        assert responses[-1].HasField("complete"), responses
+        return MATERIALIZED
 
-        async def one(rid: str, msg: Any) -> None:
-            try:
-                responses = [r async for r in stub.Generate(msg, timeout=20)]
-            except grpc.aio.AioRpcError as exc:
-                code = exc.details().split(":")[0] if exc.details() else exc.code().name
-                rnd.answer(rid, code if code == SHUTTING_DOWN else exc.code().name)
-                return
-            assert responses[-1].HasField("complete"), responses
-            rnd.answer(rid, MATERIALIZED)
-
-        async def send(rid: str, msg: Any) -> None:
-            calls.append(asyncio.ensure_future(one(rid, msg)))
-
-        await paced(rnd, generate_of, send)
-        await asyncio.gather(*calls)
+    await one_call_each(rnd, addresses["smg-grpc"], generate_of, generate)
 
 
 def engine_client(smg: engine_peers.Smg, accepted: Awaitable[Any]) -> Client:
