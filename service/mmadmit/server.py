@@ -472,13 +472,38 @@ async def shutdown(handle: ServerHandle) -> None:
         *(_close_port(port, deadline) for port in (handle.smg_port, handle.grpc) if port),
         *([handle.zmq.stop(config.drain_timeout)] if handle.zmq is not None else []),
     )
-    stats = handle.pool.stats
+    materialized, aborted = _answered(handle)
+    ended = handle.pool.stats.shutdown_aborted
     logger.info(
-        "[shutdown] done: %d admitted, %d ended SHUTTING_DOWN by the drain deadline",
-        stats.admitted,
-        stats.shutdown_aborted,
-        extra=fields("stopped", admitted=stats.admitted, shutdown_aborted=stats.shutdown_aborted),
+        "[shutdown] done: %d request(s) answered (%d materialized, %d aborted), "
+        "%d ended SHUTTING_DOWN by the drain deadline",
+        materialized + aborted,
+        materialized,
+        aborted,
+        ended,
+        extra=fields(
+            "stopped",
+            answered=materialized + aborted,
+            materialized=materialized,
+            aborted=aborted,
+            shutdown_aborted=ended,
+        ),
     )
+
+
+def _answered(handle: ServerHandle) -> tuple[int, int]:
+    """(materialized, aborted): the outcomes the transports gave requests, counted once
+    each (``AdmissionStats``). Not the pool's ``admitted``: that counts the start-up's
+    warm-up request too, which is no traffic (as in ``mmadmit_requests_total``)."""
+    from .admission import AdmissionStats
+
+    materialized = aborted = 0
+    for transport in (handle.grpc, handle.zmq, handle.engine, handle.smg):
+        stats = getattr(transport, "stats", None)
+        if isinstance(stats, AdmissionStats):
+            materialized += stats.materialized
+            aborted += sum(stats.aborted_by_code.values())
+    return materialized, aborted
 
 
 async def _close_port(port: Any, deadline: float) -> None:
