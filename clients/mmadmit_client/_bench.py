@@ -18,6 +18,13 @@ them sent afterwards (the table's ``error: ServerUnavailable``). ``sent == recei
 is the transport keeping its promise of exactly one outcome per request; the
 report says whether it held. Latencies are per outcome, from the send to the
 outcome (the client's own decoding included).
+
+Outcomes are shown by code everywhere (the progress bar, the tables, the plot),
+and the run's status (:meth:`BenchReport.status`) heads the table and the plot
+in its colour: green when every request materialized, orange when some were
+aborted, red when all were (a load of requests the server refuses, e.g. ids of
+another profile: 100% ``INVALID_REQUEST`` at a fine rate is not a healthy
+run) or some got no outcome.
 """
 
 from __future__ import annotations
@@ -36,6 +43,14 @@ import numpy as np
 from ._cli_request import LoadedRequest, UsageError
 from ._cli_transport import CliTransport
 from ._exceptions import ClientError
+
+MATERIALIZED = "MATERIALIZED"
+# the status's level -> (rich style, matplotlib colour)
+STATUS_STYLES = {
+    "ok": ("bold green", "#228833"),
+    "aborts": ("bold dark_orange", "#ee7733"),
+    "failed": ("bold red", "#cc3311"),
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,38 @@ class BenchReport:
         counts = collections.Counter(code for _, _, code in self.samples)
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
+    @property
+    def aborted(self) -> int:
+        """Outcomes that are aborts (any code but ``MATERIALIZED``)."""
+        return sum(n for code, n in self.outcomes().items() if code != MATERIALIZED)
+
+    def status(self) -> tuple[str, str]:
+        """(text, level): the run in one line, outcomes by code; level ``ok`` (every
+        request materialized), ``aborts`` (some aborted) or ``failed`` (all aborted,
+        none answered, or some without an outcome); see :data:`STATUS_STYLES`."""
+        outcomes = self.outcomes()
+        aborted = self.aborted
+        if self.received == 0:
+            head, level = "NO OUTCOME", "failed"
+        elif aborted == self.received:
+            head, level = "ALL ABORTED", "failed"
+        elif aborted:
+            share = 100 * aborted / self.received
+            head = f"{share:.1f}% ABORTED" if share >= 0.1 else "<0.1% ABORTED"
+            level = "aborts"
+        else:
+            head, level = "all materialized", "ok"
+        text = f"{head}: {self.received} outcomes, {self.throughput_rps:.0f}/s"
+        if outcomes:
+            text += " (" + ", ".join(f"{code} {n}" for code, n in outcomes.items()) + ")"
+        missing = sum(self.errors.values())
+        if missing or self.lost:
+            level = "failed"
+            text += f"; {max(missing, self.lost)} without an outcome"
+            if self.errors:
+                text += " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) + ")"
+        return text, level
+
     def throughput_series(self) -> tuple[np.ndarray, np.ndarray]:
         """(bucket start in s, outcomes per second) over the run, about 40 buckets."""
         done = np.array([t + lat / 1e3 for t, lat, _ in self.samples], dtype=np.float64)
@@ -123,6 +170,8 @@ class BenchReport:
             "throughput_rps": round(self.throughput_rps, 2),
             "latency_ms": self.latency_summary(),
             "outcomes": self.outcomes(),
+            "aborted": self.aborted,
+            "status": self.status()[0],
             "transport_counters": self.transport_counters,
         }
 
@@ -208,6 +257,8 @@ class _Progress:
         self.progress = Progress(*columns, console=console, transient=False)
         self.task = self.progress.add_task("bench", total=total, info="")
         self._last = 0.0
+        self._seen = 0  # samples looked at so far
+        self._aborted = 0  # aborts among them
 
     def start(self) -> None:
         self.progress.start()
@@ -220,9 +271,14 @@ class _Progress:
 
     def _update(self, report: BenchReport, elapsed_s: float) -> None:
         rate = report.received / elapsed_s if elapsed_s > 0 else 0.0
+        for _, _, code in report.samples[self._seen :]:
+            self._aborted += code != MATERIALIZED
+        self._seen = report.received
         info = f"{report.received} outcomes, {rate:.0f}/s"
+        if self._aborted:
+            info += f", [bold red]{self._aborted} aborted[/]"
         if report.errors:
-            info += f", {sum(report.errors.values())} errors"
+            info += f", [bold red]{sum(report.errors.values())} errors[/]"
         completed: float = report.received + sum(report.errors.values())
         if not self.by_count:
             completed = min(elapsed_s, self.progress.tasks[0].total or elapsed_s)
@@ -238,28 +294,43 @@ class _Progress:
 # --------------------------------------------------------------------------- output
 
 
-def render_report(report: BenchReport, console: Any) -> None:
-    """The summary tables (throughput, latency percentiles, outcomes by code)."""
-    from rich.table import Table
-
+def describe_load(report: BenchReport) -> str:
+    """``bench TARGET (transport): LOAD at concurrency C, N file(s)``."""
     s = report.settings
     load = f"{s.duration_s:g} s" if s.duration_s is not None else f"{s.requests} requests"
-    head = Table(
-        title=f"bench {report.target} ({report.transport}): {load} at concurrency "
-        f"{s.concurrency}, {len(report.files)} file(s)",
-        show_header=True,
+    return (
+        f"bench {report.target} ({report.transport}): {load} at concurrency "
+        f"{s.concurrency}, {len(report.files)} file(s)"
     )
-    for col in ("sent", "received", "lost", "errors", "elapsed s", "throughput req/s"):
+
+
+def render_report(report: BenchReport, console: Any) -> None:
+    """What was run and the run's status (outcomes by code, in its colour: the
+    title of the tables), then the tables: sent / received / aborted /
+    throughput, latency percentiles, outcomes by code."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from ._cli_output import print_line, print_table
+
+    print_line(console, Text(describe_load(report), style="bold"))
+    status, level = report.status()
+    style = STATUS_STYLES[level][0]
+    print_line(console, Text(status, style=style))  # the table's title, never wrapped
+    head = Table(show_header=True)
+    for col in ("sent", "received", "aborted", "lost", "errors", "elapsed s",
+                "throughput req/s"):  # fmt: skip
         head.add_column(col, justify="right")
     head.add_row(
         str(report.sent),
         str(report.received),
+        Text(str(report.aborted), style=style if report.aborted else ""),
         str(report.lost),
         str(sum(report.errors.values())),
         f"{report.elapsed_s:.2f}",
         f"{report.throughput_rps:.1f}",
     )
-    console.print(head)
+    print_table(console, head)
 
     lat = report.latency_summary()
     lat_table = Table(title="latency (ms)")
@@ -267,26 +338,29 @@ def render_report(report: BenchReport, console: Any) -> None:
     for key in keys:
         lat_table.add_column(key, justify="right")
     lat_table.add_row(*("-" if lat[k] is None else f"{lat[k]:.2f}" for k in keys))
-    console.print(lat_table)
+    print_table(console, lat_table)
 
-    out_table = Table(title="outcomes")
+    out_table = Table(title="outcomes by code")
     out_table.add_column("code")
     out_table.add_column("count", justify="right")
     out_table.add_column("share", justify="right")
     for code, count in report.outcomes().items():
-        out_table.add_row(code, str(count), f"{100 * count / max(report.received, 1):.1f}%")
+        share = f"{100 * count / max(report.received, 1):.1f}%"
+        row_style = "green" if code == MATERIALIZED else "bold red"
+        out_table.add_row(Text(code, style=row_style), str(count), share)
     for name, count in sorted(report.errors.items()):
-        out_table.add_row(f"error: {name}", str(count), "-")
-    console.print(out_table)
+        out_table.add_row(Text(f"error: {name}", style="bold red"), str(count), "-")
+    print_table(console, out_table)
     verdict = (
         "every request got exactly one outcome"
         if report.all_received
         else f"{report.lost} request(s) got no outcome"
     )
     extra = ", ".join(f"{k} {v}" for k, v in report.transport_counters.items())
-    console.print(
+    print_line(
+        console,
         f"sent {report.sent}, received {report.received}: {verdict}"
-        + (f" ({extra})" if extra else "")
+        + (f" ({extra})" if extra else ""),
     )
 
 
@@ -301,15 +375,19 @@ def require_matplotlib() -> None:
         ) from exc
 
 
-def write_plot(report: BenchReport, path: str) -> None:
-    """A PNG: the latency histogram and the throughput over time."""
+def plot_figure(report: BenchReport) -> Any:
+    """The plot's matplotlib figure (the caller closes it): the latency histogram, the
+    throughput over time and the outcomes by code, under the run's status in its
+    colour (:meth:`BenchReport.status`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
     lat = report.latencies_ms()
-    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_lat, ax_tp, ax_out) = plt.subplots(
+        1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [4, 4, 3]}
+    )
     try:
         if lat.size:
             ax_lat.hist(lat, bins=int(min(60, max(10, lat.size // 10))), color="#4477aa")
@@ -321,18 +399,47 @@ def write_plot(report: BenchReport, path: str) -> None:
             ax_lat.legend()
         ax_lat.set_xlabel("latency (ms)")
         ax_lat.set_ylabel("requests")
-        ax_lat.set_title("latency")
+        ax_lat.set_title("latency (all outcomes)")
         starts, rates = report.throughput_series()
         ax_tp.step(starts, rates, where="post", color="#228833")
         ax_tp.set_xlabel("time since start (s)")
         ax_tp.set_ylabel("outcomes / s")
         ax_tp.set_title("throughput")
-        ax_tp.set_ylim(bottom=0)
+        ax_tp.set_ylim(bottom=0, top=max(float(rates.max(initial=0.0)), 1.0) * 1.15)
+
+        rows = [(code, n, STATUS_STYLES["ok" if code == MATERIALIZED else "failed"][1])
+                for code, n in report.outcomes().items()]  # fmt: skip
+        rows += [(f"error: {k}", n, "#777777") for k, n in sorted(report.errors.items())]
+        if rows:
+            labels, counts, colours = zip(*rows, strict=True)
+            y = np.arange(len(rows))
+            bars = ax_out.barh(y, counts, color=colours)
+            ax_out.set_yticks(y, labels)
+            ax_out.invert_yaxis()  # the most frequent on top
+            ax_out.bar_label(bars, labels=[str(n) for n in counts], padding=2)
+            ax_out.set_xlim(right=max(counts) * 1.25)
+        ax_out.set_xlabel("requests")
+        ax_out.set_title("outcomes by code")
+
+        status, level = report.status()
         fig.suptitle(
-            f"{report.target} ({report.transport}), concurrency {report.settings.concurrency}: "
-            f"{report.received} outcomes, {report.throughput_rps:.0f}/s"
+            f"{describe_load(report)}\n{status}",
+            color=STATUS_STYLES[level][1],
+            fontweight="normal" if level == "ok" else "bold",
         )
         fig.tight_layout()
+    except BaseException:
+        plt.close(fig)
+        raise
+    return fig
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    """A PNG of :func:`plot_figure`."""
+    fig = plot_figure(report)  # (selects the Agg backend before pyplot is imported)
+    import matplotlib.pyplot as plt
+
+    try:
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)

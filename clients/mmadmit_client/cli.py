@@ -24,7 +24,10 @@ outcome), 2 unusable arguments or request file, 3 unreachable or no answer
 TLS or CURVE handshake: the message says which when it can be told).
 
 Output: readable (rich) on stdout, or with ``--json`` one JSON object there;
-progress and notes go to stderr. ``health`` prints one line (``SERVING``)
+progress and notes go to stderr. Readable output wraps at the terminal's width
+(or ``COLUMNS``), not at all into a file or pipe with no terminal, and never
+inside a number (``_cli_output``). Files are written only where ``--out`` and
+``--plot`` name them. ``health`` prints one line (``SERVING``)
 and imports neither rich nor the codec: it is what a compose healthcheck runs.
 Imports are lazy throughout, so each command loads only what it uses.
 """
@@ -76,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Command-line client of the mmadmit admission service (gRPC and ZMQ).",
         epilog="exit status: 0 materialized (health: SERVING; bench: every request got an "
         "outcome), 1 aborted (health: not SERVING; bench: requests without an outcome), "
-        "2 unusable arguments or request file, 3 unreachable or no outcome",
+        "2 unusable arguments or request file, 3 unreachable or no outcome. "
+        "files: none is written unless named, by admit --out and bench --plot (a relative "
+        "path is from the current directory; in a checkout of the repository, the names its "
+        "README uses, reply.frames and bench.png, are git-ignored at its root)",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -125,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET", help=target_help)
     p.add_argument("file", metavar="FILE", help=".frames container or JSON request")
     p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
-    p.add_argument("--out", metavar="FILE", help="write the reply frames [status, payload, *aux]")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the reply frames [status, payload, *aux] to FILE (default: no file)",
+    )
     p.add_argument("--rid", metavar="RID", help="send under this request id")
     common(p, request=True)
 
@@ -140,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     common(p, request=False, zmq=False)
 
-    p = sub.add_parser("bench", help="steady load, then throughput and latency percentiles")
+    p = sub.add_parser(
+        "bench", help="steady load, then throughput, latency percentiles, outcomes by code"
+    )
     p.add_argument("target", metavar="TARGET", help=target_help)
     p.add_argument("files", metavar="FILE", nargs="+", help="request files, sent in turn")
     load = p.add_mutually_exclusive_group()
@@ -157,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument(
-        "--plot", metavar="FILE.png", help="latency histogram and throughput (needs matplotlib)"
+        "--plot",
+        metavar="FILE.png",
+        help="write a PNG: latency histogram, throughput, outcomes by code (default: no "
+        "file; needs matplotlib)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     common(p, request=True)
@@ -226,8 +241,9 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
         return EXIT_OK
-    from rich.console import Console
     from rich.table import Table
+
+    from ._cli_output import print_table, stdout_console
 
     table = Table(title=f"model loaded at {args.target}", show_header=False)
     table.add_column("field", style="bold")
@@ -235,7 +251,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     for key, value in doc.items():
         shown = ", ".join(value) if isinstance(value, list) else value
         table.add_row(key, "-" if shown is None else str(shown))
-    Console(highlight=False).print(table)
+    print_table(stdout_console(), table)
     return EXIT_OK
 
 
@@ -291,16 +307,18 @@ def _write(path: str, blob: bytes) -> None:
 
 def _render_result(result: Any, target: str) -> None:
     import numpy as np
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = Console(highlight=False)
-    where = f"rid={result.request_id}  {target}  {result.latency_ms:.2f} ms"
+    from ._cli_output import print_line, print_table, stdout_console
+
+    console = stdout_console()
+    where = escape(f"rid={result.request_id}  {target}  {result.latency_ms:.2f} ms")
     if not result.materialized:
-        console.print(f"[bold red]ABORTED[/] [bold]{result.abort_code}[/]  {where}")
-        console.print(result.abort_message, markup=False)
+        print_line(console, f"[bold red]ABORTED[/] [bold]{result.abort_code}[/]  {where}")
+        print_line(console, result.abort_message, markup=False)
         return
-    console.print(f"[bold green]MATERIALIZED[/]  {where}")
+    print_line(console, f"[bold green]MATERIALIZED[/]  {where}")
     n = int(result.input_ids.size)
     facts = [f"{n} tokens"]
     if result.input_ids_unpadded is not None and result.input_ids_unpadded.size == n:
@@ -314,7 +332,7 @@ def _render_result(result: Any, target: str) -> None:
         facts.append(f"M-RoPE delta {result.mrope_position_delta}")
     if result.passthrough:
         facts.append("passthrough (materialized upstream)")
-    console.print(", ".join(facts))
+    print_line(console, ", ".join(facts), markup=False)
     if result.items:
         table = Table()
         for col, justify in (("#", "right"), ("modality", "left"), ("hash", "right"),
@@ -329,7 +347,7 @@ def _render_result(result: Any, target: str) -> None:
                 "-" if it.pad_value is None else str(it.pad_value),
                 spans,
             )
-        console.print(table)
+        print_table(console, table)
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -367,7 +385,9 @@ async def _bench(args: argparse.Namespace) -> int:
         doc["plot"] = args.plot
         print(json.dumps(doc))
     else:
-        render_report(report, Console(highlight=False))
+        from ._cli_output import stdout_console
+
+        render_report(report, stdout_console())
     return EXIT_OK if report.all_received else EXIT_ABORTED
 
 
