@@ -1,4 +1,5 @@
-# mmadmit developer entry points. `make run` and `make test` set everything up.
+# mmadmit developer entry points. `make run` and `make test` set everything up;
+# `make help` (or plain `make`) lists every target.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,28 +11,57 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 MMADMIT_ARGS ?=
 
-.PHONY: setup run test lint bench protos clean
+# Two installs, each with its own stamp: serving (`make run`) needs the package and
+# its client only; the `test` extra (pytest, transformers, the SMG gateway, ruff,
+# mypy, ...) comes with `make setup` / `make test` and every developer target. pip
+# runs without -q, so a first install shows what it is doing (a few minutes).
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 
-$(VENV)/.installed: pyproject.toml setup.py
+.DEFAULT_GOAL := help
+.PHONY: help setup setup-serve run test lint bench protos clean
+
+help: ## list the targets (this)
+	@echo "make TARGET [VARIABLE=value ...]; the targets:"
+	@awk -F':.*## ' '/^[a-zA-Z0-9_-]+:.*## / {printf "  %-25s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "variables: TORCH_SPEC TORCH_INDEX PYTHON VENV MMADMIT_ARGS SOAK_SECONDS FUZZ_SECONDS FUZZ_TARGETS"
+
+# $(VENV) with torch in it, installed on its own before anything can pull it in.
+define venv_with_torch
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || \
+	  echo "setup: installing $(TORCH_SPEC) into $(VENV) first (CPU build; a few minutes)"
 	$(PY) -c "import torch" 2>/dev/null || \
-	  $(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test]"
+	  $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+endef
+
+$(SERVE_STAMP): pyproject.toml setup.py
+	$(venv_with_torch)
+	@echo "setup: installing mmadmit and its client into $(VENV) (builds the C extensions)"
+	$(PY) -m pip install -e .
 	touch $@
 
-setup: $(VENV)/.installed
+$(TEST_STAMP): pyproject.toml setup.py
+	$(venv_with_torch)
+	@echo "setup: installing mmadmit with the test extra into $(VENV) (a few minutes)"
+	$(PY) -m pip install -e ".[test]"
+	touch $@ $(SERVE_STAMP)
 
-run: setup
+setup: $(TEST_STAMP) ## .venv for development: torch (CPU), the package, the test extra
+
+setup-serve: $(SERVE_STAMP) ## .venv for serving only: torch (CPU), the package and its client
+
+run: $(SERVE_STAMP) ## serve the default profile (flags: MMADMIT_ARGS="--model ...")
 	$(VENV)/bin/mmadmit serve $(MMADMIT_ARGS)
 
-test: setup
+test: setup ## the whole test suite, CPU only (what .ci/run calls)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: setup
+lint: setup ## ruff and mypy
 	$(VENV)/bin/ruff check service clients tests bench scripts fuzz setup.py
 	$(VENV)/bin/mypy service/mmadmit clients/mmadmit_client
 
-bench: setup
+bench: setup ## every benchmark in bench/ (medians next to their baselines)
 	$(PY) bench/bench_materialize.py
 	$(PY) bench/bench_zmq.py
 	$(PY) bench/bench_grpc.py
@@ -40,10 +70,10 @@ bench: setup
 	$(PY) bench/bench_smg_grpc.py
 	$(PY) bench/bench_inline.py
 
-protos: setup
+protos: setup ## regenerate the protobuf modules from protos/
 	$(PY) scripts/gen_protos.py
 
-clean:
+clean: ## remove .venv, build outputs and generated code
 	rm -rf $(VENV) build *.egg-info clients/build clients/*.egg-info clients/mmadmit_client/_proto service/mmadmit/*.so
 
 # Containers (deploy/README.md). compose-smoke builds the image, brings
@@ -53,19 +83,19 @@ clean:
 # debootstraps the base images and fills a wheelhouse when they are missing).
 .PHONY: compose-smoke compose-base compose-wheelhouse compose-wheelhouse-clean deploy-validate
 
-compose-smoke: setup
+compose-smoke: setup ## build the image, bring docker-compose.yml up, admit, drain
 	scripts/compose_smoke.sh
 
-compose-base:
+compose-base: ## debootstrap the base images (offline builds)
 	scripts/compose_base.sh
 
-compose-wheelhouse:
+compose-wheelhouse: ## fill deploy/wheelhouse for an offline image build
 	scripts/compose_wheelhouse.sh deploy/wheelhouse
 
-compose-wheelhouse-clean:
+compose-wheelhouse-clean: ## empty deploy/wheelhouse
 	rm -f deploy/wheelhouse/*.whl
 
-deploy-validate: setup
+deploy-validate: setup ## check the compose file and k8s manifests
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
 # Fuzzing (RELIABILITY.md). fuzz-build: the C extensions with ASan + UBSan in
@@ -79,12 +109,12 @@ FUZZ_ENGINE ?= auto
 FUZZ_EXT_DIR := build/fuzz/mmadmit
 .PHONY: fuzz-build fuzz fuzz-smoke
 
-fuzz-build: setup
+fuzz-build: setup ## the C extensions with ASan + UBSan, and atheris
 	$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q -e ".[fuzz]" || \
 	  echo "fuzz-build: atheris did not install; make fuzz uses fuzz/mutator.py"
 	PYTHON=$(PY) OUT=$(FUZZ_EXT_DIR) fuzz/build_sanitized.sh
 
-fuzz: fuzz-build
+fuzz: fuzz-build ## every fuzz target for FUZZ_SECONDS on the sanitizer build
 	@asan=$$(fuzz/asan_runtime.sh $(PY)); echo "fuzz: LD_PRELOAD=$$asan"; \
 	for t in $(FUZZ_TARGETS); do \
 	  LD_PRELOAD=$$asan ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:abort_on_error=1 \
@@ -92,7 +122,7 @@ fuzz: fuzz-build
 	  $(PY) fuzz/run.py $$t --engine $(FUZZ_ENGINE) --seconds $(FUZZ_SECONDS) || exit 1; \
 	done
 
-fuzz-smoke: setup
+fuzz-smoke: setup ## the seconds-long fuzz suite, no sanitizers
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_smoke.py tests/test_fuzz_regressions.py
 
 # Load and soak (RELIABILITY.md): scripts/soak.py starts `mmadmit serve` on loopback
@@ -101,6 +131,6 @@ fuzz-smoke: setup
 SOAK_SECONDS ?= 300
 .PHONY: soak
 
-soak: setup
+soak: setup ## mixed load for SOAK_SECONDS; fails on a lost request or RSS growth
 	mkdir -p build
 	$(PY) scripts/soak.py --duration $(SOAK_SECONDS) --json build/soak.json
