@@ -11,9 +11,11 @@ Run with: python -m pytest tests/test_admission.py -q
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,7 +255,7 @@ def _requests_total(telemetry: Telemetry, transport: str, outcome: str, code: st
     return value or 0.0
 
 
-async def test_observe_counts_each_outcome_once(gate: Gate) -> None:
+async def test_finish_counts_each_outcome_once(gate: Gate) -> None:
     pool = _held_pool(gate)
     telemetry = Telemetry("llama", log_outcomes=False)
     stats = ZmqIngestStats()  # a transport's own counters extend AdmissionStats
@@ -272,10 +274,10 @@ async def test_observe_counts_each_outcome_once(gate: Gate) -> None:
         assert stats.materialized == 0 and stats.aborted_by_code == {}
         assert _requests_total(telemetry, "zmq", "materialized", "OK") == 0
         assert isinstance(ok_out, Materialized) and isinstance(gone_out, Abort)
-        adm.observe("ok", ok_req, ok_out, t0)
-        adm.observe("gone", None, gone_out, t0)
+        assert adm.finish("ok", ok_req, ok_out, t0, _same) is ok_out
+        adm.finish("gone", None, gone_out, t0, _same)
         refused = Abort(AbortCode.INVALID_REQUEST, "duplicate")
-        adm.observe("dup", None, refused, t0)
+        adm.finish("dup", None, refused, t0, _same)
         assert stats.materialized == 1
         assert stats.aborted_by_code == {"CANCELLED": 1, "INVALID_REQUEST": 1}
         assert _requests_total(telemetry, "zmq", "materialized", "OK") == 1
@@ -288,11 +290,65 @@ async def test_observe_counts_each_outcome_once(gate: Gate) -> None:
         pool.close()
 
 
-async def test_observe_without_telemetry_counts_stats_only(gate: Gate) -> None:
+async def test_finish_without_telemetry_counts_stats_only(gate: Gate) -> None:
     pool = _held_pool(gate)
     try:
         adm = Admissions(pool, transport="grpc")
-        adm.observe("r", None, Abort(AbortCode.OVERLOADED, "full"), 0.0)
+        adm.finish("r", None, Abort(AbortCode.OVERLOADED, "full"), 0.0, _same)
         assert adm.stats == AdmissionStats(materialized=0, aborted_by_code={"OVERLOADED": 1})
     finally:
+        pool.close()
+
+
+def _same(outcome: Any) -> Any:
+    return outcome
+
+
+async def test_the_ladder_counts_what_was_encoded(gate: Gate) -> None:
+    """``admit``: a refusal at submit is an outcome (encoded, counted); a cancelled wait
+    is counted CANCELLED, releases its key and re-raises; an encoder that raises an
+    AdmissionError ends the request with that code, one that raises anything else
+    ends it INTERNAL (encoded by ``encode_failed``); each counted once, after its
+    reply exists."""
+    pool = _held_pool(gate, max_inflight=4)
+    try:
+        adm = Admissions(pool, transport="grpc")
+        t0 = time.perf_counter()
+        held = asyncio.ensure_future(adm.admit((b"", "held"), _req("held"), _same, t0))
+        await asyncio.sleep(0.05)
+        dup = await adm.admit((b"", "held"), _req("held"), _same, t0)
+        assert dup.code is AbortCode.INVALID_REQUEST  # the id is in flight
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        assert len(adm) == 0
+        assert adm.stats.aborted_by_code == {"INVALID_REQUEST": 1, "CANCELLED": 1}
+        gate.open()
+        ok = await adm.admit((b"", "ok"), _req("ok"), _same, t0)
+        assert isinstance(ok, Materialized)
+
+        def refuse(outcome: Any) -> Any:
+            if isinstance(outcome, Materialized):
+                raise ShuttingDown("the scheduler went away")
+            return outcome
+
+        gone = await adm.admit((b"", "gone"), _req("gone"), refuse, t0)
+        assert gone.code is AbortCode.SHUTTING_DOWN
+
+        def broken(outcome: Any) -> Any:
+            raise ValueError("planted")
+
+        reply = adm.finish("bug", None, ok, t0, broken, lambda out: ("fallback", out))
+        assert reply[0] == "fallback" and reply[1].code is AbortCode.INTERNAL
+        assert adm.stats == AdmissionStats(
+            materialized=1,
+            aborted_by_code={
+                "INVALID_REQUEST": 1,
+                "CANCELLED": 1,
+                "SHUTTING_DOWN": 1,
+                "INTERNAL": 1,
+            },
+        )
+    finally:
+        gate.open()
         pool.close()

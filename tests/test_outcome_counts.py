@@ -10,7 +10,7 @@ transport can produce is driven once: materialized, ``INVALID_REQUEST``,
 ``DEADLINE_EXCEEDED`` (gRPC: the msgpack wire carries no timeout),
 ``INTERNAL`` and ``SHUTTING_DOWN``; ``TEXT_ONLY_MODEL`` on a server started
 ``--language-model-only``. The engine and SMG gRPC transports count through
-the same ``Admissions.observe`` (``test_engine_mode.py``, ``test_smg_grpc.py``).
+the same ladder (``Admissions.finish``) (``test_engine_mode.py``, ``test_smg_grpc.py``).
 The pool counts no outcome (no ``mmadmit_outcomes_total``), and the
 transports' untyped series do not export the count a second time.
 

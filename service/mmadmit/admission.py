@@ -23,7 +23,7 @@ between is the same on every face, and lives here once
   raises an :class:`~mmadmit.errors.AdmissionError` into that error's code
   (e.g. the scheduler went away meanwhile), and a call cancelled while
   waiting is counted ``CANCELLED``;
-* **outcome counting**: :meth:`Admissions.observe` counts every terminal
+* **outcome counting**: :meth:`Admissions._observe` counts every terminal
   outcome of the transport once (:class:`AdmissionStats`, the transport's
   ``materialized`` / ``aborted_by_code``), and that count is the only one:
   telemetry exports it at scrape time as ``mmadmit_requests_total`` under the
@@ -75,7 +75,7 @@ CALL_GONE = "the call went away"
 
 @dataclass
 class AdmissionStats:
-    """Terminal outcomes of one transport, counted once each (:meth:`Admissions.observe`)."""
+    """Terminal outcomes of one transport, counted once each (:meth:`Admissions._observe`)."""
 
     materialized: int = 0
     aborted_by_code: dict[str, int] = field(default_factory=dict)
@@ -215,7 +215,7 @@ class Admissions:
         try:
             outcome = await self.wait(key, ticket)
         except asyncio.CancelledError:
-            self.observe(rid, request, Abort(AbortCode.CANCELLED, CALL_GONE), t0)
+            self._observe(rid, request, Abort(AbortCode.CANCELLED, CALL_GONE), t0)
             raise
         return self.finish(rid, request, outcome, t0, encode)
 
@@ -248,7 +248,7 @@ class Admissions:
         else is a bug of ours: logged, and the request ends ``INTERNAL``,
         encoded by ``encode_failed`` (default ``encode``; a transport whose
         encoder reads the request gives one that does not). Exactly one
-        :meth:`observe` per call, after the reply exists.
+        :meth:`_observe` per call, after the reply exists.
         """
         try:
             reply = encode(outcome)
@@ -259,12 +259,12 @@ class Admissions:
             logger.exception("rid=%s: encoding the outcome failed", rid)
             outcome = abort_from_exception(exc)
             reply = (encode_failed or encode)(outcome)
-        self.observe(rid, request, outcome, t0)
+        self._observe(rid, request, outcome, t0)
         return reply
 
     # ------------------------------------------------------------------ outcomes
 
-    def observe(
+    def _observe(
         self, rid: str, request: Request | None, outcome: Materialized | Abort, t0: float
     ) -> None:
         """Count one terminal outcome of this transport (call exactly once per request;

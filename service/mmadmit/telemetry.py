@@ -3,10 +3,10 @@
 Scope: the one :class:`Telemetry` object of a server, shared by every
 transport and the pool. Each outcome is counted in exactly one place: the
 transport's :class:`~mmadmit.admission.AdmissionStats` (a plain integer add in
-:meth:`~mmadmit.admission.Admissions.observe`), which registers with
+:meth:`~mmadmit.admission.Admissions.finish`), which registers with
 :meth:`Telemetry.track` and is exported as ``requests_total`` when
 ``/metrics`` is scraped. :meth:`Telemetry.outcome`, called by the same
-``observe``, adds what a count cannot hold: the latency observation, the
+``finish``, adds what a count cannot hold: the latency observation, the
 feature bytes hashed and the outcome log line. The pool reports how long each
 materializer run took. Everything else (in-flight, queue depth, draining,
 bytes received and sent, the pool's and transports' own counters) is read from

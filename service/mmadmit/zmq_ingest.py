@@ -43,7 +43,7 @@ How the hard parts work:
 * **Exactly one output per ADD, counted once**: every path through
   :meth:`ZmqIngest._handle` ends in one of: an immediate abort, or a ticket
   whose completion task emits the outcome. Each is counted once, by
-  :meth:`~mmadmit.admission.Admissions.observe`, when its message is encoded.
+  :meth:`~mmadmit.admission.Admissions.finish`, once its message is encoded.
   The completion task has a broad guard (``INTERNAL``) and a ``finally`` that
   always releases what the output reserved for it.
 * **Per-peer request ids**: in-flight tickets are keyed by ``(identity, rid)``
@@ -141,7 +141,7 @@ class ZmqIngestStats(AdmissionStats, OutputStats):
     """Counters for metrics; written on the event loop thread only.
 
     ``materialized`` / ``aborted_by_code`` (from :class:`AdmissionStats`) count
-    the ADDs' outcomes, each once, through :meth:`Admissions.observe`; the
+    the ADDs' outcomes, each once, through :meth:`Admissions.finish`; the
     delivery counters (``replied``, ``forwarded``, ``undeliverable``, ...) are
     the output's (:class:`~mmadmit.zmq_output.OutputStats`).
     """
