@@ -19,10 +19,12 @@ Transport security: with ``credentials`` (TLS, optionally requiring client
 certificates: :mod:`mmadmit.security`) the port is bound with
 ``add_secure_port``; a client that fails the handshake never reaches a handler.
 
-Message-size limits: receive and send are both ``max_message_bytes``
-(``--max-message-bytes``), clamped to gRPC's ceiling of ``2**31 - 1``. They
-sit far above the per-request limits on purpose: a message gRPC refuses fails
+Message-size limits: what is received is held to ``max_message_bytes``
+(``--max-message-bytes``), clamped to gRPC's ceiling of ``2**31 - 1``; that
+sits far above the per-request limits on purpose: a message gRPC refuses fails
 the whole call, which on ``AdmitStream`` ends the stream (docs/spec/GRPC.md).
+What is sent has no limit of ours: a materialized reply carries positions, so
+it is often larger than its request.
 """
 
 from __future__ import annotations
