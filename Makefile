@@ -134,3 +134,14 @@ SOAK_SECONDS ?= 300
 soak: setup ## mixed load for SOAK_SECONDS; fails on a lost request or RSS growth
 	mkdir -p build
 	$(PY) scripts/soak.py --duration $(SOAK_SECONDS) --json build/soak.json
+
+# The SMG demo (docs/smg-grpc.md, "By hand"): scripts/smg_demo.py runs the real SMG in
+# front of mmadmit's SMG gRPC face and the test scheduler, all on loopback ephemeral
+# ports, sends a text completion and a Qwen2.5-VL image chat, prints both answers and
+# stops everything; a failure names its step. smg==1.13.0 is installed when missing.
+.PHONY: smg-demo
+
+smg-demo: setup ## SMG -> mmadmit's SMG gRPC face -> test scheduler: a text and an image request
+	$(PY) -c "import importlib.metadata as m, sys; sys.exit(m.version('smg') != '1.13.0')" \
+	  2>/dev/null || $(PY) -m pip install "smg==1.13.0"
+	$(PY) scripts/smg_demo.py

@@ -55,8 +55,6 @@ def test_demo_runs_end_to_end_and_prints_both_responses() -> None:
     chat = printed_json(done.stdout, "--- image chat: POST /v1/chat/completions: HTTP 200")
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["finish_reason"] == "stop"
-    # the image made the prompt longer than its text: it was expanded and materialized
-    assert chat["usage"]["prompt_tokens"] > len("What is it?")
     assert (
         'mmadmit_requests_total{code="OK",outcome="materialized",transport="smg_grpc"} 2.0'
         in done.stdout
