@@ -217,7 +217,11 @@ class Demo:
         model_id = gw.model_id
 
         with self.step_of(4, "text completion"):
-            body = {"model": model_id, "prompt": "The capital of France is", "max_tokens": 16}
+            body: dict[str, Any] = {
+                "model": model_id,
+                "prompt": "The capital of France is",
+                "max_tokens": 16,
+            }
             status, doc = http_json(gw.port, "POST", "/v1/completions", body)
             show("text completion: POST /v1/completions", status, doc)
             if status != 200 or not isinstance(doc, dict) or not doc.get("choices"):
@@ -239,11 +243,11 @@ class Demo:
                 if line.startswith("mmadmit_requests_total") and 'transport="smg_grpc"' in line
             ]
             counted = [ln for ln in lines if float(ln.rsplit(" ", 1)[1]) > 0]
-            face = [line for line in text.splitlines() if line.split(" ")[0] in FACE_SERIES]
+            face_lines = [ln for ln in text.splitlines() if ln.split(" ")[0] in FACE_SERIES]
             print(
                 f"--- mmadmit /metrics (127.0.0.1:{metrics}): smg_grpc requests, the face's state"
             )
-            print("\n".join(counted + face), flush=True)
+            print("\n".join(counted + face_lines), flush=True)
             done = [ln for ln in counted if 'outcome="materialized"' in ln]
             if sum(float(ln.rsplit(" ", 1)[1]) for ln in done) != 2:
                 raise RuntimeError(f"not 2 materialized smg_grpc requests: {counted}")
