@@ -87,7 +87,7 @@ COPY --from=build /opt/mmadmit /opt/mmadmit
 
 # Inside the container the service listens on every interface; the compose file
 # and the Kubernetes manifests decide what is published. Any MMADMIT_* variable
-# (CLI.md) configures it; arguments after the image name are `serve` flags.
+# (docs/spec/CLI.md) configures it; arguments after the image name are `serve` flags.
 ENV PATH=/opt/mmadmit/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     MMADMIT_GRPC_LISTEN=0.0.0.0:50051 \
