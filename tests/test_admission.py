@@ -352,3 +352,24 @@ async def test_the_ladder_counts_what_was_encoded(gate: Gate) -> None:
     finally:
         gate.open()
         pool.close()
+
+
+async def test_until_quiet_does_not_take_a_stalled_loop_for_a_quiet_peer() -> None:
+    """The drain closes an intake once nothing arrived for ``quiet_s``; a loop that
+    stalled (here 0.3 s, past ``quiet_s``) was not listening meanwhile, so an arrival
+    due during the stall still restarts the quiet period instead of meeting a close."""
+    from mmadmit.admission import until_quiet
+
+    loop = asyncio.get_running_loop()
+    arrivals = [0]
+
+    def arrive() -> None:
+        arrivals[0] += 1
+
+    t0 = loop.time()
+    quiet = asyncio.ensure_future(until_quiet(lambda: arrivals[0], t0 + 5, quiet_s=0.1))
+    loop.call_later(0.05, time.sleep, 0.3)  # the loop stalls
+    loop.call_later(0.2, arrive)  # due while it stalls
+    assert await quiet is True
+    assert arrivals[0] == 1
+    assert loop.time() - t0 >= 0.35 + 0.1  # quiet counted from the arrival, after the stall

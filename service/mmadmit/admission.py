@@ -293,14 +293,22 @@ async def until_quiet(
     loop = asyncio.get_running_loop()
     seen = activity()
     last = loop.time() if since is None else since
+    confirming = False
     while (now := loop.time()) < until:
         count = activity()
         if count != seen:
-            seen, last = count, now
+            seen, last, confirming = count, now, False
         elif waiting is not None and waiting():
-            last = now
+            last, confirming = now, False
         elif now - last >= quiet_s:
-            return True
+            if confirming:
+                return True
+            # Look once more after a short pause: a loop that stalled (GC, a long
+            # inline run) has not been listening, and a peer's message may be
+            # due right behind the stall.
+            confirming = True
+            await asyncio.sleep(min(quiet_s / 8, max(0.0, until - now)))
+            continue
         await asyncio.sleep(min(quiet_s / 4, max(0.0, until - now)))
     return False
 
