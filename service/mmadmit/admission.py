@@ -53,6 +53,7 @@ from .errors import (
     ShuttingDown,
     abort_from_exception,
 )
+from .materializer import Outcome
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
 from .telemetry import Telemetry
@@ -67,7 +68,6 @@ INTAKE_QUIET_S = 0.2
 INTAKE_MAX_S = 5.0
 
 Key = tuple[Hashable, str]  # (peer, rid)
-Outcome = Materialized | Abort
 T = TypeVar("T")
 Encode = Callable[[Outcome], T]  # a transport's reply for one outcome
 CALL_GONE = "the call went away"

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from . import native, security
-from .admission import INTAKE_MAX_S
+from .admission import INTAKE_MAX_S, AdmissionStats
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
@@ -495,8 +495,6 @@ def _answered(handle: ServerHandle) -> tuple[int, int]:
     """(materialized, aborted): the outcomes the transports gave requests, counted once
     each (``AdmissionStats``). Not the pool's ``admitted``: that counts the start-up's
     warm-up request too, which is no traffic (as in ``mmadmit_requests_total``)."""
-    from .admission import AdmissionStats
-
     materialized = aborted = 0
     for transport in (handle.grpc, handle.zmq, handle.engine, handle.smg):
         stats = getattr(transport, "stats", None)
