@@ -934,7 +934,7 @@ class SmgGrpcFace(SchedulerLink):
                     "SHUTTING_DOWN: the service stopped before this request finished",
                 )
             if type(piece) is _Fault:
-                await context.abort(grpc.StatusCode.INTERNAL, f"INTERNAL: {piece.message}")
+                await self._end(context, rid, Abort(AbortCode.INTERNAL, piece.message))
             assert isinstance(piece, _Piece)
             finished = bool(piece.reason)
             chunk = complete = None
@@ -974,10 +974,9 @@ class SmgGrpcFace(SchedulerLink):
                 logger.exception(
                     "rid=%s: a scheduler output passed the checks but not protobuf", rid
                 )
-                await context.abort(
-                    grpc.StatusCode.INTERNAL,
-                    f"INTERNAL: the scheduler's output for request {rid!r} cannot become a "
-                    f"response ({type(exc).__name__}: {exc})",
+                why = f"the scheduler's output for request {rid!r} cannot become a response"
+                await self._end(
+                    context, rid, Abort(AbortCode.INTERNAL, f"{why} ({type(exc).__name__}: {exc})")
                 )
             if chunk is not None:
                 self.stats.chunks += 1
@@ -1001,8 +1000,8 @@ class SmgGrpcFace(SchedulerLink):
         await self._end(context, rid, self.admissions.finish(rid, req, abort, t0, _same))
 
     async def _end(self, context: grpc.aio.ServicerContext, rid: str, abort: Abort) -> None:
-        """End a call with the status of its (counted) abort."""
-        logger.debug("rid=%s: refused %s: %s", rid, abort.code.value, abort.message)
+        """End a call with the status of its abort (STATUS_OF, "CODE: message")."""
+        logger.debug("rid=%s: ended %s: %s", rid, abort.code.value, abort.message)
         await context.abort(STATUS_OF[abort.code], _status_message(abort))
 
     async def Abort(  # noqa: N802
