@@ -534,11 +534,6 @@ def field_help(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
     return f"{text}; range {parse}" if isinstance(parse, IntRange) else text
 
 
-def limit_fields() -> list[str]:
-    """The ``--max-*`` settings (each has a range: tests/test_limit_flags.py)."""
-    return [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_")]
-
-
 def _shown(raw: str) -> str:
     """A refused value as the error line shows it: as given, or quoted when blank,
     spaced, unprintable or long."""
