@@ -127,6 +127,19 @@ async def peer_on(port: int, **kw: Any) -> AsyncIterator[Peer]:
 # --------------------------------------------------------------------------- ZMQ: no later delivery
 
 
+async def end_call(end: str, call: asyncio.Future[Any], client: Any) -> None:
+    """End an admit in flight as its caller would: ``cancel`` it (its await raises
+    CancelledError) or ``close`` the client (ClientStateError)."""
+    if end == "cancel":
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    else:
+        await client.aclose()
+        with pytest.raises(mc.ClientStateError):
+            await call
+
+
 @pytest.mark.parametrize("end", ["timeout", "cancel", "close"])
 async def test_request_ended_with_nothing_listening_never_reaches_a_later_server(end: str) -> None:
     """The operator's scenario: nothing listening, the request ends, a server comes up
@@ -141,14 +154,7 @@ async def test_request_ended_with_nothing_listening_never_reaches_a_later_server
         else:
             task = asyncio.ensure_future(client.admit(request("stale")))
             await asyncio.sleep(0.3)
-            if end == "cancel":
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-            else:
-                await client.aclose()
-                with pytest.raises(mc.ClientStateError):
-                    await task
+            await end_call(end, task, client)
         async with peer_on(port) as peer:
             if end == "close":
                 await asyncio.sleep(0.6)  # a closed client never connects: nothing arrives
@@ -216,9 +222,7 @@ async def test_request_queued_behind_a_stalled_peer_is_discarded(end: str) -> No
         else:
             task = asyncio.ensure_future(client.admit(request("stale")))
             await asyncio.sleep(0.5)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await end_call("cancel", task, client)
         results = await asyncio.wait_for(asyncio.gather(*loads, return_exceptions=True), 3)
         assert all(isinstance(r, mc.ServerUnavailable) for r in results), results
         assert transport.counters["connection_resets"] == 1
@@ -410,14 +414,8 @@ async def test_grpc_call_ended_while_connecting_never_reaches_a_later_server(end
         if end == "timeout":
             with pytest.raises(mc.RequestTimeout):
                 await call
-        elif end == "cancel":
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
         else:
-            await client.aclose()
-            with pytest.raises(mc.ClientStateError):
-                await call
+            await end_call(end, call, client)
         mute.close()
         async with grpc_server(port) as fake:
             if end == "close":
