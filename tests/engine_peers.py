@@ -295,13 +295,33 @@ def logprob_of(token: int) -> float:
     return -token / 100
 
 
-def asked_logprobs(req: Any) -> bool:
-    """Whether an ADD asked for logprobs (``return_logprob``, element 6)."""
+def envelope_field(req: Any, index: int) -> Any:
+    """Element ``index`` of an ADD's ``TokenizedGenerateReqInput`` array (docs/spec/WIRE.md)
+    as the scheduler received it, decoded from its raw bytes; None when absent."""
     extra = getattr(req, "extra", None)
     raw = getattr(extra, "raw", None)
-    if not raw or len(raw) <= 6:
-        return False
-    return msgspec.msgpack.decode(raw[6]) is True
+    if not raw or len(raw) <= index:
+        return None
+    return msgspec.msgpack.decode(raw[index])
+
+
+def asked_logprobs(req: Any) -> bool:
+    """Whether an ADD asked for logprobs (``return_logprob``, element 6)."""
+    return envelope_field(req, 6) is True
+
+
+def kv_bootstrap(req: Any) -> tuple[Any, Any, Any]:
+    """An ADD's PD rendezvous as received: ``(bootstrap_host, bootstrap_port,
+    bootstrap_room)``, elements 16, 17 and 18."""
+    return envelope_field(req, 16), envelope_field(req, 17), envelope_field(req, 18)
+
+
+def wire_items(req: Any) -> list[list[Any]]:
+    """An ADD's ``mm_items`` as received, each item its decoded element array
+    (``MultimodalDataItem``, docs/spec/WIRE.md; tensors as msgpack decodes them);
+    empty without ``multimodal_inputs`` (element 22)."""
+    mm = envelope_field(req, 22)
+    return list(mm[0] or []) if mm else []
 
 
 def load_snapshot(running: int, prompt_tokens: int) -> tuple[int, int, int, int]:

@@ -19,7 +19,8 @@ Nothing here is a test. It provides:
   :func:`wav_data_url`, plus :func:`image_part`, :func:`video_part`,
   :func:`audio_part`.
 * :class:`SmgGateway`: starts ``smg launch`` on an ephemeral loopback port in front
-  of a gRPC TokenSpeed worker (``grpc://HOST:PORT``) or, in engine mode, binding a
+  of a gRPC TokenSpeed worker (``grpc://HOST:PORT``), of disaggregated gRPC workers
+  (:func:`pd_workers`, :func:`epd_workers`) or, in engine mode, binding a
   ZMQ handshake address that engines connect to; waits until it is ready; offers
   small HTTP helpers (plain and streaming, with a mid-stream disconnect); stops it
   with SIGTERM then SIGKILL. SMG's output goes to a log file whose tail is quoted
@@ -704,11 +705,44 @@ class StreamResult:
         return [ev for ev in self.events if isinstance(ev, dict) and "error" in ev]
 
 
+def pd_workers(prefill: str, decode: str, bootstrap_port: int | None = None) -> list[str]:
+    """``smg launch`` arguments for PD disaggregation: one prefill and one decode gRPC
+    worker (``grpc://HOST:PORT``); ``bootstrap_port`` is the prefill's KV bootstrap
+    port (``none`` when not given)."""
+    port = "none" if bootstrap_port is None else str(bootstrap_port)
+    return ["--pd-disaggregation", "--prefill", prefill, port, "--decode", decode]
+
+
+def epd_workers(
+    encode: str,
+    prefill: str,
+    decode: str,
+    *,
+    encode_bootstrap_port: int | None = None,
+    prefill_bootstrap_port: int | None = None,
+) -> list[str]:
+    """``smg launch`` arguments for EPD disaggregation: one encode, one prefill and one
+    decode gRPC worker; each bootstrap port ``none`` when not given."""
+
+    def port(p: int | None) -> str:
+        return "none" if p is None else str(p)
+
+    return [
+        "--epd-disaggregation",
+        "--encode", encode, port(encode_bootstrap_port),
+        "--prefill", prefill, port(prefill_bootstrap_port),
+        "--decode", decode,
+    ]  # fmt: skip
+
+
 class SmgGateway:
     """The real SMG gateway as a child process on loopback, for one model.
 
-    Give either ``worker_urls`` (gRPC TokenSpeed workers, ``grpc://127.0.0.1:PORT``)
-    or ``engine_mode=True`` (SMG binds a ZMQ handshake that an engine dials; the
+    Give exactly one of ``worker_urls`` (gRPC TokenSpeed workers,
+    ``grpc://127.0.0.1:PORT``), ``disaggregated`` (the worker arguments of a PD or EPD
+    launch: :func:`pd_workers`, :func:`epd_workers`; :meth:`wait_worker_ready` then
+    waits for every worker of every role) or ``engine_mode=True`` (SMG binds a ZMQ
+    handshake that an engine dials; the
     address is :attr:`engine_handshake` once constructed). Use as a context manager
     or call :meth:`start` / :meth:`stop`. ``ready_timeout`` bounds the wait for a
     ready worker; in engine mode the engine must have completed its handshake by
@@ -721,6 +755,7 @@ class SmgGateway:
         model_dir: Path | str,
         *,
         worker_urls: Sequence[str] = (),
+        disaggregated: Sequence[str] = (),
         engine_mode: bool = False,
         work_dir: Path | str | None = None,
         extra_args: Sequence[str] = (),
@@ -729,10 +764,13 @@ class SmgGateway:
         wait_for_worker: bool = True,
         health_check_interval: int | None = None,
     ) -> None:
-        if bool(worker_urls) == engine_mode:
-            raise ValueError("give worker_urls (gRPC) or engine_mode=True, exactly one")
+        if bool(worker_urls) + bool(disaggregated) + engine_mode != 1:
+            raise ValueError(
+                "give worker_urls (gRPC), disaggregated or engine_mode=True, exactly one"
+            )
         self.model_dir = Path(model_dir)
         self.worker_urls = list(worker_urls)
+        self.disaggregated = list(disaggregated)
         self.engine_mode = engine_mode
         self._own_dir: tempfile.TemporaryDirectory[str] | None = None
         if work_dir is None:
@@ -773,9 +811,9 @@ class SmgGateway:
         if binary is None:
             raise RuntimeError("the smg gateway is not installed (pip install smg==1.13.0)")
         urls = [self.engine_worker_url] if self.engine_mode else self.worker_urls
+        workers = self.disaggregated or ["--worker-urls", *[u for u in urls if u]]
         cmd = [
-            binary, "launch", "--backend", "tokenspeed",
-            "--worker-urls", *[u for u in urls if u],
+            binary, "launch", "--backend", "tokenspeed", *workers,
             "--model-path", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
