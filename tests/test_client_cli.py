@@ -616,6 +616,7 @@ def test_json_schema_runs_spans_hashes_and_tensors(tmp_path: Path) -> None:
                 "image_grid_thw": [1, 2, 6],
                 "feature": {"dtype": "bfloat16", "values": [[1.0, -2.5], [3.0, 0.1]]},
                 "side": {"extra": {"dtype": "int32", "shape": [2], "base64": "AQAAAAIAAAA="}},
+                "encode_handshake": HANDSHAKE,
             },
             {
                 "modality": "audio",
@@ -652,6 +653,11 @@ def test_json_schema_runs_spans_hashes_and_tensors(tmp_path: Path) -> None:
     assert back.mm.mrope_position_delta_scalar == -2
     assert [it.hash for it in back.mm.items] == [2**64 - 1, None]
     assert bytes(back.mm.items[0].feature.data) == bytes(image.feature.data)  # type: ignore[union-attr]
+    assert image.encode_handshake == back.mm.items[0].encode_handshake == HANDSHAKE
+    assert audio.encode_handshake is None is back.mm.items[1].encode_handshake
+
+
+HANDSHAKE = {"bootstrap_host": "10.0.0.2", "bootstrap_port": 8998, "bootstrap_room": 2**62}
 
 
 @pytest.mark.parametrize(
@@ -669,6 +675,12 @@ def test_json_schema_runs_spans_hashes_and_tensors(tmp_path: Path) -> None:
           "feature": {"dtype": "int8", "values": [300]}}]}, "do not fit int8"),
         ({"input_ids": [1], "items": [{"modality": "image", "placeholders": [[0, 0]]}]},
          "at least one token"),
+        ({"input_ids": [1], "items": [{"modality": "image", "offsets": [],
+          "encode_handshake": {"bootstrap_host": "h", "bootstrap_port": 1}}]},
+         "items[0].encode_handshake: 'bootstrap_room' is required"),
+        ({"input_ids": [1], "items": [{"modality": "image", "offsets": [],
+          "encode_handshake": {**HANDSHAKE, "bootstrap_port": -1}}]},
+         "items[0].encode_handshake.bootstrap_port: -1 is below 0"),
     ],
 )  # fmt: skip
 def test_json_schema_errors_name_the_path(doc: dict[str, Any], needle: str) -> None:

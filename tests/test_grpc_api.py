@@ -317,7 +317,9 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
         top_logprobs_num=5,
         token_ids_logprob=[1, 2, 3],
         stream=True,
-        encode_bootstrap_info=c.EncodeBootstrapInfo(items=[c.KvBootstrapInfo(bootstrap_room=9)]),
+        encode_bootstrap_info=c.EncodeBootstrapInfo(
+            items=[c.EncodeItemBootstrapInfo(item_index=0, bootstrap_room=9)]
+        ),
         kv_bootstrap_info=c.KvBootstrapInfo(
             bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**62
         ),
@@ -359,6 +361,9 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
     outcome = outcome_from_proto(resp)
     assert outcome.request_id == "smg-1"
     check_vector(v, outcome)
+    # field 10 is shared: its entry comes back as the item's handshake
+    want = {"bootstrap_host": "", "bootstrap_port": 0, "bootstrap_room": 9}
+    assert isinstance(outcome, Materialized) and outcome.items[0].encode_handshake == want
 
 
 # ------------------------------------------------------------------------ health, reflection, info

@@ -423,8 +423,8 @@ UNKNOWN_TOP = (
     + _field(5, 0, b"\xff\xff\xff\xff\x0f")  # varint
     + _field(6, 1, b"\x01" * 8)  # fixed64
     + _field(7, 0, b"\x01")  # stream
-    + _field(8, 2, b"\x08\x09")  # bootstrap info
-    + _field(10, 2, _field(1, 2, b"10.0.0.1") + _field(2, 0, b"\xa6\x46"))
+    + _field(8, 2, b"\x08\x09")  # (an unknown length-delimited field)
+    + _field(11, 2, _field(1, 2, b"10.0.0.1") + _field(2, 0, b"\xa6\x46"))  # kv_bootstrap_info
     + _field(12, 0, b"\x01")
 )
 
@@ -574,7 +574,9 @@ def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: Modu
         top_logprobs_num=5,
         token_ids_logprob=[1, 2, 3],
         stream=True,
-        encode_bootstrap_info=c.EncodeBootstrapInfo(items=[c.KvBootstrapInfo(bootstrap_room=9)]),
+        encode_bootstrap_info=c.EncodeBootstrapInfo(
+            items=[c.EncodeItemBootstrapInfo(item_index=2, bootstrap_room=9)]
+        ),
         kv_bootstrap_info=c.KvBootstrapInfo(bootstrap_host="10.0.0.1", bootstrap_room=2**62),
         data_parallel_rank=1,
     )
@@ -600,7 +602,9 @@ def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: Modu
     assert parsed.msg.ByteSize() < 20_000
     # the scheduler's fields are kept as unknown fields, byte for byte (check_strip: equal)
     numbers = {f.field_number for f in UnknownFieldSet(parsed.msg)}
-    assert numbers == {3, 4, 5, 6, 7, 8, 10, 11, 12}
+    assert numbers == {3, 4, 5, 6, 7, 8, 11, 12}
+    (entry,) = parsed.msg.encode_bootstrap_info.items  # field 10 is AdmitRequest's own
+    assert (entry.item_index, entry.bootstrap_room) == (2, 9)
 
 
 def test_map_entry_with_other_fields_is_kept_whole(impl: str) -> None:

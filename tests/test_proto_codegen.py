@@ -145,13 +145,30 @@ def test_admit_response_round_trip(pb2: ModuleType) -> None:
 
 
 def test_generate_request_fields_still_parse(pb2: ModuleType) -> None:
-    # GenerateRequest fields 3..8, 10, 11 (sampling, logprobs, ...) are kept as
+    # GenerateRequest fields 3..8, 11 (sampling, logprobs, ...) are kept as
     # unknown fields: a TokenSpeed frontend's bytes parse unchanged.
     base = pb2.AdmitRequest(request_id="r", tokenized=pb2.TokenizedInput(input_ids=[5, 6]))
     extra = bytes([3 << 3 | 2, 2, 0x0D, 0x00]) + bytes([8 << 3 | 0, 1])  # sampling_params, stream
     back = pb2.AdmitRequest.FromString(base.SerializeToString() + extra)
     assert back.request_id == "r" and list(back.tokenized.input_ids) == [5, 6]
     assert back.SerializeToString().endswith(extra)
+
+
+def test_encode_bootstrap_info_is_generate_requests_own(pb2: ModuleType) -> None:
+    # field 10 is SMG's GenerateRequest.encode_bootstrap_info, byte for byte both ways
+    from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
+
+    smg = ts.GenerateRequest(request_id="r")
+    smg.mm_inputs.items.add().content_hash = b"\x01" * 8
+    smg.encode_bootstrap_info.items.add(
+        item_index=0, bootstrap_host="10.0.0.7", bootstrap_port=8998, bootstrap_room=2**62 + 5
+    )
+    ours = pb2.AdmitRequest.FromString(smg.SerializeToString())
+    (entry,) = ours.encode_bootstrap_info.items
+    assert (entry.item_index, entry.bootstrap_host, entry.bootstrap_port, entry.bootstrap_room) == (
+        0, "10.0.0.7", 8998, 2**62 + 5,
+    )  # fmt: skip
+    assert ts.GenerateRequest.FromString(ours.SerializeToString()) == smg
 
 
 def test_messages_pickle(pb2: ModuleType) -> None:
@@ -187,9 +204,15 @@ def test_service_and_methods(pb2: ModuleType, pb2_grpc: ModuleType) -> None:
     [
         (
             "AdmitRequest",
-            {"request_id": 1, "tokenized": 2, "mm_inputs": 9, "input_ids_unpadded": 100,
-             "mrope": 101, "echo_features": 102, "timeout_ms": 103},
+            {"request_id": 1, "tokenized": 2, "mm_inputs": 9, "encode_bootstrap_info": 10,
+             "input_ids_unpadded": 100, "mrope": 101, "echo_features": 102, "timeout_ms": 103},
         ),
+        ("EncodeBootstrapInfo", {"items": 1}),
+        (
+            "EncodeItemBootstrapInfo",
+            {"item_index": 1, "bootstrap_host": 2, "bootstrap_port": 3, "bootstrap_room": 4},
+        ),
+        ("EncodeHandshake", {"bootstrap_host": 1, "bootstrap_port": 2, "bootstrap_room": 3}),
         ("TokenizedInput", {"input_ids": 1, "original_text": 2}),
         (
             "MultimodalItem",
@@ -207,7 +230,7 @@ def test_service_and_methods(pb2: ModuleType, pb2_grpc: ModuleType) -> None:
         (
             "MaterializedItem",
             {"modality": 1, "hash": 2, "pad_value": 3, "placeholders": 4, "encoder_input": 5,
-             "model_specific_tensors": 6},
+             "model_specific_tensors": 6, "encode_handshake": 7},
         ),
         (
             "GetModelInfoResponse",

@@ -14,6 +14,10 @@ Contract pinned here:
   ``GenerateStreamChunk``s and one ``GenerateComplete``;
 * a refused request never reaches the scheduler and ends with the status of
   docs/spec/SMG_GRPC.md's table, its message starting with mmadmit's code;
+* EPD: each ``encode_bootstrap_info`` entry reaches the scheduler as its item's
+  ``encode_handshake`` (item element 9), whether the item kept its encoder
+  input or not, and the request is materialized exactly as without it; a
+  malformed entry is refused naming it;
 * ``Abort`` ends the open stream at once and the scheduler sees the ABORT
   after the ADD; a cancelled call does the same; a request still
   materializing is cancelled there and never forwarded;
@@ -38,6 +42,7 @@ from typing import Any
 
 import engine_peers
 import grpc
+import msgspec
 import numpy as np
 import pytest
 import workloads
@@ -67,16 +72,21 @@ QWEN35_VECTORS = ("qwen3_5_image1", "qwen3_5_mixed", "qwen3_5_video_multi", "qwe
 # --------------------------------------------------------------------------- requests
 
 
-def vector_generate(name: str, rid: str, *, stream: bool = False) -> tuple[ts.GenerateRequest, Any]:
+def vector_generate(
+    name: str, rid: str, *, stream: bool = False, every_hash: bool = False
+) -> tuple[ts.GenerateRequest, Any]:
     """A vector's request as SMG sends it over gRPC (``workloads.generate_request``):
     the gateway-hashed items with their hash as ``content_hash``, the engine-hashed
-    ones without (mmadmit hashes their features), each item's placeholder token."""
+    ones without (mmadmit hashes their features; ``every_hash``: with the hash the
+    vector resolved for them), each item's placeholder token."""
     vec = load_vector(name)
     req = wire.decode_message(vec.frames).request
     assert req is not None
     meta = vec.meta["multimodal"]
     items = meta["items"] if meta else []
     hashes = {i: int(m["hash"]) for i, m in enumerate(items) if m["hash_source"] == "gateway"}
+    if every_hash:
+        hashes = {i: int(h) for i, h in enumerate(vec.arrays["item_hashes"].tolist())}
     tokens = {
         i: meta["im_token_id"] if m["modality"] == "IMAGE" else meta["video_token_id"]
         for i, m in enumerate(items)
@@ -315,6 +325,81 @@ async def test_a_refused_request_never_reaches_the_scheduler() -> None:
         await asyncio.sleep(0.1)
         assert env.adds() == []
         assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
+
+
+def handshake(i: int) -> dict[str, Any]:
+    return {
+        "bootstrap_host": f"10.0.0.{i}",
+        "bootstrap_port": 9000 + i,
+        "bootstrap_room": 2**62 + i,
+    }
+
+
+def epd_generate(rid: str, keep_inputs: set[int]) -> tuple[ts.GenerateRequest, Any]:
+    """The mixed Qwen3.5 vector as SMG sends it to the prefill in EPD mode: every item's
+    hash as ``content_hash``, one ``encode_bootstrap_info`` entry per item (in reverse
+    order: entries name their item), encoder inputs kept only for ``keep_inputs``."""
+    msg, vec = vector_generate("qwen3_5_mixed", rid, every_hash=True)
+    n = len(msg.mm_inputs.items)
+    for i in reversed(range(n)):
+        msg.encode_bootstrap_info.items.add(item_index=i, **handshake(i))
+        if i not in keep_inputs:
+            msg.mm_inputs.items[i].ClearField("encoder_input")
+    return msg, vec
+
+
+@pytest.mark.parametrize("keep", [set(), {0}], ids=["no_encoder_inputs", "first_keeps_its_input"])
+async def test_epd_entries_reach_the_scheduler_as_item_handshakes(keep: set[int]) -> None:
+    async with face_env(scheduler={}) as env:
+        msg, vec = epd_generate("epd", keep)
+        (resp,) = await collect(env.stub.Generate(msg))
+        assert resp.complete.finish_reason == "stop"
+        (add,) = env.adds()
+        want = vec.arrays
+        # materialized exactly as the same request without EPD
+        np.testing.assert_array_equal(add.input_ids, want["input_ids_padded"])
+        np.testing.assert_array_equal(add.input_ids_unpadded, want["input_ids_unpadded"])
+        assert add.mm is not None and add.mm.mrope_positions is not None
+        np.testing.assert_array_equal(add.mm.mrope_positions.to_numpy(), want["mrope_positions"])
+        assert [item.pad_value for item in add.mm.items] == want["item_pad_values"].tolist()
+        for i, item in enumerate(add.mm.items):
+            assert item.encode_handshake == handshake(i)
+            # item element 9 as the scheduler's decoder reads it
+            assert msgspec.msgpack.decode(item.extra.elems()[9]) == handshake(i)
+            assert (item.feature is not None) == (i in keep)
+
+
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("out_of_range", "encode_bootstrap_info.items[1]: item_index 1000 is out of range"),
+        ("twice", "encode_bootstrap_info.items[1]: item 0 already has a handshake"),
+        ("no_mm_inputs", "encode_bootstrap_info has 1 entries but the request has no mm_inputs"),
+        ("no_hash_no_input", "item 0: no pad_value and no content hash"),
+    ],
+)  # fmt: skip
+async def test_a_malformed_encode_bootstrap_info_is_refused_naming_the_entry(
+    case: str, fragment: str
+) -> None:
+    async with face_env(scheduler={}) as env:
+        msg, _ = epd_generate(case, set())
+        entries = msg.encode_bootstrap_info.items
+        if case == "out_of_range":
+            entries[1].item_index = 1000
+        elif case == "twice":
+            entries[1].item_index = entries[0].item_index = 0
+        elif case == "no_mm_inputs":
+            msg.ClearField("mm_inputs")
+            del entries[1:]
+        else:
+            msg.mm_inputs.items[0].ClearField("content_hash")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(env.stub.Generate(msg))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("INVALID_REQUEST: ")
+        assert fragment in info.value.details()
+        await asyncio.sleep(0.05)
+        assert env.adds() == []
 
 
 # docs/spec/SMG_GRPC.md's table, and what SMG makes of each status (HTTP 400: no retry; 429 and

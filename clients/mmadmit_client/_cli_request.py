@@ -368,9 +368,10 @@ _GRIDS = ("image_grid_thw", "video_grid_thw")
 _TIMES = ("second_per_grid_ts", "video_second_per_grid")
 _ITEM_KEYS = {
     "modality", "offsets", "placeholders", "hash", "pad_value", "feature", "feature_shm",
-    "side", *_GRIDS, *_TIMES,
+    "side", "encode_handshake", *_GRIDS, *_TIMES,
 }  # fmt: skip
 _SHM_KEYS = {"name", "shape", "dtype", "offset", "nbytes"}
+_HANDSHAKE_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 _TOP_KEYS = {
     "request_id",
     "input_ids",
@@ -426,6 +427,17 @@ def _item(obj: Any, path: str, w: _Where, base_dir: Path, tokens: dict[str, int]
         if key in side:
             raise w.fail(f"{path}.side.{key}", f"{key} is also given as a key of the item")
         side[key] = _tensor(spec, f"{path}.side.{key}", w, base_dir)
+    handshake = None
+    if "encode_handshake" in obj:
+        where = f"{path}.encode_handshake"
+        h = _check_keys(obj["encode_handshake"], where, w, set(_HANDSHAKE_KEYS), _HANDSHAKE_KEYS)
+        if not isinstance(h["bootstrap_host"], str):
+            raise w.fail(f"{where}.bootstrap_host", "must be a string")
+        handshake = {
+            "bootstrap_host": h["bootstrap_host"],
+            "bootstrap_port": _int(h["bootstrap_port"], f"{where}.bootstrap_port", w, 0, 2**31 - 1),
+            "bootstrap_room": _int(h["bootstrap_room"], f"{where}.bootstrap_room", w, 0, 2**63 - 1),
+        }
     return Item(
         modality=modality,  # type: ignore[arg-type]
         hash=_hash(obj["hash"], f"{path}.hash", w) if "hash" in obj else None,
@@ -436,6 +448,7 @@ def _item(obj: Any, path: str, w: _Where, base_dir: Path, tokens: dict[str, int]
         feature=feature if feature is not None else shm,
         side=side,
         placeholder_token_id=tokens.get(modality),
+        encode_handshake=handshake,
     )
 
 

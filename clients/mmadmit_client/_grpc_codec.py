@@ -64,6 +64,32 @@ def _item_to_proto(i: int, item: models.Item) -> pb.MultimodalItem:
     return msg
 
 
+def _bootstrap_entry(i: int, handshake: Any) -> pb.EncodeItemBootstrapInfo:
+    try:
+        return pb.EncodeItemBootstrapInfo(
+            item_index=i,
+            bootstrap_host=handshake["bootstrap_host"],
+            bootstrap_port=handshake["bootstrap_port"],
+            bootstrap_room=handshake["bootstrap_room"],
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"item {i}: encode_handshake needs bootstrap_host (str), bootstrap_port (int32) "
+            f"and bootstrap_room (int64) for gRPC ({exc!r})"
+        ) from exc
+
+
+def _handshake_from_proto(it: pb.MaterializedItem) -> dict[str, Any] | None:
+    if not it.HasField("encode_handshake"):
+        return None
+    h = it.encode_handshake
+    return {
+        "bootstrap_host": h.bootstrap_host,
+        "bootstrap_port": h.bootstrap_port,
+        "bootstrap_room": h.bootstrap_room,
+    }
+
+
 def request_to_proto(req: models.Request) -> pb.AdmitRequest:
     """The request as an ``AdmitRequest``; ``ValueError`` for what gRPC cannot carry."""
     if req.validation_error is not None:
@@ -82,6 +108,9 @@ def request_to_proto(req: models.Request) -> pb.AdmitRequest:
     if req.multimodal:
         msg.mm_inputs.SetInParent()  # present even with no items, as on the msgpack wire
         msg.mm_inputs.items.extend(_item_to_proto(i, it) for i, it in enumerate(req.items))
+        for i, item in enumerate(req.items):
+            if item.encode_handshake is not None:
+                msg.encode_bootstrap_info.items.append(_bootstrap_entry(i, item.encode_handshake))
     if req.mrope_positions is not None or req.mrope_position_delta is not None:
         msg.mrope.SetInParent()
         if req.mrope_positions is not None:
@@ -132,6 +161,7 @@ def outcome_from_proto(resp: pb.AdmitResponse) -> models.Outcome:
                     for k, td in it.model_specific_tensors.items()
                     if isinstance(t := _tensor_from_proto(td), models.Tensor)
                 },
+                encode_handshake=_handshake_from_proto(it),
             )
             for it in m.items
         )

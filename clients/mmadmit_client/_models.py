@@ -128,6 +128,11 @@ class Item:
     ``[rows, 3]``, ``second_per_grid_ts`` float32, ...). ``placeholder_token_id``
     overrides the profile's placeholder id for this item (on the msgpack wire
     it is the request's ``im_token_id`` / ``video_token_id``).
+    ``encode_handshake`` (EPD): the encode worker that ships this item's
+    embedding to the prefill, ``{"bootstrap_host": str, "bootstrap_port": int,
+    "bootstrap_room": int}``; the item may then come without ``feature`` if it
+    has a ``hash``. It is passed to the scheduler unchanged (gRPC: the request's
+    ``encode_bootstrap_info`` entry for this item).
     """
 
     modality: ModalityName | int
@@ -137,6 +142,7 @@ class Item:
     pad_value: int | None = None
     side: Mapping[str, Tensor] = field(default_factory=dict)
     placeholder_token_id: int | None = None
+    encode_handshake: Mapping[str, Any] | None = None
     # The received msgpack elements of an item decoded from frames (wire.py).
     wire_elements: tuple[Any, ...] | None = field(default=None, repr=False)
 
@@ -240,6 +246,7 @@ class MaterializedItem:
     offsets: np.ndarray  # [k, 2] int64, inclusive [start, end]
     feature: Tensor | ShmFeature | None = None  # gRPC: only with echo_features
     side: Mapping[str, Tensor] = field(default_factory=dict)
+    encode_handshake: Mapping[str, Any] | None = None  # EPD: as the request carried it
 
     @property
     def placeholders(self) -> list[tuple[int, int]]:

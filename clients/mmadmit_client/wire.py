@@ -181,9 +181,11 @@ def _item(
     raw: msgspec.Raw, aux: list[memoryview], what: str, tokens: dict[str, int | None]
 ) -> Item:
     elems = _split(raw, what)
-    values = [_value(e, what) for e in elems[:7]]
-    values += [None] * (7 - len(values))
-    modality, hsh, pad, offsets, feature, shm, side = values
+    values = [_value(e, what) for e in elems[:10]]
+    values += [None] * (10 - len(values))
+    modality, hsh, pad, offsets, feature, shm, side, _, _, handshake = values
+    if handshake is not None and not isinstance(handshake, dict):
+        raise WireFormatError(f"{what}: encode_handshake must be nil or a map")
     if not isinstance(modality, int) or isinstance(modality, bool):
         raise WireFormatError(f"{what}: modality must be an integer")
     try:
@@ -214,6 +216,7 @@ def _item(
             _opt_int(pad, f"{what} pad_value"),
             tensors,
             placeholder_token_id=None if name is None else tokens.get(name),
+            encode_handshake=handshake,
             wire_elements=tuple(elems),
         )
     except (TypeError, ValueError) as exc:
@@ -304,7 +307,15 @@ def outcome_from_request(status: int, req: Request, frames: list[Any]) -> Outcom
         code, message = parse_validation_error(req.validation_error or "")
         return Aborted(req.request_id, code, message, frames)
     items = tuple(
-        MaterializedItem(str(it.modality), it.hash, it.pad_value, it.offsets, it.feature, it.side)
+        MaterializedItem(
+            str(it.modality),
+            it.hash,
+            it.pad_value,
+            it.offsets,
+            it.feature,
+            it.side,
+            it.encode_handshake,
+        )
         for it in req.items
     )
     return Materialized(
@@ -395,6 +406,8 @@ def _encode_item(item: Item, writer: TensorWriter, drop_feature: bool) -> list[A
         out[5] = {"shm_name": s.name, "shape": list(s.shape), "dtype": s.dtype}
     if item.side or item.wire_elements is None:
         out[6] = {k: _tensor_value(writer, v) for k, v in item.side.items()}
+    if item.encode_handshake is not None or item.wire_elements is None:
+        out[9] = None if item.encode_handshake is None else dict(item.encode_handshake)
     return out
 
 

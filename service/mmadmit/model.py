@@ -208,6 +208,10 @@ class Item(msgspec.Struct, eq=False):
     feature_shm: ShmHandle | None = None
     side: dict[str, Tensor] = msgspec.field(default_factory=dict)  # model-specific tensors
     extra: Any = None
+    # EPD: where the item's embedding comes from instead of the encoder, a map with
+    # bootstrap_host, bootstrap_port and bootstrap_room (docs/spec/WIRE.md item
+    # element 9); carried to the scheduler untouched, never read by the rules.
+    encode_handshake: dict[str, Any] | None = None
 
 
 @dataclass(eq=False)

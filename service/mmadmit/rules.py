@@ -114,9 +114,11 @@ _I_FEATURE = cython.declare(ssize, _ITEM_FIELDS.index("feature"))
 _I_SHM = cython.declare(ssize, _ITEM_FIELDS.index("feature_shm"))
 _I_SIDE = cython.declare(ssize, _ITEM_FIELDS.index("side"))
 _I_EXTRA = cython.declare(ssize, _ITEM_FIELDS.index("extra"))
+_I_HANDSHAKE = cython.declare(ssize, _ITEM_FIELDS.index("encode_handshake"))
 # with_pad builds an Item from its fields in this order
 assert _ITEM_FIELDS == (
-    "modality", "hash", "pad_value", "offsets", "feature", "feature_shm", "side", "extra"
+    "modality", "hash", "pad_value", "offsets", "feature", "feature_shm", "side", "extra",
+    "encode_handshake",
 )  # fmt: skip
 _TENSOR_FIELDS = Tensor.__struct_fields__
 _T_DTYPE = cython.declare(ssize, _TENSOR_FIELDS.index("dtype"))
@@ -155,7 +157,7 @@ def _with_pad_of(item: Item, f: tuple, content_hash: object, pad: i64) -> Item:
         return _replace(item, hash=content_hash, pad_value=pad)
     return Item(
         f[_I_MOD], content_hash, pad, f[_I_OFFSETS], f[_I_FEATURE], f[_I_SHM], f[_I_SIDE],
-        f[_I_EXTRA],
+        f[_I_EXTRA], f[_I_HANDSHAKE],
     )  # fmt: skip
 
 

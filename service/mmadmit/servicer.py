@@ -351,6 +351,43 @@ def items_from_proto(
     )
 
 
+def attach_encode_handshakes(msg: Any, mm: MultimodalInputs | None) -> None:
+    """EPD: each ``encode_bootstrap_info`` entry of ``msg`` (an ``AdmitRequest`` or
+    SMG's ``GenerateRequest``: field 10, the same message) becomes the
+    ``encode_handshake`` of item ``item_index`` of ``mm`` (the request's items), as
+    TokenSpeed's own gRPC servicer attaches it (docs/spec/SMG_GRPC.md). An entry
+    out of range, a second entry for one item, or entries without ``mm_inputs``
+    are :class:`InvalidRequest` naming the entry."""
+    if not msg.HasField("encode_bootstrap_info"):
+        return
+    entries = msg.encode_bootstrap_info.items
+    if not msg.HasField("mm_inputs") or mm is None:
+        raise InvalidRequest(
+            f"encode_bootstrap_info has {len(entries)} entries but the request has no "
+            "mm_inputs; each entry names an item of mm_inputs.items"
+        )
+    items = mm.items
+    first: dict[int, int] = {}  # item index -> the entry that named it
+    for k, entry in enumerate(entries):
+        idx = entry.item_index
+        if idx >= len(items):
+            raise InvalidRequest(
+                f"encode_bootstrap_info.items[{k}]: item_index {idx} is out of range for "
+                f"{len(items)} mm item(s)"
+            )
+        if idx in first:
+            raise InvalidRequest(
+                f"encode_bootstrap_info.items[{k}]: item {idx} already has a handshake "
+                f"(encode_bootstrap_info.items[{first[idx]}]); one entry per item"
+            )
+        first[idx] = k
+        items[idx].encode_handshake = {
+            "bootstrap_host": entry.bootstrap_host,
+            "bootstrap_port": entry.bootstrap_port,
+            "bootstrap_room": entry.bootstrap_room,
+        }
+
+
 def request_from_proto(
     request: pb.AdmitRequest | StrippedRequest,
     profile: ModelProfile,
@@ -383,6 +420,7 @@ def request_from_proto(
                 )
             if mrope.HasField("delta"):
                 mm.mrope_position_delta_scalar = mrope.delta
+    attach_encode_handshakes(msg, mm)
     return Request(rid=rid, input_ids=input_ids, input_ids_unpadded=unpadded, mm=mm)
 
 
@@ -474,6 +512,11 @@ def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
         for key, value in item.side.items():
             if isinstance(value, Tensor):
                 _tensor_to_proto(value, out.model_specific_tensors[key])
+    handshake = item.encode_handshake
+    if handshake is not None:  # an item of a gRPC request: set from the request's entry
+        out.encode_handshake.bootstrap_host = handshake["bootstrap_host"]
+        out.encode_handshake.bootstrap_port = handshake["bootstrap_port"]
+        out.encode_handshake.bootstrap_room = handshake["bootstrap_room"]
 
 
 def _items_and_delta_to_proto(

@@ -21,7 +21,8 @@ A ``Generate`` call:
    the message into the internal request, its items through the gRPC
    admission API's own item translation (:mod:`mmadmit.servicer`), and the
    ``TokenizedGenerateReqInput`` envelope SMG's msgpack encoder would write
-   (sampling parameters, ``stream``, logprob options, the KV bootstrap);
+   (sampling parameters, ``stream``, logprob options, the KV bootstrap), and
+   each ``encode_bootstrap_info`` entry (EPD) as its item's ``encode_handshake``;
 2. **admit**: one :class:`~mmadmit.admission.Admissions` (the same registry,
    pool and outcome counting as every other transport, label ``smg_grpc``);
 3. **forward**: the materialized request goes to the scheduler as an ADD under
@@ -46,9 +47,8 @@ at SIGTERM new calls end ``UNAVAILABLE`` (``SHUTTING_DOWN``) while outputs of
 forwarded requests keep flowing until each finished or the drain deadline.
 
 Non-goals: what the msgpack wire cannot carry (tokenizer streaming, KV-event
-subscription, profiling, cache flush: ``UNIMPLEMENTED`` with a message), EPD
-encode bootstrap (``UNSUPPORTED``), ``n > 1`` (the scheduler's rid scheme for
-choices is the in-process frontend's).
+subscription, profiling, cache flush: ``UNIMPLEMENTED`` with a message),
+``n > 1`` (the scheduler's rid scheme for choices is the in-process frontend's).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ from .pbwire import (
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .scheduler_link import SchedulerLink, SchedulerStats
-from .servicer import items_from_proto
+from .servicer import attach_encode_handshakes, items_from_proto
 from .telemetry import Telemetry
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
@@ -277,17 +277,13 @@ def request_from_generate(
     msg, payloads = message_and_payloads(request)
     if not msg.request_id:
         raise InvalidRequest("request_id is empty; outputs are matched by request_id")
-    if msg.HasField("encode_bootstrap_info"):
-        raise Unsupported(
-            "encode_bootstrap_info (EPD: embeddings from an encode worker) is not carried by "
-            "mmadmit; send the items' encoder inputs"
-        )
     ids = ids_of(request)
     if not len(ids):
         raise InvalidRequest("tokenized.input_ids is empty")
     mm: MultimodalInputs | None = None
     if msg.HasField("mm_inputs"):
         mm = items_from_proto(msg.mm_inputs.items, profile, payloads, limits)
+    attach_encode_handshakes(msg, mm)
     return Request(rid=msg.request_id, input_ids=ids, mm=mm, extra=_envelope(msg))
 
 

@@ -130,8 +130,9 @@ _ITEM_FIELDS = ITEM_FIELDS
 # leaves out: nil, except model_specific_data, a map.
 _MM_DEFAULTS: dict[int, Any] = {}
 _ITEM_DEFAULTS: dict[int, Any] = {6: {}}
-# an item's fields after model_specific_data, none of which the model keeps
-_ITEM_UNSET = (None,) * (_ITEM_FIELDS - 7)
+# an item's fields between model_specific_data and encode_handshake (the model keeps
+# neither)
+_ITEM_UNSET = (None,) * (_ITEM_FIELDS - 8)  # 7 encoded, 8 encoded_deepstack
 _INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
 # payload elements decoded by decode_request itself (the others only checked)
 _DECODED_ELEMENTS = frozenset((0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM))
@@ -444,7 +445,8 @@ class _WireItem(msgspec.Struct, array_like=True, gc=False):
     # Passed through untouched, but decoded so the ext hook sees every element.
     encoded: Any = None
     encoded_deepstack: Any = None
-    encode_handshake: Any = None
+    # EPD: nil or a map, as TokenSpeed's decoder types it (passed through untouched)
+    encode_handshake: dict[str, Any] | None = None
 
 
 _ITEMS = msgspec.msgpack.Decoder(list[_WireItem], ext_hook=_ext_hook)
@@ -582,7 +584,9 @@ def _decode_items_reference(view: memoryview, reader: _TensorReader) -> list[Ite
             feature,
             side.copy() if side else _NO_SIDE,
         )
-        items.append(Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src))
+        items.append(
+            Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src, w.encode_handshake)
+        )
     return items
 
 
@@ -618,7 +622,7 @@ class _LooseItem(msgspec.Struct, array_like=True):
     model_specific_data: dict[str, Any] | None = None
     encoded: Any = None
     encoded_deepstack: Any = None
-    encode_handshake: Any = None
+    encode_handshake: dict[str, Any] | None = None
 
 
 _LOOSE_ITEM = msgspec.msgpack.Decoder(_LooseItem, ext_hook=_ext_hook)
@@ -689,11 +693,13 @@ def _offsets_error(
 def _field_error(exc: msgspec.ValidationError) -> str:
     """msgspec's "Expected `int`, got `str` - at `$[1]`" with the field's wire name."""
     text = str(exc)
-    head, sep, path = text.partition(" - at `$[")
-    if sep:
-        index = path.split("]", 1)[0]
+    head, sep, path = text.partition(" - at `")
+    where, sep2, index_path = path.partition("$[")  # "key` in `$[9]`": a map key
+    if sep and sep2:
+        index = index_path.split("]", 1)[0]
         if index.isdigit() and int(index) < len(_ITEM_FIELD_NAMES):
-            return f"{_ITEM_FIELD_NAMES[int(index)]}: {head}"
+            of = "a key: " if where.startswith("key") else ""
+            return f"{_ITEM_FIELD_NAMES[int(index)]}: {of}{head}"
     return text
 
 
@@ -938,6 +944,7 @@ def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
                 else {"shm_name": shm.name, "shape": list(shm.shape or ()), "dtype": shm.dtype},
                 _side_field(item, writer),
                 *_ITEM_UNSET,
+                item.encode_handshake,
             ]
         )
     out: list[Any] = [
