@@ -34,7 +34,13 @@ client's cost is the same for both paths).
 
 Bounds: text: mmadmit's median <= the bare relay's median + 100 us; 8K
 multimodal: mmadmit's median <= the bare relay's median + 1.2 x mmadmit's own
-in-process decode + materialize + encode median of that request.
+in-process decode + materialize + encode median of that request; the same
+request as SMG sends it to an EPD prefill (no encoder inputs, one
+``encode_bootstrap_info`` entry per item): its in-process median (mmadmit's
+cost) no more than that of the request with its encoder inputs. Its round
+trips are shown, not bounded: they include the test scheduler's decode of the
+ADD, which takes the project codec's reference item decoder for an item whose
+``encode_handshake`` is set (the compiled walk takes only nil there).
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ MM_BOUND_FACTOR = 1.2
 WARMUP = 20
 TEXT = "text 1K tokens"
 MM = "Qwen2.5-VL 8K tokens, hashes"
+EPD = "the same, EPD (no encoder inputs)"
 
 
 def serve_config() -> ServeConfig:
@@ -131,10 +138,25 @@ def generate_from_request(req: Request, profile: ModelProfile) -> ts.GenerateReq
 def build_workloads(profile: ModelProfile) -> dict[str, ts.GenerateRequest]:
     text = workloads.build_request(profile, 1024, media_fraction=0)
     mm = contiguous_videos(workloads.build_request(profile, 8192, seed=5), profile)
+    with_inputs = generate_from_request(mm, profile)
     return {
         TEXT: generate_from_request(Request(rid="t", input_ids=text.input_ids), profile),
-        MM: generate_from_request(mm, profile),
+        MM: with_inputs,
+        EPD: epd_from(with_inputs),
     }
+
+
+def epd_from(msg: ts.GenerateRequest) -> ts.GenerateRequest:
+    """``msg`` as SMG sends it to the prefill in EPD mode: every item without its
+    encoder input, one ``encode_bootstrap_info`` entry per item."""
+    epd = ts.GenerateRequest()
+    epd.CopyFrom(msg)
+    for i, item in enumerate(epd.mm_inputs.items):
+        item.ClearField("encoder_input")
+        epd.encode_bootstrap_info.items.add(
+            item_index=i, bootstrap_host="10.0.0.9", bootstrap_port=8998, bootstrap_room=2**62 + i
+        )
+    return epd
 
 
 def serialized(base: ts.GenerateRequest, rid: str) -> bytes:
@@ -365,6 +387,16 @@ async def main_async(args: argparse.Namespace) -> int:
         if name == TEXT:
             allowed = TEXT_BOUND_US
             rule = f"via <= bare + {TEXT_BOUND_US:.0f} us"
+        elif name == EPD:
+            # the same request without its encoder inputs costs no more than with them
+            own = statistics.median(results[(name, "in process")]) * 1e6
+            full = statistics.median(results[(MM, "in process")]) * 1e6
+            print(
+                f"| {name} | {bm:.0f} | {vm:.0f} | {vm - bm:.0f} | - "
+                f"| in process {own:.0f} us <= {full:.0f} us with encoder inputs: "
+                f"{'met' if own <= full else 'MISSED'} |"
+            )
+            continue
         else:
             own = statistics.median(results[(name, "in process")]) * 1e6
             allowed = MM_BOUND_FACTOR * own
