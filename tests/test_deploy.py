@@ -1,6 +1,7 @@
-"""Deployment files: Dockerfile, docker-compose.yml, deploy/kubernetes/ (deploy/README.md).
+"""Deployment files: Dockerfile, docker-compose.yml, deploy/compose/, deploy/kubernetes/
+(deploy/README.md).
 
-No container engine is needed: the compose file is validated against the
+No container engine is needed: the compose files are validated against the
 vendored Compose Specification schema (tests/data/compose-spec/) and the
 Kubernetes manifests with ``kubernetes-validate`` (bundled schemas, offline),
 and the requirements of the issue are checked on the parsed files. The real
@@ -34,6 +35,16 @@ K8S_DIR = ROOT / "deploy" / "kubernetes"
 COMPOSE_SCHEMA = ROOT / "tests" / "data" / "compose-spec" / "compose-spec.json"
 MODEL_CONFIG = ROOT / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
 SMOKE = ROOT / "scripts" / "compose_smoke.sh"
+COMPOSE_EXAMPLES = ROOT / "deploy" / "compose"
+# The SMG examples: each worker flag of SMG's command, with the mmadmit leg it names,
+# that leg's scheduler and the role the leg serves.
+SMG_LEGS = {
+    "smg-grpc.yml": {"--worker-urls": ("mmadmit", "scheduler", "aggregated")},
+    "smg-pd.yml": {
+        "--prefill": ("mmadmit-prefill", "scheduler-prefill", "prefill"),
+        "--decode": ("mmadmit-decode", "scheduler-decode", "decode"),
+    },
+}
 
 CONTAINER_PORTS = {"grpc": 50051, "zmq": 5557, "metrics": 9464}
 LISTEN_VARS = {
@@ -135,46 +146,105 @@ def check_service_config(env: dict[str, str]) -> None:
     build_config({}, environ=resolved)
 
 
+def load_example(name: str) -> dict[str, Any]:
+    """A compose file under deploy/compose/, defaults interpolated."""
+    return interpolate(yaml.safe_load((COMPOSE_EXAMPLES / name).read_text()), {})
+
+
+def mmadmit_env(svc: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in svc.get("environment", {}).items() if k.startswith("MMADMIT_")}
+
+
+def port_of(address: str) -> str:
+    return address.rpartition(":")[2]
+
+
+def reaches(services: dict[str, Any], host: str, leg: str) -> bool:
+    """``host`` names the network namespace ``leg`` listens in: the leg's own service
+    name, or, for a leg that joins another service's namespace (``network_mode:
+    service:X``), X or one of X's network aliases."""
+    mode = services[leg].get("network_mode", "")
+    if not mode.startswith("service:"):
+        return host == leg
+    owner = mode.removeprefix("service:")
+    networks = services[owner].get("networks") or {}
+    aliases = {a for net in networks.values() if net for a in net.get("aliases", [])}
+    return host == owner or host in aliases
+
+
+def compose_schema_errors(doc: dict[str, Any]) -> list[str]:
+    """What the Compose Specification finds wrong with ``doc`` (nothing: it is valid)."""
+    validator = jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text()))
+    return [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
+
+
 # --- compose -----------------------------------------------------------------
 
 
 def test_compose_file_matches_the_compose_specification() -> None:
-    schema = json.loads(COMPOSE_SCHEMA.read_text())
-    validator = jsonschema.Draft7Validator(schema)
     for doc in (yaml.safe_load(COMPOSE_FILE.read_text()), load_compose()):
-        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
-        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+        assert compose_schema_errors(doc) == []
 
 
-@pytest.mark.parametrize("name", ["engine-mode.yml", "smg-grpc.yml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in COMPOSE_EXAMPLES.glob("*.yml")))
 def test_compose_examples_validate_and_use_real_settings(name: str) -> None:
-    """The examples under deploy/compose/ match the Compose specification, every
-    MMADMIT_* variable in them is a real setting with an accepted value, and a
-    service that fronts a scheduler restarts and drains longer than it waits."""
-    raw = yaml.safe_load((ROOT / "deploy" / "compose" / name).read_text())
-    doc = interpolate(raw, {})
-    schema = json.loads(COMPOSE_SCHEMA.read_text())
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: e.path)
-    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
-    svc = doc["services"]["mmadmit"]
-    env = {k: str(v) for k, v in svc["environment"].items()}
-    check_service_config(env)
-    assert svc["restart"] == "unless-stopped" and svc["stop_signal"] == "SIGTERM"
-    assert seconds(svc["stop_grace_period"]) > float(env["MMADMIT_DRAIN_TIMEOUT"])
-    if name == "smg-grpc.yml":
-        port = env["MMADMIT_SMG_GRPC_LISTEN"].rpartition(":")[2]
-        command = doc["services"]["smg"]["command"]
-        assert f"grpc://mmadmit:{port}" in command and "tokenspeed" in command
-        scheduler_env = doc["services"]["scheduler"]["environment"]
-        listen_port = env["MMADMIT_ENGINE_HANDSHAKE_LISTEN"].rpartition(":")[2]
-        assert scheduler_env["SCHEDULER_HANDSHAKE"] == f"tcp://mmadmit:{listen_port}"
+    """The examples under deploy/compose/ match the Compose specification (as written,
+    anchors and all, and interpolated), every MMADMIT_* variable of every mmadmit
+    service in them is a real setting with an accepted value, and each of those
+    services, fronting a scheduler, restarts and drains longer than it waits."""
+    raw = yaml.safe_load((COMPOSE_EXAMPLES / name).read_text())
+    for doc in (raw, interpolate(raw, {})):
+        assert compose_schema_errors(doc) == []
+    services = load_example(name)["services"]
+    legs = {n: mmadmit_env(svc) for n, svc in services.items() if mmadmit_env(svc)}
+    assert legs, f"{name}: no mmadmit service"
+    for leg, env in legs.items():
+        check_service_config(env)
+        svc = services[leg]
+        assert svc["restart"] == "unless-stopped" and svc["stop_signal"] == "SIGTERM", leg
+        assert seconds(svc["stop_grace_period"]) > float(env["MMADMIT_DRAIN_TIMEOUT"]), leg
+
+
+@pytest.mark.parametrize("name", sorted(SMG_LEGS))
+def test_smg_compose_wires_each_leg_to_its_own_scheduler(name: str) -> None:
+    """SMG's command names each mmadmit leg at its SMG gRPC port, under the flag of
+    the leg's role, and waits for it to be healthy; each leg's scheduler handshakes
+    with that leg; in PD mode the prefill's bootstrap port after its URL is the one
+    its scheduler serves, in the namespace that URL's host reaches."""
+    services = load_example(name)["services"]
+    smg = services["smg"]
+    command = smg["command"]
+    assert command[:2] == ["smg", "launch"] and "tokenspeed" in command
+    assert ("--pd-disaggregation" in command) == (len(SMG_LEGS[name]) > 1)
+    for flag, (leg, scheduler, role) in SMG_LEGS[name].items():
+        env = mmadmit_env(services[leg])
+        assert env.get("MMADMIT_ROLE", "aggregated") == role, leg
+        url = command[command.index(flag) + 1]
+        host, _, port = url.removeprefix("grpc://").partition(":")
+        assert url.startswith("grpc://") and reaches(services, host, leg), url
+        assert port == port_of(env["MMADMIT_SMG_GRPC_LISTEN"]), url
+        assert smg["depends_on"][leg]["condition"] == "service_healthy", leg
+        listen = env["MMADMIT_ENGINE_HANDSHAKE_LISTEN"]
+        handshake = services[scheduler]["environment"]["SCHEDULER_HANDSHAKE"]
+        if services[leg].get("network_mode") == f"service:{scheduler}":
+            assert handshake == listen, scheduler  # the pod's loopback
+        else:  # a wildcard bind, reached by the leg's service name
+            assert listen.startswith("tcp://0.0.0.0:"), listen
+            assert handshake == f"tcp://{leg}:{port_of(listen)}", scheduler
+        if flag == "--prefill":
+            scheduler_env = services[scheduler]["environment"]
+            bootstrap = command[command.index(flag) + 2]
+            assert bootstrap == str(scheduler_env["SCHEDULER_DISAGGREGATION_BOOTSTRAP_PORT"])
+            assert services[leg].get("network_mode") == f"service:{scheduler}", (
+                "SMG advertises the prefill URL's host as the KV bootstrap host: the "
+                "prefill scheduler must listen in the namespace that host reaches"
+            )
 
 
 def test_compose_schema_check_rejects_a_misspelt_key() -> None:
-    schema = json.loads(COMPOSE_SCHEMA.read_text())
     doc = load_compose()
     doc["services"]["mmadmit"]["stop_grace_periode"] = "20s"
-    assert list(jsonschema.Draft7Validator(schema).iter_errors(doc))
+    assert compose_schema_errors(doc)
 
 
 @pytest.mark.parametrize("name", ["mmadmit", "mmadmit-gpu"])
