@@ -20,10 +20,10 @@ from mmadmit.model import (
     Rule,
     ShmHandle,
     Tensor,
-    TensorName,
 )
 from mmadmit.profile import ModelProfile, load_profile, profile_from_config
 from mmadmit.rules import PAD_BASE, PAD_SLOTS
+from mmadmit.tensorcheck import TensorName
 
 BASE = 1_000_000
 SLOTS = 715_494_549

@@ -24,7 +24,8 @@ from mmadmit import model, tensorcheck
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import AbortCode, InvalidRequest, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
-from mmadmit.model import Tensor, TensorName
+from mmadmit.model import Tensor
+from mmadmit.tensorcheck import TensorName
 
 F32 = parse_dtype("float32")
 NAME = TensorName(3, "feature")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -33,17 +33,6 @@ class Modality(enum.IntEnum):
 
 # Lookup without the cost of an Enum call on hot paths (None for unknown values).
 MODALITY_OF: dict[int, Modality] = {int(m): m for m in Modality}
-
-
-class TensorName(NamedTuple):
-    """A tensor's name in an error message (``item 3 feature``, ``mrope_positions``),
-    formatted only when a message is: the checks run on every request."""
-
-    item: int | None
-    key: str
-
-    def __str__(self) -> str:
-        return self.key if self.item is None else f"item {self.item} {self.key}"
 
 
 try:
@@ -74,7 +63,7 @@ class Tensor(msgspec.Struct, frozen=True, eq=False, gc=False):
     worded by :mod:`mmadmit.limits`), decided from the shape before the byte
     length is compared; without, only consistency (the arrays the
     materializer makes). ``name`` names the tensor in every message: a
-    string, a :class:`TensorName`, or a plain ``(item, key)`` pair (``item 3
+    string, a :class:`~mmadmit.tensorcheck.TensorName`, or a plain ``(item, key)`` pair (``item 3
     feature``), formatted only when a message is (the hot paths build no name
     object). ``name`` and ``limits`` stay on the tensor: what it was called
     and checked against when built.

@@ -43,9 +43,10 @@ from . import kernels
 from .dtypes import parse_dtype
 from .errors import InvalidRequest, Unsupported
 from .limits import Limits, check_shape, tensor_bytes_over
-from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor, TensorName
+from .model import MODALITY_OF, Item, Modality, MultimodalInputs, Tensor
 from .mrope import RunPlan
 from .profile import Family, ModelProfile
+from .tensorcheck import TensorName
 
 if cython.compiled:
     from cython.cimports.cpython.memoryview import PyMemoryView_GET_BUFFER

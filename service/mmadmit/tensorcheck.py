@@ -23,7 +23,7 @@ A refused tensor is never seen by anyone: the constructor raises.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import cython
 import msgspec
@@ -217,12 +217,21 @@ def _byte_view(data: Any, what: Any) -> memoryview:
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
+class TensorName(NamedTuple):
+    """A tensor's name in an error message (``item 3 feature``, ``mrope_positions``),
+    formatted only when a message is: the checks run on every request."""
+
+    item: int | None
+    key: str
+
+    def __str__(self) -> str:
+        return self.key if self.item is None else f"item {self.item} {self.key}"
+
+
 def label(name: Any) -> Any:
     """A tensor's name for a message: an ``(item, key)`` pair as a ``TensorName``
     (the gRPC translation words its own refusals with it too)."""
     if type(name) is tuple:
-        from .model import TensorName  # a message is being made: model is loaded
-
         return TensorName(*name)
     return name
 

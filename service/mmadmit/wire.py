@@ -117,9 +117,9 @@ from .model import (
     Request,
     ShmHandle,
     Tensor,
-    TensorName,
     check_shm_name,
 )
+from .tensorcheck import TensorName
 
 # The wire's constants are the client's (one copy, mmadmit_client.wire).
 _FIELD_DEFAULTS = FIELD_DEFAULTS
