@@ -461,8 +461,9 @@ class ServeConfig:
         default=True,
         metadata={
             "parse": _bool,
-            "help": "use the optional C extensions on request bytes (on), or only their "
-            "Python fallbacks (off: no native code parses untrusted input)",
+            "help": "run the extensions this project builds on request bytes (on), or "
+            "their Python sources only (off: no extension of this project parses request "
+            "bytes; msgspec's and protobuf's own C decoders still do)",
         },
     )
 
