@@ -8,7 +8,11 @@ either fully materialized into a *new* request object or aborted.
 
 Array work (pad substitution, M-RoPE positions) goes through an
 :class:`ArrayOps` object so the CUDA stream pool can run it on a device; the
-CPU implementation is numpy. Hashing always runs on the CPU.
+CPU implementation is numpy. Hashing always runs on the CPU: on the calling
+thread, or through the ``hash_many`` a caller passes (the pool's spreads one
+request's items over its idle workers; the hashes, and so the outcome, are the
+same bytes either way). Rule 6's pad values and item copies come from the
+active build of the rules (:mod:`mmadmit.planner`: compiled when it is built).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .errors import (
     TooLarge,
     abort_from_exception,
 )
-from .hashing import feature_hash
+from .hashing import HashMany, feature_hashes
 from .limits import Limits, items_over, tokens_over
 from .model import (
     MODALITY_OF,
@@ -130,17 +134,23 @@ class Materializer:
 
     # ------------------------------------------------------------------ entry points
 
-    def run(self, req: Request, ops: ArrayOps = CPU_OPS) -> Outcome:
-        """Materialize or abort; never raises (unexpected errors become ``INTERNAL``)."""
+    def run(
+        self, req: Request, ops: ArrayOps = CPU_OPS, hash_many: HashMany | None = None
+    ) -> Outcome:
+        """Materialize or abort; never raises (unexpected errors become ``INTERNAL``).
+        ``hash_many``: how the features left to hash are hashed (default: one after
+        another on this thread)."""
         try:
-            return self.materialize(req, ops)
+            return self.materialize(req, ops, hash_many)
         except AdmissionError as exc:
             return exc.to_abort()
         except Exception as exc:  # noqa: BLE001 - a bug must still end in one outcome
             logger.exception("rid=%s: materializer failed", req.rid)
             return abort_from_exception(exc)
 
-    def materialize(self, req: Request, ops: ArrayOps = CPU_OPS) -> Materialized:
+    def materialize(
+        self, req: Request, ops: ArrayOps = CPU_OPS, hash_many: HashMany | None = None
+    ) -> Materialized:
         if req.validation_error is not None:
             abort = _parse_validation_error(req.validation_error)
             raise _Marked(abort)
@@ -177,7 +187,7 @@ class Materializer:
 
         # Rules 5 to 8.
         plan = self._plan(items, mm, original, need_pad=False)
-        new_items, hashed = _hash_remaining(items, plan)
+        new_items, hashed = _hash_remaining(items, plan, hash_many or feature_hashes)
         new_mm = _copy_mm(mm, new_items)
         if profile.uses_mrope:
             self._set_positions(new_mm, mm, len(original), plan.runs, ops)
@@ -374,24 +384,31 @@ class Materializer:
         )
 
 
-def _hash_remaining(items: list[Item], plan: rules.ItemPlan) -> tuple[list[Item], int]:
+def _hash_remaining(
+    items: list[Item], plan: rules.ItemPlan, hash_many: HashMany
+) -> tuple[list[Item], int]:
     """Rule 6 for the items the plan left to hash (no hash and no pad value supplied):
     the items, and how many feature bytes were hashed."""
     new_items = plan.new_items
     if None not in new_items:
         return new_items, 0  # type: ignore[return-value]
-    out: list[Item] = []
+    todo = [i for i, new in enumerate(new_items) if new is None]
+    features: list[Tensor] = []
+    for i in todo:
+        feature = items[i].feature
+        assert feature is not None  # the plan leaves only items with a feature to hash
+        features.append(feature)
+    hashes = hash_many([f.data for f in features])
+    # the plan's own list, made for this request: filled in place
+    out: list[Item] = new_items  # type: ignore[assignment]
+    pads = plan.pads
     hashed = 0
-    for i, new in enumerate(new_items):
-        if new is None:
-            item = items[i]
-            assert item.feature is not None
-            content_hash = feature_hash(item.feature.data)
-            hashed += item.feature.nbytes
-            pad = rules.pad_value(MODALITY_OF[item.modality], content_hash)
-            plan.pads[i] = pad
-            new = rules.with_pad(item, content_hash, pad)
-        out.append(new)
+    for i, feature, content_hash in zip(todo, features, hashes, strict=True):
+        item = items[i]
+        hashed += feature.nbytes
+        pad = planner.pad_value(MODALITY_OF[item.modality], content_hash)
+        pads[i] = pad
+        out[i] = planner.with_pad(item, content_hash, pad)
     return out, hashed
 
 

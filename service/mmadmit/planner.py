@@ -47,3 +47,13 @@ def spans_of(items: list[Any], n: int) -> rules.Spans:
 def tensors_within(mm: Any, limits: Any) -> None:
     """:func:`mmadmit.rules.tensors_within`, in the active build."""
     _active.tensors_within(mm, limits)
+
+
+def pad_value(modality: int, content_hash: int) -> int:
+    """:func:`mmadmit.rules.pad_value`, in the active build."""
+    return _active.pad_value(modality, content_hash)  # type: ignore[no-any-return]
+
+
+def with_pad(item: Any, content_hash: int, pad: int) -> Any:
+    """:func:`mmadmit.rules.with_pad`, in the active build."""
+    return _active.with_pad(item, content_hash, pad)
