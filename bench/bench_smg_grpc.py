@@ -74,12 +74,8 @@ from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
 from mmadmit.runtime import tune_process  # noqa: E402
-from mmadmit.smg_grpc import (  # noqa: E402
-    SERVICE,
-    SmgGrpcFace,
-    parse_generate,
-    request_from_generate,
-)
+from mmadmit.smg_grpc import SERVICE, SmgGrpcFace  # noqa: E402
+from mmadmit.smg_request import parse_generate, request_from_generate  # noqa: E402
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts  # noqa: E402
 from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc  # noqa: E402
 

@@ -325,7 +325,7 @@ def test_six_byte_lengths_end_admit_and_generate_as_protobuf(where: str) -> None
     such bytes (or keep them, where they do not walk), and the deserializers fail
     with protobuf's words either way."""
     from google.protobuf.message import DecodeError
-    from mmadmit import pbwire, smg_grpc
+    from mmadmit import pbwire, smg_request
     from mmadmit_client._proto import admission_pb2 as pb
     from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 
@@ -340,7 +340,7 @@ def test_six_byte_lengths_end_admit_and_generate_as_protobuf(where: str) -> None
     data = ld(1, b"r") + ld(2, tok, 6 if where == "tokenized length" else 0) + ld(9, mm)
     for message, parse in (
         (pb.AdmitRequest, lambda b: pbwire.parse_admit_request(b, limits=DEFAULT_LIMITS)),
-        (ts.GenerateRequest, lambda b: smg_grpc.parse_generate(b, DEFAULT_LIMITS)),
+        (ts.GenerateRequest, lambda b: smg_request.parse_generate(b, DEFAULT_LIMITS)),
     ):
         with pytest.raises(DecodeError) as want:
             message.FromString(data)

@@ -37,7 +37,7 @@ from client_helpers import build_item, build_request, tensor_data
 from conftest import REPO_ROOT, TESTS_DIR, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-from mmadmit import pbwire, smg_grpc
+from mmadmit import pbwire, smg_request
 from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
@@ -992,7 +992,7 @@ def test_wide_lengths_end_admit_and_generate_as_protobuf(native_mode: Any, n: in
             lambda b: pbwire.parse_admit_request(b, limits=DEFAULT_LIMITS), data
         )
         gen = pbwire.parse_or_undecodable(
-            lambda b: smg_grpc.parse_generate(b, DEFAULT_LIMITS), data
+            lambda b: smg_request.parse_generate(b, DEFAULT_LIMITS), data
         )
         if n > UPB_KEY_LEN_MAX:
             for got, message in ((admit, pb.AdmitRequest), (gen, ts.GenerateRequest)):
@@ -1005,7 +1005,7 @@ def test_wide_lengths_end_admit_and_generate_as_protobuf(native_mode: Any, n: in
             assert isinstance(admit, pbwire.StrippedRequest) and admit.ids is not None
         out = Materializer(profile).run(request_from_proto(admit, profile))
         assert isinstance(out, Materialized) and out.request.input_ids.tolist() == ids
-        gen_req = smg_grpc.request_from_generate(gen, profile)
+        gen_req = smg_request.request_from_generate(gen, profile)
         assert gen_req.input_ids.tolist() == ids
 
 

@@ -57,7 +57,8 @@ from mmadmit.materializer import Materializer
 from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
-from mmadmit.smg_grpc import SERVICE, STATUS_OF, TOP_K_ALL, SmgGrpcFace, sampling_array
+from mmadmit.smg_grpc import SERVICE, STATUS_OF, SmgGrpcFace
+from mmadmit.smg_request import TOP_K_ALL, sampling_array
 from mmadmit.telemetry import StatsCollector, Telemetry
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
@@ -782,8 +783,8 @@ async def test_logprobs_and_the_schedulers_load_reach_smg() -> None:
         loads = await env.stub.GetLoads(ts.GetLoadsRequest())
         (load,) = loads.loads
         total = engine_peers.READY_RESPONSE["num_gpu_blocks"]
-        assert env.face.loads.kv_total_pages == total
-        assert load.token_usage == pytest.approx(env.face.loads.kv_active_pages / total)
+        assert env.face.outputs.loads.kv_total_pages == total
+        assert load.token_usage == pytest.approx(env.face.outputs.loads.kv_active_pages / total)
 
 
 async def test_sigterm_drains_forwarded_requests_then_exits_0(tmp_path: Any) -> None:

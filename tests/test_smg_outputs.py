@@ -29,7 +29,7 @@ import grpc
 import msgspec
 import pytest
 from conftest import until
-from mmadmit import smg_grpc
+from mmadmit import smg_outputs
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from test_smg_grpc import Env, collect, face_env
 
@@ -262,7 +262,7 @@ async def test_chunks_then_a_bad_chunk_ends_the_stream_internal() -> None:
 async def test_an_unusable_output_naming_no_call_is_counted_and_logged(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(smg_grpc, "_WARNED", {})  # rate-limited per kind: start afresh
+    monkeypatch.setattr(smg_outputs, "_WARNED", {})  # rate-limited per kind: start afresh
     caplog.set_level("WARNING", logger="mmadmit.smg_grpc")
     async with driven() as (env, sched):
         call = await open_call(env, sched, "live")

@@ -4,7 +4,7 @@ The input is one profile byte, one strip-threshold byte, then a serialized
 ``tokenspeed.grpc.scheduler.GenerateRequest`` (or garbage). It goes through
 exactly what ``Generate`` does before the scheduler: ``pbwire.parse_request``
 (a low threshold, so short inputs exercise the inline-payload stripping),
-``smg_grpc.request_from_generate``, the materializer, ``wire.encode_request``;
+``smg_request.request_from_generate``, the materializer, ``wire.encode_request``;
 once with native code on and once off. The two must answer the same: both
 refuse the bytes (protobuf's ``DecodeError``), both refuse the request with the
 same code, or both produce the same ADD. No outcome may be ``INTERNAL``, and
@@ -21,7 +21,7 @@ import functools
 
 import msgspec
 from google.protobuf.message import DecodeError
-from mmadmit import pbwire, smg_grpc, wire
+from mmadmit import pbwire, smg_request, wire
 from mmadmit.errors import Abort, AbortCode, AdmissionError
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
@@ -50,7 +50,7 @@ def _generate(m: Materializer, data: bytes, min_bytes: int) -> tuple[str, list[b
         return None
     msg = pbwire.message_and_payloads(parsed)[0]
     try:
-        req = smg_grpc.request_from_generate(parsed, m.profile)
+        req = smg_request.request_from_generate(parsed, m.profile)
     except AdmissionError as exc:
         assert exc.code is not AbortCode.INTERNAL, exc.message
         return "abort", [exc.code.value.encode()]

@@ -1,54 +1,15 @@
 """The SMG gRPC face: SMG's ``TokenSpeedScheduler`` worker contract in front of a scheduler.
 
-SMG 1.13 sends the M-RoPE families (Qwen2/2.5-VL, Qwen3-VL, Qwen3.5,
-Qwen3-Omni) to an engine only over its gRPC transport, preprocessed, with the
-placeholder token repeated in ``input_ids`` and no positions (docs/spec/SMG_GRPC.md).
-This face serves that contract (``tokenspeed.grpc.scheduler.TokenSpeedScheduler``,
-taken from the ``smg-grpc-proto`` package, never a hand copy) and stands, as
-SMG would, in front of a headless scheduler that connects to
-``--engine-handshake-listen`` (:class:`~mmadmit.scheduler_link.SchedulerLink`,
-the handshake engine mode uses)::
+The RPCs (the service from the ``smg-grpc-proto`` package, never a hand copy)
+and each call's state, over the shared pool and a headless scheduler (the face
+is a :class:`~mmadmit.scheduler_link.SchedulerLink`)::
 
     SMG --Generate--> face --ADD / ABORT (msgpack)--> scheduler
         <--chunks, Complete--  <--BatchTokenIDOutSlim--
 
-A ``Generate`` call:
-
-1. **decode**: the request deserializer strips large inline tensors without
-   copying them (:func:`~mmadmit.pbwire.parse_admit_request`: the
-   ``GenerateRequest`` fields it walks have ``AdmitRequest``'s numbers) and
-   counts the limits from the wire bytes; :func:`request_from_generate` turns
-   the message into the internal request, its items through the gRPC
-   admission API's own item translation (:mod:`mmadmit.servicer`), and the
-   ``TokenizedGenerateReqInput`` envelope SMG's msgpack encoder would write
-   (sampling parameters, ``stream``, logprob options, the KV bootstrap), and
-   each ``encode_bootstrap_info`` entry (EPD) as its item's ``encode_handshake``;
-2. **admit**: one :class:`~mmadmit.admission.Admissions` (the same registry,
-   pool and outcome counting as every other transport, label ``smg_grpc``);
-3. **forward**: the materialized request goes to the scheduler as an ADD under
-   the call's ``request_id``; a refused one never reaches it and the call ends
-   with the status of docs/spec/SMG_GRPC.md's table, its message starting with
-   mmadmit's code;
-4. **outputs**: each ``BatchTokenIDOutSlim`` from the scheduler is read
-   leniently (rids, token ids, finish reasons, token counts, load counters)
-   and each rid's part becomes a ``GenerateStreamChunk`` (when ``stream``) and,
-   once finished, a ``GenerateComplete``; then the stream ends. The scheduler's
-   own ``"abort"`` is a ``GenerateComplete`` with finish reason ``abort``, what
-   SMG shows its client on the msgpack path too.
-
-``Abort`` and a cancelled call: a request still materializing is cancelled
-there and never reaches the scheduler; one already forwarded gets an ABORT
-after its ADD (one FIFO carries both) and its stream ends at once (SMG keeps
-the stream open after ``Abort`` and cancels it itself only 30 s later).
-
-Death and drain are engine mode's: when the scheduler goes away every open
-call ends ``UNAVAILABLE`` and ``on_gone`` fires (``mmadmit serve`` exits 3);
-at SIGTERM new calls end ``UNAVAILABLE`` (``SHUTTING_DOWN``) while outputs of
-forwarded requests keep flowing until each finished or the drain deadline.
-
-Non-goals: what the msgpack wire cannot carry (tokenizer streaming, KV-event
-subscription, profiling, cache flush: ``UNIMPLEMENTED`` with a message),
-``n > 1`` (the scheduler's rid scheme for choices is the in-process frontend's).
+The request's translation is :mod:`mmadmit.smg_request`, the outputs' decoding
+:mod:`mmadmit.smg_outputs`; the contract (refusal statuses, abort, death, drain,
+non-goals) is docs/spec/SMG_GRPC.md.
 """
 
 from __future__ import annotations
@@ -60,43 +21,29 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
-from typing import Annotated, Any
+from typing import Any
 
 import grpc
 import msgspec
-import zmq
-import zmq.asyncio
-from google.protobuf import struct_pb2
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto.generated import common_pb2
 
 from . import wire
 from .admission import Admissions, AdmissionStats
-from .errors import (
-    Abort,
-    AbortCode,
-    AdmissionError,
-    InvalidRequest,
-    ShuttingDown,
-    Unsupported,
-    abort_from_exception,
-)
-from .handshake import ENGINE_CORE_DEAD
-from .limits import Limits
-from .model import Materialized, Modality, MultimodalInputs, Request
+from .errors import Abort, AbortCode, AdmissionError, ShuttingDown, abort_from_exception
+from .model import Materialized, Modality, Request
 from .pbwire import (
     RefusedRequest,
     StrippedRequest,
     Undecodable,
-    ids_of,
     message_and_payloads,
     parse_or_undecodable,
-    parse_request,
 )
 from .pool import MaterializerPool
 from .profile import ModelProfile
 from .scheduler_link import SchedulerLink, SchedulerStats
-from .servicer import attach_encode_handshakes, items_from_proto
+from .smg_outputs import Call, Fault, Outputs, Piece, Responses
+from .smg_request import parse_generate, request_from_generate
 from .telemetry import Telemetry
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
@@ -131,431 +78,19 @@ MAX_PENDING_ADDS = 4096
 _ADD = bytes([wire.MSG_ADD])
 _ABORT = bytes([wire.MSG_ABORT])
 _ENC = msgspec.msgpack.Encoder()
-_OUTPUT_TAG = "BatchTokenIDOutSlim"
-_DEAD_LEN = len(ENGINE_CORE_DEAD)
 _MODALITIES = {
     Modality.IMAGE: common_pb2.IMAGE,
     Modality.VIDEO: common_pb2.VIDEO,
     Modality.AUDIO: common_pb2.AUDIO,
 }
-
-
-# --------------------------------------------------------------------------- request side
-
-# TokenSpeed's SamplingParams on the msgpack wire: an untagged positional array
-# (docs/spec/WIRE.md). The defaults are what SMG 1.13's own msgpack encoder sends for a
-# request that sets nothing (captured from the real gateway): already normalized,
-# top_k "all" as 1 << 30, n 1, no stop strings.
-_SAMPLING_FIELDS = (
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "thinking_budget", "custom_params",
-    "stream_interval", "logit_bias", "seed", "logprobs", "n", "stop_strs", "stop_str_max_len",
-    "is_normalized",
-)  # fmt: skip
-TOP_K_ALL = 1 << 30
-_SAMPLING_DEFAULTS: dict[str, Any] = dict.fromkeys(_SAMPLING_FIELDS)
-_SAMPLING_DEFAULTS.update(
-    temperature=1.0,
-    top_p=1.0,
-    top_k=TOP_K_ALL,
-    min_p=0.0,
-    frequency_penalty=0.0,
-    presence_penalty=0.0,
-    repetition_penalty=1.0,
-    min_new_tokens=0,
-    ignore_eos=False,
-    skip_special_tokens=True,
-    spaces_between_special_tokens=True,
-    no_stop_trim=False,
-    n=1,
-    stop_strs=[],
-    stop_str_max_len=0,
-    is_normalized=True,
-)
-_OPTIONAL_SCALARS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty",
-)  # fmt: skip
-_CONSTRAINTS = {
-    "regex": "regex",
-    "json_schema": "json_schema",
-    "ebnf_grammar": "ebnf",
-    "structural_tag": "structural_tag",
-}
-
-
-def _struct_value(value: struct_pb2.Value) -> Any:
-    kind = value.WhichOneof("kind")
-    if kind == "struct_value":
-        return {k: _struct_value(v) for k, v in value.struct_value.fields.items()}
-    if kind == "list_value":
-        return [_struct_value(v) for v in value.list_value.values]
-    if kind == "number_value":
-        number = value.number_value
-        return int(number) if number.is_integer() else number
-    if kind == "string_value":
-        return value.string_value
-    if kind == "bool_value":
-        return value.bool_value
-    return None
-
-
-def sampling_array(params: ts.SamplingParams) -> list[Any]:
-    """The msgpack ``SamplingParams`` array for ``params``, normalized as SMG's own
-    msgpack encoder sends it: ``top_k`` of 0 or less is "all" (``1 << 30``), stop
-    strings go in ``stop_strs`` with ``stop_str_max_len`` their longest byte
-    length (an over-estimate of their token count, which the scheduler's stop
-    check tolerates; mmadmit holds no tokenizer), ``is_normalized`` set."""
-    values = dict(_SAMPLING_DEFAULTS)
-    for name in _OPTIONAL_SCALARS:
-        if params.HasField(name):
-            values[name] = getattr(params, name)
-    if values["top_k"] <= 0:
-        values["top_k"] = TOP_K_ALL
-    if params.min_new_tokens:
-        values["min_new_tokens"] = params.min_new_tokens
-    if params.stop:
-        stops = list(params.stop)
-        values["stop_strs"] = stops
-        values["stop_str_max_len"] = max(len(s.encode()) for s in stops)
-    if params.stop_token_ids:
-        values["stop_token_ids"] = list(params.stop_token_ids)
-    values["ignore_eos"] = params.ignore_eos
-    values["skip_special_tokens"] = params.skip_special_tokens
-    values["spaces_between_special_tokens"] = params.spaces_between_special_tokens
-    values["no_stop_trim"] = params.no_stop_trim
-    if params.n > 1:
-        raise Unsupported(
-            f"sampling_params.n is {params.n}; the SMG gRPC face forwards one choice per "
-            "request (send n requests)"
-        )
-    if params.logit_bias:
-        values["logit_bias"] = dict(params.logit_bias)
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        values[_CONSTRAINTS[constraint]] = getattr(params, constraint)
-    if params.HasField("custom_params"):
-        values["custom_params"] = {
-            k: _struct_value(v) for k, v in params.custom_params.fields.items()
-        }
-    if params.HasField("sampling_seed"):
-        values["seed"] = params.sampling_seed
-    return [values[name] for name in _SAMPLING_FIELDS]
-
-
-def _envelope(msg: ts.GenerateRequest) -> wire.WireExtra:
-    """The ``TokenizedGenerateReqInput`` fields the materializer does not own."""
-    raw: list[Any] = [None] * wire.N_FIELDS
-    raw[0] = wire.TAG
-    raw[wire.F_SAMPLING] = sampling_array(msg.sampling_params)
-    raw[6] = msg.return_logprob
-    raw[7] = msg.logprob_start_len if msg.HasField("logprob_start_len") else -1
-    raw[8] = msg.top_logprobs_num
-    raw[9] = list(msg.token_ids_logprob) if msg.token_ids_logprob else None
-    raw[10] = msg.stream
-    raw[14] = False  # return_hidden_states
-    raw[15] = time.time()  # created_time
-    if msg.HasField("kv_bootstrap_info"):
-        boot = msg.kv_bootstrap_info
-        raw[16] = boot.bootstrap_host or None
-        raw[17] = boot.bootstrap_port
-        raw[18] = boot.bootstrap_room
-    return wire.WireExtra(raw=raw, aux=[])
-
-
-def request_from_generate(
-    request: ts.GenerateRequest | StrippedRequest,
-    profile: ModelProfile,
-    limits: Limits | None = None,
-) -> Request:
-    """A ``GenerateRequest`` (or what the deserializer made of it, see
-    :func:`mmadmit.servicer.request_from_proto`) as the internal request (with its
-    ADD envelope in ``extra``); :class:`~mmadmit.errors.AdmissionError` names what
-    cannot be carried (a tensor over ``limits`` among them)."""
-    msg, payloads = message_and_payloads(request)
-    if not msg.request_id:
-        raise InvalidRequest("request_id is empty; outputs are matched by request_id")
-    ids = ids_of(request)
-    if not len(ids):
-        raise InvalidRequest("tokenized.input_ids is empty")
-    mm: MultimodalInputs | None = None
-    if msg.HasField("mm_inputs"):
-        mm = items_from_proto(msg.mm_inputs.items, profile, payloads, limits)
-    attach_encode_handshakes(msg, mm)
-    return Request(rid=msg.request_id, input_ids=ids, mm=mm, extra=_envelope(msg))
-
-
-def parse_generate(data: bytes, limits: Limits) -> ts.GenerateRequest | StrippedRequest | Any:
-    """The ``Generate`` request deserializer: :func:`mmadmit.pbwire.parse_request`
-    (limits counted from the wire bytes, large inline tensors left in ``data``);
-    a :class:`~mmadmit.pbwire.RefusedRequest` for a breach; raises ``DecodeError``."""
-    return parse_request(data, ts.GenerateRequest, limits=limits)
-
-
-# --------------------------------------------------------------------------- output side
-
-# What a token id or count must be to go into its uint32 protobuf field.
-_U32_MAX = 0xFFFF_FFFF
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
-
-
-class _Output(msgspec.Struct, array_like=True, gc=False):
-    """TokenSpeed's ``BatchTokenIDOutSlim`` (14 elements: the tag, eight per-rid
-    columns, ``engine_index``, four load counters; SMG's decoder reads the same
-    and skips anything after). Read leniently: a missing trailing element takes
-    its default, the load counters are checked by hand. Every value that goes
-    into a protobuf field is typed for it here (token ids and counts uint32,
-    logprobs floats), so msgspec checks them while decoding, in C; an output
-    that fails goes to :func:`_faults_of`, which says per rid what was wrong."""
-
-    tag: str
-    rids: list[str]
-    output_ids: list[list[_U32]]  # newly generated ids this step, per rid
-    finished_reasons: list[Any]  # "" while generating
-    prompt_tokens: list[_U32] = []
-    completion_tokens: list[_U32] = []
-    cached_tokens: list[_U32] = []
-    # per rid: a float per new id, empty (or nil) when not asked
-    logprobs_val: list[list[float] | None] = []
-    logprobs_idx: list[list[_U32] | None] = []
-    engine_index: Any = 0
-    num_running: Any = 0
-    num_waiting: Any = 0
-    kv_active_pages: Any = 0
-    kv_total_pages: Any = 0  # 0: no load snapshot
-
-
-_OUTPUT = msgspec.msgpack.Decoder(_Output)
-
-
-@dataclass
-class Loads:
-    """The scheduler's load counters, as its latest output reported them."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_active_pages: int = 0
-    kv_total_pages: int = 0
-
-
-class _Piece(msgspec.Struct, gc=False):
-    """One rid's part of one scheduler output."""
-
-    token_ids: list[int]
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: list[float]  # empty when not asked (or not sent)
-    logprob_ids: list[int]
-
-
-def _column(values: list[Any], i: int, default: Any) -> Any:
-    return values[i] if i < len(values) else default
-
-
-class _BadOutput(Exception):
-    """One rid's part of a scheduler output that cannot become a response; the
-    message says what is wrong with it ("has output_ids[3] = 4294967296, ...")."""
-
-
-class _Fault:
-    """Queued to a call whose scheduler output cannot become a response: it ends
-    ``INTERNAL`` with ``message``."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _logprobs_of(val: list[float] | None, idx: list[int] | None) -> tuple[list[float], list[int]]:
-    """One rid's logprob columns, as the decoder typed them (floats, uint32 ids): none
-    when both are empty or nil; raises :class:`_BadOutput` when they do not pair up."""
-    if not val and not idx:
-        return [], []
-    if val is None or idx is None or len(val) != len(idx):
-        n = "nil" if val is None else f"{len(val)} value(s)"
-        m = "nil" if idx is None else f"{len(idx)} id(s)"
-        raise _BadOutput(f"has logprobs_val of {n} but logprobs_idx of {m}")
-    return val, idx
-
-
-def _output_logprobs(values: list[float], ids: list[int]) -> ts.OutputLogProbs | None:
-    if not values:
-        return None
-    # one (empty) TopLogProbs per token: the gateway aligns positions by it
-    return ts.OutputLogProbs(
-        token_logprobs=values,
-        token_ids=ids,
-        top_logprobs=[ts.TopLogProbs() for _ in values],
-    )
-
-
-# ----------------------------------------------------------- outputs the decoder refused
-#
-# The slow path: only an output that fails the typed decode (or carries another tag)
-# comes here. It is read as plain msgpack and each rid's part is checked field by
-# field, so that each open call learns exactly what was wrong with its own part (the
-# others in the same output still get theirs).
-
-_COLUMNS = (
-    "tag", "rids", "output_ids", "finished_reasons", "prompt_tokens", "completion_tokens",
-    "cached_tokens", "logprobs_val", "logprobs_idx",
-)  # fmt: skip
-_REQUIRED = 4  # tag, rids, output_ids, finished_reasons
-
-
-def _kind(value: Any) -> str:
-    return "nil" if value is None else type(value).__name__
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _u32(name: str, value: Any) -> int:
-    """``value`` as a uint32 protobuf field takes it, else :class:`_BadOutput`."""
-    if type(value) is int and 0 <= value <= _U32_MAX:
-        return value
-    if isinstance(value, bool):
-        raise _BadOutput(f"has {name} = {_shown(value)}, a bool where an int belongs")
-    if isinstance(value, int):
-        raise _BadOutput(f"has {name} = {value}, outside uint32")
-    raise _BadOutput(f"has {name} = {_shown(value)}, not an int")
-
-
-def _u32s(name: str, value: Any) -> list[int]:
-    if not isinstance(value, list):
-        raise _BadOutput(f"has {name} = {_shown(value)}, not an array")
-    for k, t in enumerate(value):
-        _u32(f"{name}[{k}]", t)
-    return value
-
-
-def _floats(name: str, value: Any) -> list[float]:
-    if not isinstance(value, list):
-        raise _BadOutput(f"has {name} = {_shown(value)}, not an array")
-    out = []
-    for k, v in enumerate(value):
-        if isinstance(v, bool):
-            raise _BadOutput(f"has {name}[{k}] = {_shown(v)}, a bool where a float belongs")
-        if not isinstance(v, int | float):
-            raise _BadOutput(f"has {name}[{k}] = {_shown(v)}, not a number")
-        out.append(float(v))
-    return out
-
-
-def _part_of(raw: list[Any], i: int) -> _Piece:
-    """Rid ``i``'s part of a leniently decoded output, checked field by field (the
-    typed decoder's rules, with a message); raises :class:`_BadOutput`."""
-
-    def entry(j: int, default: Any) -> Any:
-        name = _COLUMNS[j]
-        if j >= len(raw):
-            if j < _REQUIRED:
-                raise _BadOutput(f"has no {name} column ({len(raw)} elements)")
-            return default  # a missing trailing element
-        column = raw[j]
-        if not isinstance(column, list):
-            raise _BadOutput(f"has {name} = {_shown(column)}, not an array (one entry per rid)")
-        return column[i] if i < len(column) else default
-
-    ids = _u32s("output_ids", entry(2, []))
-    reason = _reason_text(entry(3, None))
-    counts = [_u32(_COLUMNS[j], entry(j, 0)) for j in (4, 5, 6)]
-    val, idx = entry(7, None), entry(8, None)
-    values = None if val is None else _floats("logprobs_val", val)
-    lp_ids = None if idx is None else _u32s("logprobs_idx", idx)
-    logprobs, logprob_ids = _logprobs_of(values, lp_ids)
-    return _Piece(ids, reason, counts[0], counts[1], counts[2], logprobs, logprob_ids)
-
-
-def _array_at(data: bytes, pos: int) -> tuple[int, int]:
-    b = data[pos]
-    if 0x90 <= b <= 0x9F:
-        return b & 0x0F, pos + 1
-    width = {0xDC: 2, 0xDD: 4}.get(b)
-    if width is None or pos + 1 + width > len(data):
-        raise ValueError("not an array")
-    return int.from_bytes(data[pos + 1 : pos + 1 + width], "big"), pos + 1 + width
-
-
-def _str_at(data: bytes, pos: int) -> tuple[str, int]:
-    b = data[pos]
-    if 0xA0 <= b <= 0xBF:
-        n, pos = b & 0x1F, pos + 1
-    else:
-        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}.get(b)
-        if width is None or pos + 1 + width > len(data):
-            raise ValueError("not a string")
-        n, pos = int.from_bytes(data[pos + 1 : pos + 1 + width], "big"), pos + 1 + width
-    if pos + n > len(data):
-        raise ValueError("truncated")
-    return data[pos : pos + n].decode(), pos + n
-
-
-def _rids_in(data: bytes) -> list[str]:
-    """The rids at the head of bytes that are not one msgpack value (truncated,
-    trailing bytes, a reserved byte further on): an array whose first element is a
-    string and whose second is an array of strings, read as far as it is sound."""
-    rids: list[str] = []
-    try:
-        n, pos = _array_at(data, 0)
-        if n < 2:
-            return rids
-        pos = _str_at(data, pos)[1]
-        count, pos = _array_at(data, pos)
-        for _ in range(count):
-            rid, pos = _str_at(data, pos)
-            rids.append(rid)
-    except (IndexError, ValueError):  # UnicodeDecodeError is a ValueError
-        pass
-    return rids
-
-
-# kind -> (loop time of the last line, lines left out since)
-_WARNED: dict[str, list[float]] = {}
-WARN_EVERY_S = 60.0
-
-
-def _warn(kind: str, text: str, *args: Any) -> None:
-    """A warning line per ``kind`` at most every ``WARN_EVERY_S`` (a scheduler that
-    sends bad outputs sends many); the next line says how many were left out."""
-    now = time.monotonic()
-    seen = _WARNED.get(kind)
-    if seen is not None and now - seen[0] < WARN_EVERY_S:
-        seen[1] += 1
-        return
-    left_out = int(seen[1]) if seen is not None else 0
-    _WARNED[kind] = [now, 0]
-    suffix = f" ({left_out} more like it not logged in the last {WARN_EVERY_S:.0f}s)"
-    logger.warning(text + (suffix if left_out else ""), *args)
-
-
 _DEAD = object()  # the scheduler went away
 _ABORTED = object()  # an Abort call ended it
 _STOPPED = object()  # the face stopped (drain deadline)
 
 
-class _Call:
-    """One forwarded request: the queue its outputs arrive on."""
-
-    __slots__ = ("queue", "stream", "finished", "aborted")
-
-    def __init__(self, stream: bool) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.stream = stream
-        self.finished = False
-        self.aborted = False
-
-
 @dataclass
 class SmgStats(SchedulerStats, AdmissionStats):
-    """The face's counters (``mmadmit_smg_grpc_*`` and the outcome counts)."""
+    """The face's counters (``mmadmit_smg_grpc_*`` with its link's, and the outcome counts)."""
 
     generate_calls: int = 0  # Generate calls received
     adds_sent: int = 0  # ADDs handed to the scheduler's input
@@ -573,10 +108,6 @@ class SmgStats(SchedulerStats, AdmissionStats):
     open_calls: int = 0  # forwarded requests without a finished output yet
     wakeups: int = 0  # output reader callbacks run
     watchdog_reads: int = 0  # output reads started by the watchdog
-
-
-def _status_message(abort: Abort) -> str:
-    return f"{abort.code.value}: {abort.message}"
 
 
 class SmgGrpcFace(SchedulerLink):
@@ -625,10 +156,10 @@ class SmgGrpcFace(SchedulerLink):
         )
         self.ready = False  # the scheduler's handshake is done
         self.draining = False
-        self.loads = Loads()
         self.started_at = time.time()
         self._watchdog_s = watchdog_s
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
+        self.outputs = Outputs(self._calls, self.stats, self._scheduler_died)
         self._sender: OrderedSender | None = None
         self._reader: SocketReader | None = None
         self._ready_info: dict[str, Any] = {}
@@ -657,7 +188,7 @@ class SmgGrpcFace(SchedulerLink):
         self._sender.start()
         self._reader = SocketReader(
             self._pull,
-            self._on_output,
+            self.outputs,
             stats=self.stats,
             name="scheduler output",
             watchdog_s=self._watchdog_s,
@@ -728,107 +259,6 @@ class SmgGrpcFace(SchedulerLink):
         self.stats.aborts_sent += 1
         self._send([_ABORT, _ENC.encode([rid])])
 
-    # ------------------------------------------------------------------ from the scheduler
-
-    def _on_output(self, frames: list[zmq.Frame]) -> None:
-        """One scheduler output: each rid's part to its call. An output the typed
-        decoder refuses, or tagged otherwise, goes to :meth:`_on_bad_output`."""
-        stats = self.stats
-        stats.output_messages += 1
-        first = frames[0]
-        if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
-            self._scheduler_died("it sent ENGINE_CORE_DEAD")
-            return
-        try:
-            out = _OUTPUT.decode(first.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._on_bad_output(first.bytes, exc)
-            return
-        if out.tag != _OUTPUT_TAG:
-            self._on_bad_output(first.bytes, None)
-            return
-        loads = (out.num_running, out.num_waiting, out.kv_active_pages, out.kv_total_pages)
-        if all(type(v) is int and v >= 0 for v in loads) and out.kv_total_pages:
-            self.loads = Loads(*loads)  # kv_total_pages 0: no snapshot in this output
-        calls = self._calls
-        for i, rid in enumerate(out.rids):
-            call = calls.get(rid)
-            if call is None:
-                stats.outputs_untracked += 1
-                continue
-            try:
-                values, ids = _logprobs_of(
-                    _column(out.logprobs_val, i, None), _column(out.logprobs_idx, i, None)
-                )
-            except _BadOutput as exc:
-                self._bad_part(rid, call, str(exc))
-                continue
-            call.queue.put_nowait(
-                _Piece(
-                    _column(out.output_ids, i, []),
-                    _reason_text(_column(out.finished_reasons, i, None)),
-                    _column(out.prompt_tokens, i, 0),
-                    _column(out.completion_tokens, i, 0),
-                    _column(out.cached_tokens, i, 0),
-                    values,
-                    ids,
-                )
-            )
-
-    def _on_bad_output(self, data: bytes, error: Exception | None) -> None:
-        """An output the typed decoder refused (``error``) or tagged otherwise: read
-        leniently, each open call's part goes to it when sound, else the call ends
-        ``INTERNAL`` saying what was wrong; an output naming no open call is counted
-        (``outputs_undecodable``) and logged."""
-        calls = self._calls
-        try:
-            raw = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError as exc:  # not one msgpack value: its rids, if legible
-            why = f"does not decode as msgpack ({exc})"
-            found = [(rid, calls.get(rid)) for rid in dict.fromkeys(_rids_in(data))]
-            for rid, call in found:
-                if call is not None:
-                    self._bad_part(rid, call, why)
-            if not any(call is not None for _, call in found):
-                self._undecodable("msgpack", "does not decode as msgpack (%s)", exc)
-            return
-        if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
-            self._undecodable(
-                "shape", "is not a BatchTokenIDOutSlim array (msgpack %s; %s)", _kind(raw), error
-            )
-            return
-        tag = raw[0]
-        wrong_tag = None if tag == _OUTPUT_TAG else f"is tagged {tag!r}, not {_OUTPUT_TAG!r}"
-        named = 0
-        for i, rid in enumerate(raw[1]):
-            call = calls.get(rid) if isinstance(rid, str) else None
-            if call is None:
-                self.stats.outputs_untracked += 1
-                continue
-            named += 1
-            if wrong_tag is not None:
-                self._bad_part(rid, call, wrong_tag)
-                continue
-            try:
-                piece = _part_of(raw, i)
-            except _BadOutput as exc:
-                self._bad_part(rid, call, str(exc))
-                continue
-            call.queue.put_nowait(piece)
-        if not named:
-            self._undecodable("rids", "names no open call in its rids (%s)", wrong_tag or error)
-
-    def _bad_part(self, rid: str, call: _Call, why: str) -> None:
-        """``rid``'s part of an output cannot become a response: its call ends INTERNAL."""
-        self.stats.outputs_bad += 1
-        message = f"the scheduler's output for request {rid!r} {why}"
-        _warn("bad part", "SMG gRPC face: %s; the call ends INTERNAL", message)
-        call.queue.put_nowait(_Fault(message))
-
-    def _undecodable(self, kind: str, text: str, *args: Any) -> None:
-        self.stats.outputs_undecodable += 1
-        _warn(kind, "SMG gRPC face: a scheduler output " + text + "; dropped", *args)
-
     # ------------------------------------------------------------------ RPCs
 
     async def Generate(  # noqa: N802 - the contract's method name
@@ -879,7 +309,7 @@ class SmgGrpcFace(SchedulerLink):
             return
         # No await since the outcome was encoded: a twin of this rid was refused at
         # submit, and the scheduler was there (see _add_frames).
-        call = self._calls[rid] = _Call(msg.stream)
+        call = self._calls[rid] = Call(msg.stream)
         self.stats.open_calls = len(self._calls)
         self.stats.adds_sent += 1
         self._send(frames)
@@ -891,7 +321,7 @@ class SmgGrpcFace(SchedulerLink):
             logger.info("rid=%s: Generate cancelled by the client; ABORT to the scheduler", rid)
             raise
         finally:
-            if not call.finished and not call.aborted and not self._dead and not self._stopping:
+            if not (call.finished or call.aborted or self._dead or self._stopping):
                 call.aborted = True
                 self._send_abort(rid)  # after its ADD: one FIFO
             if self._calls.get(rid) is call:
@@ -908,11 +338,9 @@ class SmgGrpcFace(SchedulerLink):
         return [_ADD, *wire.encode_request(outcome.request)]
 
     async def _responses(
-        self, rid: str, call: _Call, context: grpc.aio.ServicerContext
+        self, rid: str, call: Call, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ts.GenerateResponse]:
-        generated: list[int] = []
-        logprobs: list[float] = []
-        logprob_ids: list[int] = []
+        responses = Responses(rid, call.stream)
         while True:
             piece = await call.queue.get()
             if piece is _ABORTED:
@@ -929,42 +357,12 @@ class SmgGrpcFace(SchedulerLink):
                     grpc.StatusCode.UNAVAILABLE,
                     "SHUTTING_DOWN: the service stopped before this request finished",
                 )
-            if type(piece) is _Fault:
+            if type(piece) is Fault:
                 await self._end(context, rid, Abort(AbortCode.INTERNAL, piece.message))
-            assert isinstance(piece, _Piece)
-            finished = bool(piece.reason)
+            assert isinstance(piece, Piece)
             chunk = complete = None
-            try:  # checked when read (_Output, _part_of): a failure here is a bug of ours
-                if call.stream and (piece.token_ids or not generated or finished):
-                    chunk = ts.GenerateResponse(
-                        request_id=rid,
-                        chunk=ts.GenerateStreamChunk(
-                            token_ids=piece.token_ids,
-                            prompt_tokens=piece.prompt_tokens,
-                            completion_tokens=piece.completion_tokens,
-                            cached_tokens=piece.cached_tokens,
-                            output_logprobs=_output_logprobs(piece.logprobs, piece.logprob_ids),
-                        ),
-                    )
-                generated.extend(piece.token_ids)
-                logprobs.extend(piece.logprobs)
-                logprob_ids.extend(piece.logprob_ids)
-                if finished:
-                    complete = ts.GenerateResponse(
-                        request_id=rid,
-                        complete=ts.GenerateComplete(
-                            output_ids=piece.token_ids if call.stream else generated,
-                            finish_reason=piece.reason,
-                            prompt_tokens=piece.prompt_tokens,
-                            completion_tokens=piece.completion_tokens,
-                            cached_tokens=piece.cached_tokens,
-                            output_logprobs=(
-                                _output_logprobs(piece.logprobs, piece.logprob_ids)
-                                if call.stream
-                                else _output_logprobs(logprobs, logprob_ids)
-                            ),
-                        ),
-                    )
+            try:  # checked when read (smg_outputs): a failure here is a bug of ours
+                chunk, complete = responses.of(piece)
             except (TypeError, ValueError, OverflowError) as exc:
                 self.stats.outputs_bad += 1
                 logger.exception(
@@ -998,7 +396,7 @@ class SmgGrpcFace(SchedulerLink):
     async def _end(self, context: grpc.aio.ServicerContext, rid: str, abort: Abort) -> None:
         """End a call with the status of its abort (STATUS_OF, "CODE: message")."""
         logger.debug("rid=%s: ended %s: %s", rid, abort.code.value, abort.message)
-        await context.abort(STATUS_OF[abort.code], _status_message(abort))
+        await context.abort(STATUS_OF[abort.code], f"{abort.code.value}: {abort.message}")
 
     async def Abort(  # noqa: N802
         self, request: ts.AbortRequest, context: grpc.aio.ServicerContext
@@ -1093,7 +491,7 @@ class SmgGrpcFace(SchedulerLink):
     async def GetLoads(  # noqa: N802
         self, request: ts.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> ts.GetLoadsResponse:
-        loads = self.loads
+        loads = self.outputs.loads
         queued = len(self.admissions)  # materializing here, not yet at the scheduler
         usage = loads.kv_active_pages / loads.kv_total_pages if loads.kv_total_pages else 0.0
         running = loads.num_running
@@ -1199,17 +597,6 @@ def _unimplemented(method: Any) -> grpc.RpcMethodHandler:
     )
 
 
-def _reason_text(reason: Any) -> str:
-    """A finished reason as the face reports it: "" (not finished), "stop", "length",
-    "abort" (a map ``{type: ...}`` as some schedulers send is read by its type)."""
-    if not reason:
-        return ""
-    if isinstance(reason, dict):
-        reason = reason.get("type", "stop")
-    text = str(reason)
-    return text if text in ("stop", "length", "abort") else "stop"
-
-
 def _same(outcome: Materialized | Abort) -> Abort:
     """``_refuse``'s ``encode``: the call ends with the abort's own status."""
     assert isinstance(outcome, Abort)
@@ -1226,7 +613,4 @@ __all__ = [
     "TRANSPORT",
     "SmgGrpcFace",
     "SmgStats",
-    "parse_generate",
-    "request_from_generate",
-    "sampling_array",
 ]
