@@ -30,15 +30,18 @@ legs and a recording prefill:
   item as the aggregated path carries it (``encoder_input`` inline, ``content_hash``,
   grids in ``model_specific_tensors``, ``placeholders``, ``placeholder_token_id``) and
   ``items`` one ``EncodeItemAssignment``, a random 63-bit ``bootstrap_room`` per item;
-* then one ``Generate`` to the prefill whose items are the same **without
+* and, without waiting for the ``Encode`` replies (a call may reach the encode
+  worker after the chat has been answered: a real prefill waits for the embedding
+  itself), one ``Generate`` to the prefill whose items are the same **without
   ``encoder_input``** (``content_hash``, grids, placeholders only), with
-  ``encode_bootstrap_info.items[k]`` = (``item_index``, ``bootstrap_host`` = the host of
-  the encode worker's URL, ``bootstrap_port`` = ``PORT``, SMG's default 8998 when it is
-  ``none``; nothing is read from ``GetServerInfo`` for it, ``bootstrap_room`` = the room
-  that item's ``Encode`` carried), and ``kv_bootstrap_info`` (the prefill URL's host,
-  8998, a room per request); and one ``Generate`` to the decode with the same
-  ``kv_bootstrap_info``, no ``encode_bootstrap_info``, its items also without
-  ``encoder_input``.
+  ``encode_bootstrap_info.items[k]`` = (``item_index``; ``bootstrap_host``: the host of
+  the encode worker's URL; ``bootstrap_port``: ``PORT`` as registered on SMG's command
+  line, which it logs as ``bootstrap_port_source="registered"``, or SMG's default 8998
+  for ``none``, logged ``"default"``; this stand-in's ``GetServerInfo`` names no
+  bootstrap port; ``bootstrap_room``: the room that item's ``Encode`` carried), and
+  ``kv_bootstrap_info`` (the prefill URL's host, 8998, a room per request); and one
+  ``Generate`` to the decode with the same ``kv_bootstrap_info``, no
+  ``encode_bootstrap_info``, its items also without ``encoder_input``.
 
 ``tests/test_smg_disagg.py`` asserts what it relies on of this, so a newer SMG that
 sends otherwise fails there rather than contradicting this text silently.

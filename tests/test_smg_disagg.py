@@ -15,9 +15,18 @@ decodes); the legs are started before SMG (see ``tests/smg_gateway.py``):
   carry that rendezvous (elements 16/17/18, docs/spec/WIRE.md); the decode leg
   materializes like the prefill, except with ``--language-model-only`` (rule 2 of
   docs/spec/MATERIALIZE.md): no items, the prefill's M-RoPE delta, the ids as received.
-
-The EPD mode's stack (``disagg_stack(epd=True)``, the encode worker stand-in of
-``tests/epd_encoder.py``) is here; its tests come with mmadmit's EPD support.
+* **EPD** (``--epd-disaggregation --encode grpc://E PORT --prefill grpc://P none --decode
+  grpc://D``), with the encode worker stand-in of ``tests/epd_encoder.py``. SMG sends one
+  ``Encode`` per item (its room) and, without waiting for their replies, the prefill a
+  ``Generate`` whose items carry no encoder input (their ``content_hash`` only) and
+  whose ``encode_bootstrap_info`` pairs each item with its room at the encode worker's
+  (URL host, ``PORT``); the prefill also
+  gets the KV rendezvous, which the decode gets as in PD. Checked: the chats answer 200;
+  every prefill ADD item carries that item's ``encode_handshake`` (item element 9) with
+  the room the encode worker got for it; the decode ADD carries the prefill's KV room.
+  And, straight to the face without SMG, a malformed ``encode_bootstrap_info`` (an item
+  index out of range, two entries for one item, entries without ``mm_inputs``) ends
+  ``INVALID_ARGUMENT`` with an ``INVALID_REQUEST: `` message naming the entry.
 
 Run with: python -m pytest tests/test_smg_disagg.py -q -p no:cacheprovider
 """
@@ -32,13 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import engine_peers
+import grpc
 import numpy as np
 import pytest
 import smg_gateway as g
 import zmq.asyncio
 from epd_encoder import EncodeWorker, model_info_of
 from mmadmit.model import Request
-from test_smg_real import FAMILY_PARTS, Mmadmit, check_materialized
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as ts
+from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as ts_grpc
+from test_smg_real import FAMILY_PARTS, Mmadmit, check_materialized, until
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -53,6 +66,12 @@ SMG_DEFAULT_BOOTSTRAP_PORT = 8998
 # the encode worker's bootstrap port as registered with SMG (``--encode URL PORT``);
 # nothing listens there (SMG logs that its probe was refused, and carries on)
 ENCODE_BOOTSTRAP_PORT = 17099
+
+
+def handshake_on_wire(item_fields: list[Any]) -> Any:
+    """An item's ``encode_handshake`` as the scheduler received it: ``MultimodalDataItem``
+    element 9 (docs/spec/WIRE.md), None when nil or absent."""
+    return item_fields[9] if len(item_fields) > 9 else None
 
 
 # --------------------------------------------------------------------------- the stack
@@ -90,11 +109,16 @@ class Leg:
         assert self.mmadmit.smg_grpc is not None
         return self.mmadmit.smg_grpc
 
-    def add(self, rid: str) -> Request:
-        """The one ADD this leg's scheduler got for ``rid``."""
-        adds = [req for kind, req in self.seen if kind == "ADD" and req.rid == rid]
-        assert len(adds) == 1, f"{self.role}: {len(adds)} ADDs for {rid}: {self.seen}"
-        return adds[0]
+    async def add(self, rid: str) -> Request:
+        """The one ADD this leg's scheduler got for ``rid`` (SMG may answer its client
+        before the other leg's call has reached its scheduler: it is awaited)."""
+
+        def adds() -> list[Request]:
+            return [req for kind, req in self.seen if kind == "ADD" and req.rid == rid]
+
+        await until(lambda: bool(adds()), f"{self.role}: an ADD for {rid}", 10)
+        assert len(adds()) == 1, f"{self.role}: {len(adds())} ADDs for {rid}: {self.seen}"
+        return adds()[0]
 
 
 @dataclass
@@ -113,7 +137,7 @@ class Disagg:
             raise AssertionError(f"{result.text}\n{encoded}{legs}\n{self.gateway.log_tail()}")
         assert result.json()["choices"][0]["finish_reason"] == "stop"
         rid = result.json()["id"]  # SMG's request id, the ADD's rid
-        return self.prefill.add(rid), self.decode.add(rid)
+        return await self.prefill.add(rid), await self.decode.add(rid)
 
 
 @contextlib.asynccontextmanager
@@ -216,3 +240,124 @@ async def test_pd_language_model_only_decode_keeps_the_delta_and_no_items(
         assert decode.mm.mrope_position_delta_scalar == delta
         assert decode.mm.mrope_position_delta is not None
         assert decode.mm.mrope_position_delta.to_numpy().tolist() == [[delta]]
+
+
+# --------------------------------------------------------------------------- EPD
+
+
+async def test_epd_each_prefill_item_carries_its_encode_room(tmp_path: Path) -> None:
+    async with disagg_stack(tmp_path, epd=True) as st:
+        encoder = st.encoder
+        assert encoder is not None
+        for parts, n_items in ((one_image(), 1), (FAMILY_PARTS[FAMILY](), 2)):
+            encoder.calls.clear()
+            prefill, decode = await st.chat(*parts)
+            # one Encode per item, each one item and its room. SMG does not wait for the
+            # Encode replies (the prefill waits for the embedding itself), so a call may
+            # reach the encode worker after the chat has been answered.
+            await until(lambda n=n_items: len(encoder.calls) >= n, f"{n_items} Encode call(s)", 10)
+            assert len(encoder.calls) == n_items
+            room_at: dict[int, int] = {}  # the item's first placeholder -> its room
+            for call in encoder.calls:
+                (item,) = call.mm_inputs.items
+                (assignment,) = call.items
+                assert item.encoder_input.WhichOneof("payload") == "inline"
+                room_at[item.placeholders[0].offset] = assignment.bootstrap_room
+            assert len(set(room_at.values())) == n_items
+            check_materialized(FAMILY, prefill)  # from the content hashes alone
+            assert prefill.mm is not None and len(prefill.mm.items) == n_items
+            wire_items = engine_peers.wire_items(prefill)
+            for k, item in enumerate(prefill.mm.items):
+                assert item.feature is None  # SMG sends the prefill no encoder input
+                assert item.offsets is not None
+                want = {
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": ENCODE_BOOTSTRAP_PORT,
+                    "bootstrap_room": room_at[int(item.offsets[0][0])],
+                }
+                on_wire = handshake_on_wire(wire_items[k])
+                assert on_wire == want, f"item {k}: element 9 {on_wire!r}, SMG sent {want!r}"
+                got = getattr(item, "encode_handshake", "<no encode_handshake attribute>")
+                assert got == want, f"item {k}"
+            kv_room(prefill, decode)  # the decode gets the prefill's KV room
+            assert decode.mm is not None
+            # the decode gets no encode_bootstrap_info: no item of its carries a handshake
+            assert [handshake_on_wire(it) for it in engine_peers.wire_items(decode)] == [
+                None
+            ] * n_items
+        encoder.calls.clear()
+        prefill, decode = await st.chat("Hello there")
+        assert encoder.calls == [] and prefill.mm is None
+        kv_room(prefill, decode)
+        assert encoder.generates == []
+
+
+def epd_generate(rid: str, entries: list[int] | None) -> ts.GenerateRequest:
+    """A Qwen2.5-VL prompt with two 4-token images as SMG sends it to an EPD prefill (a
+    content hash, no encoder input); one ``encode_bootstrap_info`` entry per index in
+    ``entries`` (None: no ``mm_inputs``, one entry)."""
+    image = g.special_token_id(FAMILY, "<|image_pad|>")
+    start = g.special_token_id(FAMILY, "<|vision_start|>")
+    end = g.special_token_id(FAMILY, "<|vision_end|>")
+    ids = [g.special_token_id(FAMILY, "<|im_start|>"), *g.byte_token_ids("user\n")]
+    msg = ts.GenerateRequest(request_id=rid)
+    msg.sampling_params.max_new_tokens = 4
+    grid = np.array([[1, 4, 4]], np.int64).tobytes()
+    for k in range(2):
+        ids.append(start)
+        if entries is not None:
+            item = msg.mm_inputs.items.add(modality=common_pb2.IMAGE)
+            item.content_hash = (0x5EED_0000 + k).to_bytes(8, "little")
+            item.placeholders.add(offset=len(ids), length=4)
+            item.placeholder_token_id = image
+            item.model_specific_tensors["image_grid_thw"].CopyFrom(
+                ts.TensorData(shape=[1, 3], dtype="int64", inline=grid)
+            )
+            ids += [image] * 4
+        ids.append(end)
+    msg.tokenized.input_ids.extend([*ids, *g.byte_token_ids("Same?")])
+    for n, k in enumerate(entries if entries is not None else [0]):
+        msg.encode_bootstrap_info.items.add(
+            item_index=k, bootstrap_host="10.0.0.7", bootstrap_port=9000, bootstrap_room=7 + n
+        )
+    return msg
+
+
+async def test_epd_malformed_encode_bootstrap_info_is_refused_naming_the_entry(
+    tmp_path: Path,
+) -> None:
+    model = g.make_model_dir(tmp_path, FAMILY)
+    ctx = zmq.asyncio.Context()
+    leg = Leg(model, "prefill")
+    try:
+        await leg.connect(ctx)
+        async with grpc.aio.insecure_channel(leg.address) as channel:
+            stub = ts_grpc.TokenSpeedSchedulerStub(channel)
+            # well formed, out of order: each item gets its own entry's handshake
+            responses = [r async for r in stub.Generate(epd_generate("good", [1, 0]))]
+            assert responses[-1].complete.finish_reason == "stop"
+            add = await leg.add("good")
+            check_materialized(FAMILY, add)
+            handshakes = [handshake_on_wire(it) for it in engine_peers.wire_items(add)]
+            assert handshakes == [
+                {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": room}
+                for room in (8, 7)
+            ]
+            cases = {
+                "out_of_range": ([0, 2], "encode_bootstrap_info.items[1]"),
+                "twice": ([1, 1], "encode_bootstrap_info.items[1]"),
+                "no_mm_inputs": (None, "encode_bootstrap_info"),
+            }
+            for rid, (entries, names) in cases.items():
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    _ = [r async for r in stub.Generate(epd_generate(rid, entries))]
+                err = caught.value
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (rid, err.details())
+                details = err.details() or ""
+                assert details.startswith("INVALID_REQUEST: "), (rid, details)
+                assert names in details, (rid, details)
+        await asyncio.sleep(0.2)
+        assert [kind for kind, _ in leg.seen] == ["ADD"], "a refusal reached the scheduler"
+    finally:
+        await leg.close()
+        ctx.term()
