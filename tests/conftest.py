@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,6 +134,26 @@ def vector_loader():
     """``vector_loader(name)`` -> :class:`Vector` (skips when the vectors are absent)."""
     require_vectors()
     return load_vector
+
+
+@pytest.fixture(scope="session")
+def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """``tests/protos/generate_compat.proto`` compiled: a frontend's ``GenerateRequest``
+    (skips without ``grpc_tools``)."""
+    grpc_tools = pytest.importorskip("grpc_tools.protoc")
+    out = tmp_path_factory.mktemp("compat")
+    protos = TESTS_DIR / "protos"
+    rc = grpc_tools.main(
+        ["grpc_tools.protoc", f"-I{protos}", f"--python_out={out}", "generate_compat.proto"]
+    )
+    assert rc == 0, "protoc failed on tests/protos/generate_compat.proto"
+    spec = importlib.util.spec_from_file_location(
+        "generate_compat_pb2", Path(out) / "generate_compat_pb2.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(params=["native", "fallback"])

@@ -22,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import importlib.util
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -35,7 +33,7 @@ import grpc
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import CONFIGS, TESTS_DIR, Vector, load_vector, until, vector_names
+from conftest import CONFIGS, Vector, load_vector, until, vector_names
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mmadmit.errors import InvalidRequest
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
@@ -272,24 +270,6 @@ async def test_stream_interleaves_100_good_and_bad(qwen: Running) -> None:
 
 
 # ------------------------------------------------------------------------------ wire compatibility
-
-
-@pytest.fixture(scope="module")
-def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    grpc_tools = pytest.importorskip("grpc_tools.protoc")
-    out = tmp_path_factory.mktemp("compat")
-    protos = TESTS_DIR / "protos"
-    rc = grpc_tools.main(
-        ["grpc_tools.protoc", f"-I{protos}", f"--python_out={out}", "generate_compat.proto"]
-    )
-    assert rc == 0, "protoc failed on tests/protos/generate_compat.proto"
-    spec = importlib.util.spec_from_file_location(
-        "generate_compat_pb2", Path(out) / "generate_compat_pb2.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @needs_vectors

@@ -24,17 +24,15 @@ Run with: python -m pytest tests/test_pbwire.py -q
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import REPO_ROOT, TESTS_DIR, load_vector, vector_names
+from conftest import REPO_ROOT, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from mmadmit import pbwire, smg_request
@@ -539,25 +537,6 @@ def test_large_request_strips_every_large_payload(impl: str) -> None:
     assert len(payloads) == 4 and len(small) < 40_000
     nested = _with_unknown_nested(UNKNOWN_TOP + data)
     assert len((pbwire.strip_inline_payloads(nested) or (b"", []))[1]) == 4
-
-
-@pytest.fixture(scope="module")
-def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """tests/protos/generate_compat.proto compiled (as test_grpc_api.py does)."""
-    grpc_tools = pytest.importorskip("grpc_tools.protoc")
-    out = tmp_path_factory.mktemp("compat_pbwire")
-    protos = TESTS_DIR / "protos"
-    rc = grpc_tools.main(
-        ["grpc_tools.protoc", f"-I{protos}", f"--python_out={out}", "generate_compat.proto"]
-    )
-    assert rc == 0, "protoc failed on tests/protos/generate_compat.proto"
-    spec = importlib.util.spec_from_file_location(
-        "generate_compat_pb2_pbwire", Path(out) / "generate_compat_pb2.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: ModuleType) -> None:
