@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from mmadmit.profile import PRESETS, load_profile
 
 # Same location rule as conftest.py: $MMADMIT_VECTORS, else tests/data/vectors.
 _VECTORS = Path(
@@ -59,15 +60,8 @@ _VECTORS = Path(
 )
 CONFIG_DIR = _VECTORS / "configs"
 
-FAMILIES: tuple[str, ...] = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_omni_moe",
-)
+# The service's built-in profiles with M-RoPE: every one needs an owner below.
+FAMILIES: tuple[str, ...] = tuple(p for p in PRESETS if load_profile(p).uses_mrope)
 
 # family -> (config file, transformers config class, class owning get_rope_index)
 _CLASSES: dict[str, tuple[str, str, str]] = {

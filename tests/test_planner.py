@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from conftest import load_vector, vector_names
+from hf_oracle import FAMILIES
 from mmadmit import kernels, native, planner, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
@@ -28,16 +29,6 @@ from mmadmit.profile import ModelProfile, load_profile
 from prompt_gen import gen_prompt
 
 pytestmark = pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built")
-
-FAMILIES = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_omni_moe",
-)
 
 
 @contextmanager
