@@ -74,6 +74,7 @@ from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
 from mmadmit.runtime import tune_process  # noqa: E402
+from mmadmit.scheduler_link import SchedulerLink  # noqa: E402
 from mmadmit.smg_grpc import SERVICE, SmgGrpcFace  # noqa: E402
 from mmadmit.smg_request import parse_generate, request_from_generate  # noqa: E402
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts  # noqa: E402
@@ -176,17 +177,14 @@ async def bare_relay() -> None:
     profile = config.load_profile()
     pool = MaterializerPool(Materializer(profile, config.limits), workers=1)
     stop = asyncio.Event()
-    face = BareFace(
-        pool,
-        profile,
+    link = SchedulerLink(
         listen="tcp://127.0.0.1:0",
         engine_index=0,
         handshake_timeout_s=60,
-        served_model_name="bare-relay",
-        model_path="bare-relay",
         on_gone=lambda why: stop.set(),
     )
-    engine = await face.bind()
+    face = BareFace(pool, profile, link, served_model_name="bare-relay", model_path="bare-relay")
+    engine = await link.bind()
     port = GrpcPort(
         {SERVICE: face.handlers()},
         listen="127.0.0.1:0",
@@ -200,10 +198,12 @@ async def bare_relay() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await face.handshake()
+        await link.handshake()
+        await face.start()
         await stop.wait()
     finally:
         await face.stop()
+        await link.close()
         await port.stop(0)
         pool.close()
 

@@ -89,6 +89,7 @@ from mmadmit.materializer import Materializer
 from mmadmit.model import Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
+from mmadmit.scheduler_link import SchedulerLink
 from mmadmit.telemetry import Telemetry
 from mmadmit_client.frames import parse_frames
 from test_admission_both_transports import small_request
@@ -658,8 +659,14 @@ class Env:
     async def handshakes(self) -> None:
         accept = asyncio.ensure_future(self.smg.accept())
         self.tasks.append(accept)
-        await asyncio.wait_for(self.relay.handshake(), 20)
+        await asyncio.wait_for(handshakes(self.relay), 20)
         await asyncio.wait_for(accept, 20)
+
+
+async def handshakes(relay: EngineRelay) -> None:
+    """The scheduler's handshake on the relay's link, then SMG's (as ``mmadmit serve``)."""
+    await relay.link.handshake()
+    await relay.start()
 
 
 @contextlib.asynccontextmanager
@@ -672,27 +679,31 @@ async def relay_env(
     pool = MaterializerPool(Materializer(profile), workers=1, inline_max_tokens=16384)
     gone: list[str] = []
     hooked: list[list[Any]] = []
-    relay = EngineRelay(
-        pool,
-        smg_handshake=smg_handshake or smg.handshake,
+    link = SchedulerLink(
         listen="tcp://127.0.0.1:0",
         engine_index=0,
         handshake_timeout_s=timeout_s,
-        max_message_bytes=1 << 30,
         on_gone=gone.append,
+    )
+    relay = EngineRelay(
+        pool,
+        link,
+        smg_handshake=smg_handshake or smg.handshake,
+        max_message_bytes=1 << 30,
         watchdog_s=None,
         output_hook=hooked.append,
         telemetry=telemetry,
     )
     env = Env(ctx, smg, relay, "", gone, hooked)
     try:
-        env.listen = await relay.bind()
+        env.listen = await link.bind()
         yield env
     finally:
         for task in env.tasks:
             task.cancel()
         await asyncio.gather(*env.tasks, return_exceptions=True)
         await relay.stop(0.1)
+        await link.close()
         smg.close()
         pool.close()
         ctx.term()
@@ -710,7 +721,7 @@ async def test_in_process_zero_copy_outputs_scheduler_dead_frame_and_passthrough
         seen = env.scheduler(aux_bytes=100_000, dead_after=3)
         await env.handshakes()
         assert env.smg.ready_response == dict(engine_peers.READY_RESPONSE, data_parallel_rank=0)
-        assert env.relay.stats.scheduler_alive == 1
+        assert env.relay.link.stats.scheduler_alive == 1
         await env.smg.send(engine_peers.vector_frames("qwen3_5_image1", "z1"))
         utility = [b"\x03", msgspec.msgpack.encode([0, "get_load", []])]
         await env.smg.send(utility)
@@ -720,7 +731,7 @@ async def test_in_process_zero_copy_outputs_scheduler_dead_frame_and_passthrough
         assert [f.bytes for f in outs[2]] == [hs.ENGINE_CORE_DEAD]
         assert await recv_or_none(env.smg, 0.3) is None  # one ENGINE_CORE_DEAD, not two
         assert env.gone == ["it sent ENGINE_CORE_DEAD"]
-        assert env.relay.stats.scheduler_alive == 0
+        assert env.relay.link.stats.scheduler_alive == 0
         assert env.relay.stats.engine_core_dead_sent == 1
         # the other message type went through unchanged, between the two ADDs
         kinds = [kind for kind, _ in seen]
@@ -781,14 +792,14 @@ async def test_in_process_handshake_timeout_names_the_step(
     caplog.set_level("INFO", logger="mmadmit.scheduler_link")  # the handshake steps
     async with relay_env(timeout_s=0.3) as env:  # nobody connects to it
         with pytest.raises(hs.HandshakeTimeout, match="HELLO from the scheduler"):
-            await env.relay.handshake()
+            await handshakes(env.relay)
     assert "still waiting for HELLO from the scheduler" in caplog.text
     nobody = f"tcp://127.0.0.1:{free_port()}"
     async with relay_env(smg_handshake=nobody, timeout_s=0.5) as env:  # no SMG there
         env.scheduler()
         with pytest.raises(hs.HandshakeTimeout, match="INIT from SMG"):
-            await env.relay.handshake()
-        assert env.relay.stats.handshake_steps_scheduler == 4
+            await handshakes(env.relay)
+        assert env.relay.link.stats.handshake_steps_scheduler == 4
         assert env.relay.stats.handshake_steps_smg == 1  # HELLO sent, INIT never came
 
 
@@ -798,11 +809,11 @@ async def test_in_process_scheduler_restarting_mid_handshake_starts_it_over() ->
         first.setsockopt(zmq.IDENTITY, engine_peers.identity_of(0))
         first.setsockopt(zmq.LINGER, 0)
         first.connect(env.listen)
-        handshake = asyncio.ensure_future(env.relay.handshake())
+        handshake = asyncio.ensure_future(handshakes(env.relay))
         env.tasks.append(handshake)
         await first.send(engine_peers.status("HELLO"))
         init = hs.parse_init((await asyncio.wait_for(first.recv_multipart(), 10))[-1])
-        assert init.inputs == [env.relay.input_address] and init.parallel_config == {}
+        assert init.inputs == [env.relay.link.input_address] and init.parallel_config == {}
         first.close(linger=0)
         seen = env.scheduler()  # the restarted one: same identity, a new HELLO
         accept = asyncio.ensure_future(env.smg.accept())
@@ -813,7 +824,9 @@ async def test_in_process_scheduler_restarting_mid_handshake_starts_it_over() ->
         out = await asyncio.wait_for(env.smg.recv_output(), 10)
         assert engine_peers.read_output(out)[0] == ["after-restart"]
         assert [kind for kind, _ in seen] == ["ADD"]
-        assert env.relay.stats.handshake_steps_scheduler == 6  # HELLO, INIT twice; READY, ready
+        assert (
+            env.relay.link.stats.handshake_steps_scheduler == 6
+        )  # HELLO, INIT twice; READY, ready
 
 
 async def test_in_process_back_pressure_from_the_scheduler_drops_nothing() -> None:
@@ -829,14 +842,14 @@ async def test_in_process_back_pressure_from_the_scheduler_drops_nothing() -> No
             sock.setsockopt(zmq.LINGER, 0)
         inp.setsockopt(zmq.RCVHWM, 8)
         hs_sock.connect(env.listen)
-        handshake = asyncio.ensure_future(env.relay.handshake())
+        handshake = asyncio.ensure_future(handshakes(env.relay))
         env.tasks.append(handshake)
         accept = asyncio.ensure_future(env.smg.accept())
         env.tasks.append(accept)
         await hs_sock.send(engine_peers.status("HELLO"))
         await hs_sock.recv_multipart()
         await hs_sock.send(engine_peers.status("READY"))
-        inp.connect(env.relay.input_address)
+        inp.connect(env.relay.link.input_address)
         await inp.send(msgspec.msgpack.encode(engine_peers.READY_RESPONSE))
         await asyncio.wait_for(handshake, 20)
         await asyncio.wait_for(accept, 20)

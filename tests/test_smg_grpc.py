@@ -57,6 +57,7 @@ from mmadmit.materializer import Materializer
 from mmadmit.model import Request
 from mmadmit.pool import MaterializerPool
 from mmadmit.profile import load_profile
+from mmadmit.scheduler_link import SchedulerLink
 from mmadmit.smg_grpc import SERVICE, STATUS_OF, SmgGrpcFace
 from mmadmit.smg_request import TOP_K_ALL, sampling_array
 from mmadmit.telemetry import StatsCollector, Telemetry
@@ -117,14 +118,21 @@ class Env:
         return [rid for kind, rids in self.seen if kind == "ABORT" for rid in rids]
 
     def scheduler(self, **kwargs: Any) -> None:
-        assert self.face.endpoint is not None
+        assert self.face.link.endpoint is not None
         self.tasks.append(
             asyncio.ensure_future(
                 engine_peers.run_scheduler(
-                    self.ctx, self.face.endpoint, report=False, seen=self.seen, **kwargs
+                    self.ctx, self.face.link.endpoint, report=False, seen=self.seen, **kwargs
                 )
             )
         )
+
+
+async def start_face(face: SmgGrpcFace) -> None:
+    """The scheduler's handshake on the face's link, then the face starts (as
+    ``mmadmit serve`` does)."""
+    await face.link.handshake()
+    await face.start()
 
 
 @contextlib.asynccontextmanager
@@ -153,20 +161,20 @@ async def face_env(
         before_run=before_run,
     )
     gone: list[str] = []
+    link = SchedulerLink(
+        listen="tcp://127.0.0.1:0", engine_index=0, handshake_timeout_s=20, on_gone=gone.append
+    )
     face = SmgGrpcFace(
         pool,
         profile,
-        listen="tcp://127.0.0.1:0",
-        engine_index=0,
-        handshake_timeout_s=20,
+        link,
         served_model_name="tiny-qwen3.5",
         model_path="/models/tiny-qwen3.5",
-        on_gone=gone.append,
         watchdog_s=None,
         telemetry=telemetry,
     )
     ctx = zmq.asyncio.Context()
-    await face.bind()
+    await link.bind()
     port = GrpcPort({SERVICE: face.handlers()}, listen="127.0.0.1:0", max_message_bytes=1 << 30)
     address = await port.start()
     channel = grpc.aio.insecure_channel(address)
@@ -174,7 +182,7 @@ async def face_env(
     try:
         if scheduler is not None:
             env.scheduler(**scheduler)
-            await asyncio.wait_for(face.handshake(), 20)
+            await asyncio.wait_for(start_face(face), 20)
         yield env
     finally:
         await channel.close()
@@ -182,6 +190,7 @@ async def face_env(
             task.cancel()
         await asyncio.gather(*env.tasks, return_exceptions=True)
         await face.stop()
+        await link.close()
         await port.stop(0)
         pool.close()
         ctx.term()
@@ -562,7 +571,7 @@ async def test_a_dropped_connection_after_the_handshake_is_death() -> None:
                 await asyncio.wait_for(call, 5)
             assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         assert len(env.gone) == 1 and env.gone[0].endswith("connection dropped")
-        assert env.face.scheduler_gone and env.face.stats.scheduler_alive == 0
+        assert env.face.link.gone and env.face.link.stats.scheduler_alive == 0
         health = await env.stub.HealthCheck(ts.HealthCheckRequest())
         assert not health.healthy
 
@@ -571,19 +580,19 @@ async def test_a_drop_before_the_handshake_is_not_death() -> None:
     """A scheduler that connects its input and output and dies before READY, then
     comes back: the face completes the new handshake and serves; nothing is gone."""
     async with face_env() as env:
-        assert env.face.endpoint is not None
-        handshake = asyncio.ensure_future(env.face.handshake())
-        env.tasks.append(handshake)
+        assert env.face.link.endpoint is not None
+        handshaking = asyncio.ensure_future(start_face(env.face))
+        env.tasks.append(handshaking)
         first = await asyncio.wait_for(
-            engine_peers.connect_scheduler(env.ctx, env.face.endpoint, ready=False), 10
+            engine_peers.connect_scheduler(env.ctx, env.face.link.endpoint, ready=False), 10
         )
         first.close()
-        await until(lambda: env.face.stats.scheduler_drops == 2)  # input and output
+        await until(lambda: env.face.link.stats.scheduler_drops == 2)  # input and output
         env.scheduler()  # the restarted one: a new HELLO
-        await asyncio.wait_for(handshake, 20)
+        await asyncio.wait_for(handshaking, 20)
         (resp,) = await asyncio.wait_for(collect(env.stub.Generate(plain("after"))), 10)
         assert resp.complete.finish_reason == "stop"
-        assert env.gone == [] and not env.face.scheduler_gone
+        assert env.gone == [] and not env.face.link.gone
         assert (await env.stub.HealthCheck(ts.HealthCheckRequest())).healthy
 
 
@@ -592,10 +601,10 @@ async def test_a_drop_while_stopping_is_not_death(monkeypatch: pytest.MonkeyPatc
     is reported (on_gone would make ``mmadmit serve`` exit 3)."""
     async with face_env() as env:
         face = env.face
-        assert face.endpoint is not None
+        assert face.link.endpoint is not None
         sched, _ = await asyncio.wait_for(
             asyncio.gather(
-                engine_peers.connect_scheduler(env.ctx, face.endpoint), face.handshake()
+                engine_peers.connect_scheduler(env.ctx, face.link.endpoint), start_face(face)
             ),
             20,
         )
@@ -604,7 +613,7 @@ async def test_a_drop_while_stopping_is_not_death(monkeypatch: pytest.MonkeyPatc
 
         async def stop_slowly() -> None:  # the scheduler drops while the face stops
             sched.close()
-            await until(lambda: face.stats.scheduler_drops == 2)
+            await until(lambda: face.link.stats.scheduler_drops == 2)
             await sender_stop()
 
         monkeypatch.setattr(face._sender, "stop", stop_slowly)
@@ -612,8 +621,8 @@ async def test_a_drop_while_stopping_is_not_death(monkeypatch: pytest.MonkeyPatc
             await asyncio.wait_for(face.stop(), 10)
         finally:
             sched.close()
-        assert face.stats.scheduler_drops == 2  # seen, while stopping
-        assert env.gone == [] and not face.scheduler_gone
+        assert face.link.stats.scheduler_drops == 2  # seen, while stopping
+        assert env.gone == [] and not face.link.gone
 
 
 async def test_health_model_info_server_info_loads_and_unimplemented() -> None:
@@ -621,7 +630,7 @@ async def test_health_model_info_server_info_loads_and_unimplemented() -> None:
         before = await env.stub.HealthCheck(ts.HealthCheckRequest())
         assert not before.healthy and "handshake" in before.message
         env.scheduler()
-        await asyncio.wait_for(env.face.handshake(), 20)
+        await asyncio.wait_for(start_face(env.face), 20)
         after = await env.stub.HealthCheck(ts.HealthCheckRequest())
         assert after.healthy
         info = await env.stub.GetModelInfo(ts.GetModelInfoRequest())

@@ -31,7 +31,7 @@ import pytest
 from conftest import until
 from mmadmit import smg_outputs
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
-from test_smg_grpc import Env, collect, face_env
+from test_smg_grpc import Env, collect, face_env, start_face
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,11 +72,11 @@ def slim(
 async def driven() -> AsyncIterator[tuple[Env, engine_peers.SchedulerSockets]]:
     """The face with a scheduler the test drives (handshake done)."""
     async with face_env() as env:
-        assert env.face.endpoint is not None
+        assert env.face.link.endpoint is not None
         sched, _ = await asyncio.wait_for(
             asyncio.gather(
-                engine_peers.connect_scheduler(env.ctx, env.face.endpoint),
-                env.face.handshake(),
+                engine_peers.connect_scheduler(env.ctx, env.face.link.endpoint),
+                start_face(env.face),
             ),
             20,
         )

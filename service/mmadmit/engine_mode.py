@@ -5,16 +5,17 @@ connects to it with a HELLO / INIT / READY handshake (docs/spec/WIRE.md, "Engine
 mode"). :class:`EngineRelay` looks like an engine to SMG and like SMG to the
 scheduler:
 
-* **downstream** (the scheduler): it binds a handshake ROUTER at
-  ``--engine-handshake-listen`` and, on the same host with ephemeral ports, an
-  input ROUTER and an output PULL, and completes the scheduler's handshake
-  (HELLO, INIT carrying those two addresses, READY, the scheduler's ready
-  response on the input socket);
-* **upstream** (SMG): only then it connects to ``--smg-handshake`` as engine
-  ``--engine-index`` (HELLO, INIT, READY, then the scheduler's ready response
-  presented unchanged, as its own, on SMG's input socket, and a PUSH to SMG's
-  output socket). SMG's wait for HELLO is its own setting, so SMG never waits
-  on a slow scheduler behind a HELLO already sent. Either side may start first;
+* **downstream** (the scheduler): its :class:`~mmadmit.scheduler_link.SchedulerLink`
+  (``relay.link``) binds a handshake ROUTER at ``--engine-handshake-listen`` and,
+  on the same host with ephemeral ports, an input ROUTER and an output PULL, and
+  completes the scheduler's handshake (HELLO, INIT carrying those two
+  addresses, READY, the scheduler's ready response on the input socket);
+* **upstream** (SMG): only then (:meth:`EngineRelay.start`) it connects to
+  ``--smg-handshake`` as engine ``--engine-index`` (HELLO, INIT, READY, then the
+  scheduler's ready response presented unchanged, as its own, on SMG's input
+  socket, and a PUSH to SMG's output socket). SMG's wait for HELLO is its own
+  setting, so SMG never waits on a slow scheduler behind a HELLO already sent.
+  Either side may start first;
   each step waits up to ``--handshake-timeout`` (a progress line every 30 s).
   A malformed message raises :class:`~mmadmit.handshake.HandshakeError`
   (``mmadmit serve`` exits 2), a step that never comes
@@ -74,7 +75,7 @@ import zmq.asyncio
 from .handshake import ENGINE_CORE_DEAD, HandshakeError, parse_init, status_message
 from .limits import DEFAULT_LIMITS, Limits
 from .pool import MaterializerPool
-from .scheduler_link import PROGRESS_S, SchedulerLink, SchedulerStats
+from .scheduler_link import PROGRESS_S, SchedulerLink
 from .telemetry import Telemetry
 from .zmq_ingest import ZmqIngest, ZmqIngestStats
 from .zmq_output import Forward
@@ -99,8 +100,9 @@ _OUTPUT_TAG = "BatchTokenIDOutSlim"
 
 
 @dataclass
-class EngineStats(ZmqIngestStats, SchedulerStats):
-    """The relay's counters: the forward-mode ingest's (SMG -> scheduler) and its own.
+class EngineStats(ZmqIngestStats):
+    """The relay's counters: the forward-mode ingest's (SMG -> scheduler) and its own
+    (the scheduler side's are its link's, exported with them).
 
     ``forwarded`` - ``forwarded_aborts`` are the relayed requests; ``wakeups``
     and ``watchdog_reads`` count both intakes (SMG's input, the scheduler's
@@ -116,51 +118,41 @@ class EngineStats(ZmqIngestStats, SchedulerStats):
     outstanding: int = 0  # forwarded requests without a finished output yet
 
 
-class EngineRelay(SchedulerLink):
+class EngineRelay:
     """One scheduler behind one SMG engine slot (usage in :mod:`mmadmit.server`)::
 
-        relay = EngineRelay(pool, smg_handshake="tcp://smg:5555",
-                            listen="tcp://127.0.0.1:5570", engine_index=0,
-                            handshake_timeout_s=600, max_message_bytes=1 << 30,
-                            on_gone=lambda why: ...)
-        bound = await relay.bind()          # the scheduler may connect from now on
-        await relay.handshake()             # scheduler first, then SMG
+        relay = EngineRelay(pool, link, smg_handshake="tcp://smg:5555",
+                            max_message_bytes=1 << 30)   # link: bound
+        await link.handshake()              # the scheduler's first
+        await relay.start()                 # then SMG's; the relay runs
         ...
         await relay.drain(deadline)         # SIGTERM: forwarded requests finish
         await relay.stop(linger_s)          # ENGINE_CORE_DEAD to SMG; idempotent
+        await link.close()
 
-    ``on_gone(why)`` is called once when the scheduler goes away after its
-    handshake (the relay has already sent ``ENGINE_CORE_DEAD`` upstream);
+    When the scheduler goes away after its handshake the relay sends
+    ``ENGINE_CORE_DEAD`` upstream before the link's ``on_gone(why)``;
     ``output_hook(frames)`` is a test hook told of every message libzmq took
     for SMG's output socket.
     """
 
-    stats: EngineStats
-
     def __init__(
         self,
         pool: MaterializerPool,
+        link: SchedulerLink,
         *,
         smg_handshake: str,
-        listen: str,
-        engine_index: int,
-        handshake_timeout_s: float,
         max_message_bytes: int,
         telemetry: Telemetry | None = None,
-        on_gone: Callable[[str], None] | None = None,
         watchdog_s: float | None = WATCHDOG_S,
         max_pending_outputs: int = MAX_PENDING_OUTPUTS,
         output_hook: Callable[[list[Any]], None] | None = None,
         limits: Limits = DEFAULT_LIMITS,
         max_frames: int | None = None,
     ) -> None:
-        super().__init__(
-            listen=listen,
-            engine_index=engine_index,
-            handshake_timeout_s=handshake_timeout_s,
-            stats=EngineStats(),
-            on_gone=on_gone,
-        )
+        self.link = link
+        link.on_death = self._on_death
+        self.stats = EngineStats()
         self.pool = pool
         self.limits = limits
         self.max_frames = max_frames
@@ -182,21 +174,22 @@ class EngineRelay(SchedulerLink):
 
     # ------------------------------------------------------------------ handshake
 
-    async def handshake(self) -> None:
-        """Both handshakes, scheduler first; raises HandshakeError / HandshakeTimeout."""
-        await self.handshake_scheduler()
+    async def start(self) -> None:
+        """After the scheduler's handshake (``link.handshake()``): SMG's, then the
+        relay runs; raises HandshakeError / HandshakeTimeout."""
         await self._handshake_smg()
         self.ready = True
         logger.info(
             "engine mode: relaying SMG %s <-> scheduler (engine %d)",
             self.smg_handshake,
-            self.engine_index,
+            self.link.engine_index,
         )
 
     async def _handshake_smg(self) -> None:
-        assert self._ready_response is not None and self._scheduler_identity is not None
-        hs = self._hs_up = self._socket(zmq.DEALER)
-        hs.setsockopt(zmq.IDENTITY, self.identity)
+        link = self.link
+        assert link.ready_response is not None and link.scheduler_identity is not None
+        hs = self._hs_up = link.socket(zmq.DEALER)
+        hs.setsockopt(zmq.IDENTITY, link.identity)
         try:
             hs.connect(self.smg_handshake)
         except zmq.ZMQError as exc:
@@ -207,21 +200,21 @@ class EngineRelay(SchedulerLink):
         self.stats.handshake_steps_smg += 1
         logger.info("engine handshake: HELLO sent to SMG at %s", self.smg_handshake)
         step = "INIT from SMG"
-        frames = await self._step(hs.recv_multipart(copy=False), step)
+        frames = await link.step(hs.recv_multipart(copy=False), step)
         init = parse_init(frames[-1].buffer, step)
         self.stats.handshake_steps_smg += 1
         await hs.send(status_message("READY"))
         self.stats.handshake_steps_smg += 1
         # SMG's input: requests arrive here; the ready response goes first, unchanged.
-        intake: zmq.Socket[Any] = self._socket(zmq.DEALER, plain=True)
-        intake.setsockopt(zmq.IDENTITY, self.identity)
-        push: zmq.asyncio.Socket = self._socket(zmq.PUSH)
+        intake: zmq.Socket[Any] = link.socket(zmq.DEALER, plain=True)
+        intake.setsockopt(zmq.IDENTITY, link.identity)
+        push: zmq.asyncio.Socket = link.socket(zmq.PUSH)
         try:
             intake.connect(init.inputs[0])
             push.connect(init.outputs[0])
         except zmq.ZMQError as exc:
             raise HandshakeError(step, "addresses", f"unusable endpoint ({exc.strerror})") from exc
-        intake.send(self._ready_response, copy=False)  # an empty pipe: never blocks
+        intake.send(link.ready_response, copy=False)  # an empty pipe: never blocks
         self.stats.handshake_steps_smg += 1
         self._push = push
         self.stats.handshake_steps_smg += 1
@@ -235,7 +228,8 @@ class EngineRelay(SchedulerLink):
     # ------------------------------------------------------------------ relay
 
     def _start_relay(self, intake: zmq.Socket[Any], push: zmq.asyncio.Socket) -> None:
-        assert self._in_down is not None and self._pull is not None and self._ctx is not None
+        link = self.link
+        assert link.input is not None and link.output is not None and link.context is not None
         out = self._out = OrderedSender(
             push,
             max_pending=self._max_pending_outputs,
@@ -245,7 +239,7 @@ class EngineRelay(SchedulerLink):
             name="engine-output",
         )
         reader = self._out_reader = SocketReader(
-            self._pull,
+            link.output,
             self._on_output,
             stats=self.stats,
             name="engine output",
@@ -253,22 +247,22 @@ class EngineRelay(SchedulerLink):
         )
         out.pauses(reader)
         out.start()
-        assert self._scheduler_identity is not None
+        assert link.scheduler_identity is not None
         # Forward mode's own output, on the scheduler's input ROUTER (each message
         # addressed to the scheduler's identity) instead of a PUSH of its own.
         to_scheduler = Forward(
-            f"the scheduler's input {self.input_address}",
-            socket=self._in_down,
-            prefix=[self._scheduler_identity],
+            f"the scheduler's input {link.input_address}",
+            socket=link.input,
+            prefix=[link.scheduler_identity],
             on_forward=self._forwarded,
             passthrough=True,
         )
         ingest = self.ingest = ZmqIngest(
             self.pool,
             to_scheduler,
-            listen=f"SMG input (engine {self.engine_index})",
+            listen=f"SMG input (engine {link.engine_index})",
             max_message_bytes=self.max_message_bytes,
-            context=self._ctx,
+            context=link.context,
             watchdog_s=self._watchdog_s,
             telemetry=self.telemetry,
             transport="engine",
@@ -277,11 +271,11 @@ class EngineRelay(SchedulerLink):
             max_frames=self.max_frames,
         )
         # The ingest owns these two from here (it closes them at stop).
-        self._socks.remove(intake)
-        self._socks.remove(self._in_down)
-        ingest.adopt(intake, peer=self.identity)
+        link.sockets.remove(intake)
+        link.sockets.remove(link.input)
+        ingest.adopt(intake, peer=link.identity)
         reader.start()
-        if self._dead:  # the scheduler went while SMG's handshake ran
+        if link.gone:  # the scheduler went while SMG's handshake ran
             self._send_dead()
 
     def _forwarded(self, rid: str) -> None:
@@ -302,7 +296,7 @@ class EngineRelay(SchedulerLink):
                 stats.engine_core_dead_sent += 1
                 out.add_pending()
                 out.put(frames)
-            self._scheduler_died("it sent ENGINE_CORE_DEAD")
+            self.link.died("it sent ENGINE_CORE_DEAD")
             return
         if self._outstanding:
             self._track(first)
@@ -355,10 +349,10 @@ class EngineRelay(SchedulerLink):
         """Relay outputs until every forwarded request has finished or ``deadline``
         (loop time); return how many forwarded requests are still unfinished."""
         loop = asyncio.get_running_loop()
-        while self._outstanding and not self._dead and loop.time() < deadline:
+        while self._outstanding and not self.link.gone and loop.time() < deadline:
             await asyncio.sleep(min(0.01, max(0.0, deadline - loop.time())))
         left = len(self._outstanding)
-        if left and not self._dead:
+        if left and not self.link.gone:
             logger.warning(
                 "[shutdown] %d forwarded request(s) without a finished output at the drain "
                 "deadline; SMG fails them on ENGINE_CORE_DEAD",
@@ -375,11 +369,11 @@ class EngineRelay(SchedulerLink):
     async def _stop(self, linger_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + linger_s
-        self._stopping = True
+        self.link.stopping = True
         if self.ingest is not None:
             # Sweeps what SMG still queued (forwarded SHUTTING_DOWN), flushes to the
             # scheduler, closes SMG's input and the scheduler's input.
-            await self.ingest.stop(min(linger_s, 0.5) if not self._dead else 0.0)
+            await self.ingest.stop(min(linger_s, 0.5) if not self.link.gone else 0.0)
         self._send_dead()
         out = self._out
         if out is not None:
@@ -392,10 +386,9 @@ class EngineRelay(SchedulerLink):
                 logger.warning("[shutdown] %d output(s) never reached SMG", len(left))
         if self._out_reader is not None:
             self._out_reader.stop()
-        linger_ms = int(max(0.0, deadline - loop.time()) * 1000)
-        await self._close({id(self._push): linger_ms} if self._push is not None else None)
-        self.stats.scheduler_alive = 0 if self._dead else self.stats.scheduler_alive
-        logger.info("[shutdown] engine relay stopped (%s)", self.stats)
+        if self._push is not None:  # the link's close() waits for what it still holds
+            self._push.close(linger=int(max(0.0, deadline - loop.time()) * 1000))
+        logger.info("[shutdown] engine relay stopped (%s, %s)", self.stats, self.link.stats)
 
 
 def _ignore(msg: list[Any]) -> None:

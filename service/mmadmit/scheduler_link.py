@@ -2,7 +2,8 @@
 
 A headless scheduler connects to whoever plays SMG for it (docs/spec/WIRE.md, "Engine
 mode"). :class:`SchedulerLink` plays that part, once, for every face that
-stands in front of a scheduler:
+stands in front of a scheduler; the face holds it (``face.link``) and
+:mod:`mmadmit.server` drives its lifecycle:
 
 * it binds a handshake ROUTER at ``--engine-handshake-listen`` and, on the same
   host with ephemeral ports, an input ROUTER and an output PULL
@@ -10,11 +11,11 @@ stands in front of a scheduler:
 * it completes the scheduler's handshake (HELLO, INIT carrying those two
   addresses, READY, the scheduler's ready response on the input socket) and
   keeps the ready response and the scheduler's identity
-  (:meth:`SchedulerLink.handshake_scheduler`); a scheduler that restarts and
+  (:meth:`SchedulerLink.handshake`); a scheduler that restarts and
   says HELLO again is taken over (``ROUTER_HANDOVER``);
 * it watches the scheduler's input and output connections: once its handshake
-  is done, a drop is its death, reported once through
-  :meth:`SchedulerLink._on_death` (the face's own reaction: engine mode sends
+  is done (and until ``stopping``), a drop is its death, reported once through
+  ``on_death(why)`` (the face's own reaction: engine mode sends
   ``ENGINE_CORE_DEAD`` to SMG, the gRPC face ends every open call) and then
   ``on_gone(why)`` (``mmadmit serve`` turns NOT_SERVING and exits 3).
 
@@ -24,9 +25,9 @@ step waits up to ``--handshake-timeout`` with a progress line every 30 s; a
 malformed message raises :class:`~mmadmit.handshake.HandshakeError`, a step
 that never comes :class:`~mmadmit.handshake.HandshakeTimeout`.
 
-Resources: every socket and the context are in one list closed by a
-``weakref.finalize`` (STYLE 9), so they are released even if a face never
-stops.
+Resources: every socket on the link's context, the face's too
+(:meth:`SchedulerLink.socket`), and the context are in one list closed by a
+``weakref.finalize`` (STYLE 9), so they are released even if nobody closes the link.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ PROGRESS_S = 30.0
 
 @dataclass
 class SchedulerStats:
-    """The scheduler link's counters (a face's stats class extends this)."""
+    """The scheduler link's counters (exported with its face's, under the face's name)."""
 
     handshake_steps_scheduler: int = 0  # HELLO, INIT, READY, ready response
     scheduler_alive: int = 0  # 1 from the scheduler's ready response until it goes away
@@ -104,11 +105,15 @@ def _close_all(socks: list[zmq.Socket[Any]], ctx: zmq.Context[Any] | None) -> No
 
 
 class SchedulerLink:
-    """One scheduler, as SMG would see it; a face extends it (usage: ``EngineRelay``).
+    """One scheduler, as SMG would see it (usage in :mod:`mmadmit.server`)::
 
-    ``stats`` must have the :class:`SchedulerStats` fields; ``on_gone(why)`` is
-    called once when the scheduler goes away after its handshake, after the
-    face's own :meth:`_on_death`.
+    link = SchedulerLink(listen=..., engine_index=0, handshake_timeout_s=600,
+                         on_gone=lambda why: ...)
+    await link.bind()        # the scheduler may connect from now on
+    face = SmgGrpcFace(pool, profile, link, ...)   # sets link.on_death
+    await link.handshake()   # the scheduler's; then await face.start()
+    ...                      # face.drain(deadline), face.stop() (sets stopping)
+    await link.close()       # idempotent
     """
 
     def __init__(
@@ -117,42 +122,40 @@ class SchedulerLink:
         listen: str,
         engine_index: int,
         handshake_timeout_s: float,
-        stats: SchedulerStats,
         on_gone: Callable[[str], None] | None = None,
     ) -> None:
         self.listen = listen
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self.handshake_timeout_s = handshake_timeout_s
-        self.stats = stats
+        self.stats = SchedulerStats()
         self.endpoint: str | None = None  # the bound handshake address (for the scheduler)
         self.input_address: str | None = None  # as told to the scheduler in INIT
         self.output_address: str | None = None
-        self._on_gone = on_gone
-        self._ctx: zmq.asyncio.Context | None = None
-        self._socks: list[zmq.Socket[Any]] = []
-        self._finalizer = weakref.finalize(self, _close_all, self._socks, None)
+        self.on_death: Callable[[str], None] | None = None  # the face's reaction
+        self.on_gone = on_gone
+        self.context: zmq.asyncio.Context | None = None
+        self.sockets: list[zmq.Socket[Any]] = []  # closed by close(), the face's too
+        self._finalizer = weakref.finalize(self, _close_all, self.sockets, None)
         self._hs_down: zmq.asyncio.Socket | None = None
-        self._in_down: zmq.asyncio.Socket | None = None
-        self._pull: zmq.Socket[Any] | None = None
-        self._scheduler_identity: bytes | None = None
-        self._ready_response: zmq.Frame | None = None
-        self._scheduler_ready = False  # its handshake is done: a drop from now on is death
-        self._dead = False
-        self._stopping = False  # our own stop closes the scheduler's connections: not a death
+        self.input: zmq.asyncio.Socket | None = None  # the scheduler's input ROUTER
+        self.output: zmq.Socket[Any] | None = None  # the scheduler's output PULL
+        self.scheduler_identity: bytes | None = None
+        self.ready_response: zmq.Frame | None = None
+        self.ready = False  # its handshake is done: a drop from now on is death
+        self.gone = False
+        self.stopping = False  # our own stop closes the scheduler's connections: not a death
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    @property
-    def scheduler_gone(self) -> bool:
-        return self._dead
 
     # ------------------------------------------------------------------ sockets
 
-    def _socket(self, kind: int, *, plain: bool = False) -> Any:
-        assert self._ctx is not None
-        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, kind) if plain else self._ctx.socket(kind)
+    def socket(self, kind: int, *, plain: bool = False) -> Any:
+        """A socket on the link's context, closed (linger 0) by :meth:`close`."""
+        assert self.context is not None
+        ctx = self.context
+        sock: zmq.Socket[Any] = zmq.Socket(ctx, kind) if plain else ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)  # the real linger is given at stop()
-        self._socks.append(sock)
+        self.sockets.append(sock)
         return sock
 
     def _bind(self, sock: zmq.Socket[Any], address: str, what: str) -> str:
@@ -164,17 +167,17 @@ class SchedulerLink:
 
     async def bind(self) -> str:
         """Bind what SMG would bind for the scheduler; return the handshake endpoint."""
-        if self._ctx is not None:
+        if self.context is not None:
             raise RuntimeError(f"{type(self).__name__}.bind() may be called only once")
-        self._ctx = ctx = zmq.asyncio.Context()
+        self.context = ctx = zmq.asyncio.Context()
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _close_all, self._socks, ctx)
+        self._finalizer = weakref.finalize(self, _close_all, self.sockets, ctx)
         try:
-            hs = self._hs_down = self._socket(zmq.ROUTER)
+            hs = self._hs_down = self.socket(zmq.ROUTER)
             # A restarted scheduler reconnects with the same identity: take it over.
             hs.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self.endpoint = self._bind(hs, self.listen, "the engine handshake")
-            inp = self._in_down = self._socket(zmq.ROUTER)
+            inp = self.input = self.socket(zmq.ROUTER)
             inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
             # Mandatory: a full scheduler raises EAGAIN (awaited: back-pressure) and a
             # gone one EHOSTUNREACH, instead of either silently dropping requests.
@@ -182,13 +185,13 @@ class SchedulerLink:
             self.input_address = _advertised(
                 self._bind(inp, _bind_next_to(self.endpoint, "input"), "the scheduler input")
             )
-            pull = self._pull = self._socket(zmq.PULL, plain=True)
+            pull = self.output = self.socket(zmq.PULL, plain=True)
             self.output_address = _advertised(
                 self._bind(pull, _bind_next_to(self.endpoint, "output"), "the scheduler output")
             )
             for sock, what in ((inp, "input"), (pull, "output")):
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._socks.append(monitor)
+                self.sockets.append(monitor)
                 self._spawn(self._watch(monitor, what))
         except BaseException:
             self._finalizer()
@@ -209,7 +212,7 @@ class SchedulerLink:
 
     # ------------------------------------------------------------------ handshake
 
-    async def _step(self, aw: Awaitable[T], step: str) -> T:
+    async def step(self, aw: Awaitable[T], step: str) -> T:
         """Wait for one handshake step: a progress line every 30 s, at most the timeout."""
         fut = asyncio.ensure_future(aw)
         loop = asyncio.get_running_loop()
@@ -250,16 +253,16 @@ class SchedulerLink:
                 "they must be equal (its outputs name it to SMG)",
             )
 
-    async def handshake_scheduler(self) -> None:
+    async def handshake(self) -> None:
         """The scheduler's handshake; raises HandshakeError / HandshakeTimeout."""
-        hs, inp = self._hs_down, self._in_down
+        hs, inp = self._hs_down, self.input
         assert hs is not None and inp is not None
         assert self.input_address is not None and self.output_address is not None
         hello: list[zmq.Frame] | None = None
         while True:
             step = "HELLO from the scheduler"
             if hello is None:
-                hello = await self._step(hs.recv_multipart(copy=False), step)
+                hello = await self.step(hs.recv_multipart(copy=False), step)
             frames, hello = hello, None
             if len(frames) < 2:
                 raise HandshakeError(step, "(message)", "no frame after the identity")
@@ -272,7 +275,7 @@ class SchedulerLink:
             await hs.send_multipart([identity, init])
             self.stats.handshake_steps_scheduler += 1
             step = "READY from the scheduler"
-            frames = await self._step(hs.recv_multipart(copy=False), step)
+            frames = await self.step(hs.recv_multipart(copy=False), step)
             status = decode_map(frames[-1].buffer, step).get("status")
             if status == "HELLO":  # the scheduler restarted: start over with this HELLO
                 logger.info("engine handshake: the scheduler said HELLO again; starting over")
@@ -283,7 +286,7 @@ class SchedulerLink:
                 raise HandshakeError(step, "identity", "READY came from another peer than HELLO")
             self.stats.handshake_steps_scheduler += 1
             step = "ready response from the scheduler"
-            frames = await self._step(inp.recv_multipart(copy=False), step)
+            frames = await self.step(inp.recv_multipart(copy=False), step)
             if frames[0].bytes != identity:
                 self._check_identity(frames[0].bytes, step)
             missing = parse_ready_response(frames[-1].buffer, step)
@@ -292,9 +295,9 @@ class SchedulerLink:
                     "engine handshake: the scheduler's ready response lacks %s (relayed as is)",
                     ", ".join(missing),
                 )
-            self._scheduler_identity = identity
-            self._ready_response = frames[-1]
-            self._scheduler_ready = True
+            self.scheduler_identity = identity
+            self.ready_response = frames[-1]
+            self.ready = True
             self.stats.handshake_steps_scheduler += 1
             self.stats.scheduler_alive = 1
             logger.info("engine handshake: the scheduler is ready")
@@ -310,40 +313,39 @@ class SchedulerLink:
                 if event["event"] != zmq.EVENT_DISCONNECTED:
                     continue
                 self.stats.scheduler_drops += 1
-                if self._scheduler_ready:
-                    self._scheduler_died(f"its {what} connection dropped")
+                if self.ready:
+                    self.died(f"its {what} connection dropped")
                 else:
                     logger.info("engine handshake: a connection to the scheduler %s dropped", what)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
 
-    def _scheduler_died(self, why: str) -> None:
-        if self._dead or self._stopping:
+    def died(self, why: str) -> None:
+        """The scheduler went away: ``on_death`` then ``on_gone``, once (not while stopping)."""
+        if self.gone or self.stopping:
             return
-        self._dead = True
+        self.gone = True
         self.stats.scheduler_alive = 0
         logger.error("the scheduler went away (%s)", why)
-        self._on_death(why)
-        if self._on_gone is not None:
-            self._on_gone(why)
-
-    def _on_death(self, why: str) -> None:
-        """The face's reaction to the scheduler's death (called once)."""
+        if self.on_death is not None:
+            self.on_death(why)
+        if self.on_gone is not None:
+            self.on_gone(why)
 
     # ------------------------------------------------------------------ shutdown
 
-    async def _close(self, linger_ms: dict[int, int] | None = None) -> None:
-        """Cancel the link's tasks, close every socket (``linger_ms`` by socket id,
-        else 0) and terminate the context off the loop."""
+    async def close(self) -> None:
+        """Cancel the link's tasks, close every socket still open (linger 0) and
+        terminate the context off the loop (idempotent)."""
+        self.stopping = True
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        lingers = linger_ms or {}
-        for sock in self._socks:
+        for sock in self.sockets:
             if not sock.closed:
-                sock.close(linger=lingers.get(id(sock), 0))
-        ctx = self._ctx
+                sock.close(linger=0)
+        ctx = self.context
         if ctx is not None and not ctx.closed:
             await asyncio.to_thread(ctx.term)  # waits for lingering sockets: off the loop
         self._finalizer.detach()

@@ -85,6 +85,7 @@ class ServerHandle:
     grpc: Any = None
     zmq: Any = None
     metrics: Any = None
+    link: Any = None  # scheduler_link.SchedulerLink of engine mode or the SMG gRPC face
     engine: Any = None  # engine_mode.EngineRelay in engine mode
     smg: Any = None  # smg_grpc.SmgGrpcFace with the SMG gRPC face
     smg_port: Any = None  # grpc_server.GrpcPort serving it
@@ -92,8 +93,8 @@ class ServerHandle:
     exit_code: int = 0
 
     @property
-    def link(self) -> Any:
-        """The face in front of a scheduler (engine mode or the SMG gRPC face), or None."""
+    def front(self) -> Any:
+        """The face on ``link`` (engine mode's relay or the SMG gRPC face), or None."""
         return self.engine if self.engine is not None else self.smg
 
     def ready_fields(self) -> dict[str, str]:
@@ -296,43 +297,47 @@ async def start_server(
         stack.push_async_callback(ingest.stop, 0.0)
         handle.addresses["zmq"] = await ingest.start()
         handle.zmq = ingest
-    if config.engine_mode:
-        from .engine_mode import EngineRelay
+    if config.engine_mode or config.smg_grpc:
+        from .scheduler_link import SchedulerLink
 
-        assert config.smg_handshake is not None and config.engine_handshake_listen is not None
-        relay = EngineRelay(
-            pool,
-            smg_handshake=config.smg_handshake,
+        assert config.engine_handshake_listen is not None
+        link = handle.link = SchedulerLink(
             listen=config.engine_handshake_listen,
             engine_index=config.engine_index,
             handshake_timeout_s=config.handshake_timeout,
+            on_gone=lambda why: _scheduler_gone(handle, why),
+        )
+        stack.push_async_callback(link.close)
+        handle.addresses["engine"] = await link.bind()
+    if config.engine_mode:
+        from .engine_mode import EngineRelay
+
+        assert config.smg_handshake is not None
+        relay = EngineRelay(
+            pool,
+            link,
+            smg_handshake=config.smg_handshake,
             max_message_bytes=config.max_message_bytes,
             telemetry=telemetry,
-            on_gone=lambda why: _scheduler_gone(handle, why),
             limits=config.limits,
             max_frames=config.max_frames,
         )
         stack.push_async_callback(relay.stop, 0.0)
-        handle.addresses["engine"] = await relay.bind()
         handle.engine = relay
     if config.smg_grpc:
         from .grpc_server import GrpcPort
         from .smg_grpc import SERVICE, SmgGrpcFace
 
-        assert config.smg_grpc_listen is not None and config.engine_handshake_listen is not None
+        assert config.smg_grpc_listen is not None
         face = SmgGrpcFace(
             pool,
             profile,
-            listen=config.engine_handshake_listen,
-            engine_index=config.engine_index,
-            handshake_timeout_s=config.handshake_timeout,
+            link,
             served_model_name=config.model_name(),
             model_path=config.model_name(),
             telemetry=telemetry,
-            on_gone=lambda why: _scheduler_gone(handle, why),
         )
         stack.push_async_callback(face.stop)
-        handle.addresses["engine"] = await face.bind()
         handle.smg = face
         tls = security.grpc_tls_from_config(config)  # the same TLS as --grpc-listen
         port = GrpcPort(
@@ -390,7 +395,7 @@ def _print_line(config: ServeConfig, line: str, extra: dict[str, Any]) -> None:
 
 
 def _scheduler_gone(handle: ServerHandle, why: str) -> None:
-    """Engine mode: the relay lost the scheduler (and told SMG): NOT_SERVING, exit 3."""
+    """The link lost the scheduler (its face has reacted): NOT_SERVING, exit 3."""
     if handle.exit_code == 0:
         handle.exit_code = EXIT_SCHEDULER_GONE
     if handle.grpc is not None:
@@ -415,8 +420,11 @@ async def engine_handshake(handle: ServerHandle) -> int | None:
     """
     from .handshake import HandshakeError, HandshakeTimeout
 
-    relay = handle.link
-    task = asyncio.ensure_future(relay.handshake())
+    async def handshakes() -> None:
+        await handle.link.handshake()
+        await handle.front.start()
+
+    task = asyncio.ensure_future(handshakes())
     stopped = asyncio.ensure_future(handle.stop_event.wait())
     try:
         done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -467,6 +475,8 @@ async def shutdown(handle: ServerHandle) -> None:
         if handle.smg.ready:
             await handle.smg.drain(deadline)  # outputs flow until forwarded work finished
         await handle.smg.stop()  # the calls still open end UNAVAILABLE
+    if handle.link is not None:
+        await handle.link.close()  # the scheduler's sockets, the face's last ones
     # Each intake answers SHUTTING_DOWN until nothing more arrives, then closes.
     await asyncio.gather(
         *(_close_port(port, deadline) for port in (handle.smg_port, handle.grpc) if port),

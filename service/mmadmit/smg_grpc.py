@@ -1,8 +1,8 @@
 """The SMG gRPC face: SMG's ``TokenSpeedScheduler`` worker contract in front of a scheduler.
 
 The RPCs (the service from the ``smg-grpc-proto`` package, never a hand copy)
-and each call's state, over the shared pool and a headless scheduler (the face
-is a :class:`~mmadmit.scheduler_link.SchedulerLink`)::
+and each call's state, over the shared pool and a headless scheduler reached
+through ``face.link`` (:class:`~mmadmit.scheduler_link.SchedulerLink`)::
 
     SMG --Generate--> face --ADD / ABORT (msgpack)--> scheduler
         <--chunks, Complete--  <--BatchTokenIDOutSlim--
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
@@ -41,7 +41,7 @@ from .pbwire import (
 )
 from .pool import MaterializerPool
 from .profile import ModelProfile
-from .scheduler_link import SchedulerLink, SchedulerStats
+from .scheduler_link import SchedulerLink
 from .smg_outputs import Call, Fault, Outputs, Piece, Responses
 from .smg_request import parse_generate, request_from_generate
 from .telemetry import Telemetry
@@ -89,7 +89,7 @@ _STOPPED = object()  # the face stopped (drain deadline)
 
 
 @dataclass
-class SmgStats(SchedulerStats, AdmissionStats):
+class SmgStats(AdmissionStats):
     """The face's counters (``mmadmit_smg_grpc_*`` with its link's, and the outcome counts)."""
 
     generate_calls: int = 0  # Generate calls received
@@ -110,42 +110,34 @@ class SmgStats(SchedulerStats, AdmissionStats):
     watchdog_reads: int = 0  # output reads started by the watchdog
 
 
-class SmgGrpcFace(SchedulerLink):
+class SmgGrpcFace:
     """The RPCs of ``TokenSpeedScheduler`` over the shared pool and one scheduler.
 
-    Lifecycle (``mmadmit.server``)::
+    Lifecycle (``mmadmit.server``; ``link`` bound, its ``on_death`` is the face's)::
 
-        face = SmgGrpcFace(pool, profile, listen=..., engine_index=0, ...)
-        await face.bind()            # the scheduler may connect from now on
-        await face.handshake()       # the scheduler's; then HealthCheck is healthy
+        face = SmgGrpcFace(pool, profile, link, served_model_name=..., model_path=...)
+        await link.handshake()       # the scheduler's
+        await face.start()           # then HealthCheck is healthy
         ...                          # the gRPC server serves face.handlers()
         await face.drain(deadline)   # SIGTERM: forwarded requests finish
         await face.stop()            # every open call ends; idempotent
+        await link.close()
     """
-
-    stats: SmgStats
 
     def __init__(
         self,
         pool: MaterializerPool,
         profile: ModelProfile,
+        link: SchedulerLink,
         *,
-        listen: str,
-        engine_index: int,
-        handshake_timeout_s: float,
         served_model_name: str,
         model_path: str,
         telemetry: Telemetry | None = None,
-        on_gone: Callable[[str], None] | None = None,
         watchdog_s: float | None = WATCHDOG_S,
     ) -> None:
-        super().__init__(
-            listen=listen,
-            engine_index=engine_index,
-            handshake_timeout_s=handshake_timeout_s,
-            stats=SmgStats(),
-            on_gone=on_gone,
-        )
+        self.link = link
+        link.on_death = self._on_death
+        self.stats = SmgStats()
         self.pool = pool
         self.profile = profile
         self.limits = pool.materializer.limits
@@ -159,7 +151,7 @@ class SmgGrpcFace(SchedulerLink):
         self.started_at = time.time()
         self._watchdog_s = watchdog_s
         self._calls: dict[str, Call] = {}
-        self.outputs = Outputs(self._calls, self.stats, self._scheduler_died)
+        self.outputs = Outputs(self._calls, self.stats, link.died)
         self._sender: OrderedSender | None = None
         self._reader: SocketReader | None = None
         self._ready_info: dict[str, Any] = {}
@@ -167,27 +159,28 @@ class SmgGrpcFace(SchedulerLink):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def handshake(self) -> None:
-        """The scheduler's handshake, then the request and output paths start."""
-        await self.handshake_scheduler()
-        assert self._ready_response is not None and self._in_down is not None
-        assert self._pull is not None
+    async def start(self) -> None:
+        """After the scheduler's handshake (``link.handshake()``): the request and
+        output paths start."""
+        link = self.link
+        assert link.ready_response is not None and link.input is not None
+        assert link.output is not None
         try:
-            info = msgspec.msgpack.decode(self._ready_response.bytes)
+            info = msgspec.msgpack.decode(link.ready_response.bytes)
             self._ready_info = info if isinstance(info, dict) else {}
         except msgspec.DecodeError:  # validated by the handshake; keep going without it
             self._ready_info = {}
         self._sender = OrderedSender(
-            self._in_down,
+            link.input,
             max_pending=MAX_PENDING_ADDS,
             on_sent=_ignore,
             on_failed=self._send_failed,
-            prefix=[self._scheduler_identity],
+            prefix=[link.scheduler_identity],
             name="smg-grpc-scheduler-input",
         )
         self._sender.start()
         self._reader = SocketReader(
-            self._pull,
+            link.output,
             self.outputs,
             stats=self.stats,
             name="scheduler output",
@@ -213,10 +206,10 @@ class SmgGrpcFace(SchedulerLink):
         time), new calls refused meanwhile; return how many had not finished."""
         self.begin_drain()
         loop = asyncio.get_running_loop()
-        while self._calls and not self._dead and loop.time() < deadline:
+        while self._calls and not self.link.gone and loop.time() < deadline:
             await asyncio.sleep(min(0.01, max(0.0, deadline - loop.time())))
         left = len(self._calls)
-        if left and not self._dead:
+        if left and not self.link.gone:
             logger.warning(
                 "[shutdown] %d forwarded request(s) without a finished output at the drain "
                 "deadline; their calls end UNAVAILABLE",
@@ -225,13 +218,14 @@ class SmgGrpcFace(SchedulerLink):
         return left
 
     async def stop(self) -> None:
-        """End every open call, close the scheduler's sockets (idempotent)."""
+        """End every open call, stop the scheduler's paths (idempotent); the link's
+        sockets are its own to close."""
         if self._stop_task is None:
             self._stop_task = asyncio.ensure_future(self._stop())
         await asyncio.shield(self._stop_task)
 
     async def _stop(self) -> None:
-        self._stopping = True
+        self.link.stopping = True
         self.ready = False
         for call in self._calls.values():
             call.queue.put_nowait(_STOPPED)
@@ -240,8 +234,7 @@ class SmgGrpcFace(SchedulerLink):
             await self._sender.stop()
         if self._reader is not None:
             self._reader.stop()
-        await self._close()
-        logger.info("[shutdown] SMG gRPC face stopped (%s)", self.stats)
+        logger.info("[shutdown] SMG gRPC face stopped (%s, %s)", self.stats, self.link.stats)
 
     # ------------------------------------------------------------------ to the scheduler
 
@@ -279,10 +272,10 @@ class SmgGrpcFace(SchedulerLink):
             return
         msg = message_and_payloads(request)[0]
         rid = msg.request_id
-        if not self.ready or self._dead or self.draining:
+        if not self.ready or self.link.gone or self.draining:
             why = (
                 "the service is shutting down; retry on another replica"
-                if self.draining or self._stopping
+                if self.draining or self.link.stopping
                 else "the scheduler is not connected"
             )
             await self._refuse(context, rid, None, Abort(AbortCode.SHUTTING_DOWN, why), t0)
@@ -321,7 +314,7 @@ class SmgGrpcFace(SchedulerLink):
             logger.info("rid=%s: Generate cancelled by the client; ABORT to the scheduler", rid)
             raise
         finally:
-            if not (call.finished or call.aborted or self._dead or self._stopping):
+            if not (call.finished or call.aborted or self.link.gone or self.link.stopping):
                 call.aborted = True
                 self._send_abort(rid)  # after its ADD: one FIFO
             if self._calls.get(rid) is call:
@@ -422,9 +415,9 @@ class SmgGrpcFace(SchedulerLink):
     async def HealthCheck(  # noqa: N802
         self, request: ts.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> ts.HealthCheckResponse:
-        if self._dead:
+        if self.link.gone:
             return ts.HealthCheckResponse(healthy=False, message="the scheduler went away")
-        if self.draining or self._stopping:
+        if self.draining or self.link.stopping:
             return ts.HealthCheckResponse(healthy=False, message="shutting down")
         if not self.ready:
             return ts.HealthCheckResponse(
@@ -478,7 +471,7 @@ class SmgGrpcFace(SchedulerLink):
                 "served_model_name": self.served_model_name,
                 "model_path": self.model_path,
                 "family": self.profile.family.value,
-                "engine_index": self.engine_index,
+                "engine_index": self.link.engine_index,
                 "max_inflight": self.pool.max_inflight,
             }
         )
@@ -497,7 +490,7 @@ class SmgGrpcFace(SchedulerLink):
         running = loads.num_running
         waiting = loads.num_waiting + queued
         load = ts.SchedulerLoad(
-            dp_rank=self.engine_index,
+            dp_rank=self.link.engine_index,
             num_running_reqs=running,
             num_waiting_reqs=waiting,
             num_total_reqs=running + waiting,

@@ -286,6 +286,12 @@ def _numeric(stats: Any) -> dict[str, float]:
     }
 
 
+def _counters(transport: Any) -> dict[str, float]:
+    """A transport's ``stats`` and, for a face in front of a scheduler, its link's."""
+    link_stats = getattr(getattr(transport, "link", None), "stats", None)
+    return {**_numeric(getattr(transport, "stats", None)), **_numeric(link_stats)}
+
+
 class StatsCollector(Collector):
     """The pool's gauges and the counters the pool and transports keep, read at scrape
     time (the scrape runs on the metrics thread; it only reads plain ints and copies
@@ -346,7 +352,7 @@ class StatsCollector(Collector):
             labels=["transport"],
         )
         for name, obj in self.transports.items():
-            numeric = _numeric(getattr(obj, "stats", None))
+            numeric = _counters(obj)
             lost: float = numeric.get("undeliverable", numeric.get("calls_cancelled", 0))
             undeliverable.add_metric([name], lost)
             for key, count in numeric.items():  # every transport counter, as before
@@ -358,11 +364,11 @@ class StatsCollector(Collector):
         ):
             family = CounterMetricFamily(metric, doc, labels=["transport"])
             for name, obj in self.transports.items():
-                family.add_metric([name], _numeric(getattr(obj, "stats", None)).get(attr, 0))
+                family.add_metric([name], _counters(obj).get(attr, 0))
             yield family
         engine = self.transports.get("engine")
         if engine is not None:
-            yield from _engine_families(engine.stats)
+            yield from _engine_families(engine.stats, engine.link.stats)
         heap = heap_stats()
         if heap is not None:  # glibc only
             heap_family = GaugeMetricFamily(
@@ -390,8 +396,8 @@ class StatsCollector(Collector):
         )
 
 
-def _engine_families(stats: Any) -> Iterator[Metric]:
-    """Engine mode's relay (``engine_mode.EngineStats``), named for operators."""
+def _engine_families(stats: Any, link: Any) -> Iterator[Metric]:
+    """Engine mode's relay (``EngineStats``, its link's ``SchedulerStats``) for operators."""
     yield _counter(
         "mmadmit_engine_relayed_requests",
         "Requests from SMG forwarded to the scheduler (materialized or marked aborted).",
@@ -413,13 +419,13 @@ def _engine_families(stats: Any) -> Iterator[Metric]:
         "response; smg: HELLO, INIT, READY, ready response, output connected).",
         labels=["side"],
     )
-    steps.add_metric(["scheduler"], stats.handshake_steps_scheduler)
+    steps.add_metric(["scheduler"], link.handshake_steps_scheduler)
     steps.add_metric(["smg"], stats.handshake_steps_smg)
     yield steps
     yield _gauge(
         "mmadmit_engine_scheduler_up",
         "1 while the scheduler is alive (from its ready response until it goes away).",
-        stats.scheduler_alive,
+        link.scheduler_alive,
     )
 
 
