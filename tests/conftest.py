@@ -219,6 +219,26 @@ async def http_get(address: str, path: str = "/metrics", method: str = "GET") ->
     return int(head.split(" ", 2)[1]), body
 
 
+async def scrape_metrics(address: str, attempts: int = 1) -> dict[str, float]:
+    """One ``GET /metrics`` (status 200): every sample by its name and labels, as
+    ``{'name{label="value"}': value}``. Tried ``attempts`` times while the server closes
+    the connection without an answer."""
+    for attempt in range(attempts):
+        try:
+            status, body = await http_get(address)
+            break
+        except (IndexError, ValueError, ConnectionError):
+            if attempt == attempts - 1:
+                raise
+    assert status == 200
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll ``cond`` on the running loop every 5 ms; fail after ``timeout_s``."""
     loop = asyncio.get_running_loop()

@@ -41,7 +41,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from client_helpers import build_item, build_request, grpc_admit, grpc_client, zmq_admit, zmq_client
-from conftest import CONFIGS, http_get, requests_total, until
+from conftest import CONFIGS, http_get, requests_total, scrape_metrics, until
 from mmadmit import native, wire
 from mmadmit.config import build_config
 from mmadmit.grpc_server import ADMISSION_SERVICE
@@ -216,14 +216,7 @@ class RawPeer:
 
 
 async def scrape(svc: Service) -> dict[str, float]:
-    status, body = await http_get(svc.handle.addresses["metrics"], "/metrics")
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return await scrape_metrics(svc.handle.addresses["metrics"])
 
 
 def outcomes(m: dict[str, float], code: str) -> float:

@@ -53,7 +53,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from client_helpers import grpc_admit, grpc_client, proto_of, zmq_admit, zmq_client
-from conftest import CONFIGS, REPO_ROOT, http_get, requests_total
+from conftest import CONFIGS, REPO_ROOT, requests_total, scrape_metrics
 from mmadmit import wire
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.grpc_server import ADMISSION_SERVICE
@@ -182,20 +182,7 @@ async def metrics(address: str, attempts: int = 5) -> dict[str, float]:
     """One scrape, parsed; retried when the server closes the connection without an answer
     (its metrics handler gives up on a request head that takes over 5 s to arrive, which a
     loaded 2-core box can cause)."""
-    for attempt in range(attempts):
-        try:
-            status, body = await http_get(address)
-            break
-        except (IndexError, ValueError, ConnectionError):
-            if attempt == attempts - 1:
-                raise
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return await scrape_metrics(address, attempts)
 
 
 async def until_metric(
