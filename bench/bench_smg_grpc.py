@@ -12,8 +12,9 @@ process (``tests/engine_peers.py scheduler``: it decodes every ADD with the
 project's codec and answers one ``BatchTokenIDOutSlim``) behind it:
 
 * ``bare relay``: this script in a hidden mode (``--bare-relay``): an
-  in-process ``SmgGrpcFace`` whose ``_admit`` hands the translated request on
-  as it is (``Materialized(req, Rule.TEXT)``, no pool), served by a
+  in-process ``SmgGrpcFace`` over a pool whose materializer hands the
+  translated request on as it is (``Materialized(req, Rule.TEXT)``, run at
+  once on the loop: no worker hop), served by a
   ``GrpcPort`` on loopback. The same decode, translation, ADD encoding,
   sockets and output routing as mmadmit's face; no materializing;
 * ``via mmadmit``: ``mmadmit serve --smg-grpc-listen ... --engine-handshake-listen
@@ -66,7 +67,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import workloads  # noqa: E402
 from bench_engine import print_tables, scheduler, wait_line  # noqa: E402
 from mmadmit import wire  # noqa: E402
-from mmadmit.admission import Key  # noqa: E402
 from mmadmit.config import ServeConfig, build_config  # noqa: E402
 from mmadmit.grpc_server import GrpcPort  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
@@ -164,18 +164,21 @@ def serialized(base: ts.GenerateRequest, rid: str) -> bytes:
 # --------------------------------------------------------------------------- bare relay
 
 
-class BareFace(SmgGrpcFace):
-    """The face with nothing materialized: the translated request goes on as it is."""
+class PassThrough(Materializer):
+    """Materializes nothing: the translated request goes on as it is."""
 
-    async def _admit(self, key: Key, req: Request) -> Materialized:
+    def materialize(self, req: Request, ops: Any = None, hash_many: Any = None) -> Materialized:
         return Materialized(req, Rule.TEXT)
 
 
 async def bare_relay() -> None:
-    """Serve ``BareFace`` on loopback; print the gRPC and engine-handshake addresses."""
+    """Serve the face over ``PassThrough`` on loopback; print its two addresses."""
     config = serve_config()
     profile = config.load_profile()
-    pool = MaterializerPool(Materializer(profile, config.limits), workers=1)
+    # every request "materialized" at once on the loop: no worker hop, no rules
+    pool = MaterializerPool(
+        PassThrough(profile, config.limits), workers=1, inline_max_tokens=1 << 40
+    )
     stop = asyncio.Event()
     link = SchedulerLink(
         listen="tcp://127.0.0.1:0",
@@ -183,7 +186,7 @@ async def bare_relay() -> None:
         handshake_timeout_s=60,
         on_gone=lambda why: stop.set(),
     )
-    face = BareFace(pool, profile, link, served_model_name="bare-relay", model_path="bare-relay")
+    face = SmgGrpcFace(pool, profile, link, served_model_name="bare-relay", model_path="bare-relay")
     engine = await link.bind()
     port = GrpcPort(
         {SERVICE: face.handlers()},
