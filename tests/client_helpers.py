@@ -7,14 +7,23 @@ codec. These helpers make both from the client's own model and codec
 (``mmadmit_client.Item``, ``request_to_proto``), and decode a ZMQ reply with
 the service's codec for checks on every field. Not shipped: the client
 library itself imports nothing of the service.
+
+Also here: ``mmadmit-client`` run as a command (:func:`run_cli`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from conftest import communicate
 from mmadmit import wire
 from mmadmit.model import Request as ServerRequest
 from mmadmit_client import (
@@ -166,3 +175,74 @@ def proto_of(request: ServerRequest, rid: str | None = None) -> pb.AdmitRequest:
     service's codec, decoded by the client's, translated by the client."""
     req = client_wire.decode_add(add_frames(request))
     return request_to_proto(req if rid is None else req.with_request_id(rid))
+
+
+# --------------------------------------------------------------------------- mmadmit-client
+
+
+def client_command() -> list[str]:
+    """The installed console script next to this interpreter, else the module."""
+    script = Path(sys.executable).parent / "mmadmit-client"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "mmadmit_client.cli"]
+
+
+@dataclass
+class CliRun:
+    """One finished ``mmadmit-client`` run."""
+
+    args: tuple[str, ...]
+    rc: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        assert self.stdout.strip(), f"no stdout; rc={self.rc} stderr:\n{self.stderr}"
+        return json.loads(self.stdout)
+
+    def __str__(self) -> str:
+        return f"mmadmit-client {' '.join(self.args)} -> {self.rc}\n{self.stdout}\n{self.stderr}"
+
+
+async def run_cli(
+    *args: str,
+    columns: int | None = None,
+    timeout_s: float = 60.0,
+    argv0: Sequence[str] | None = None,
+) -> CliRun:
+    """``mmadmit-client ARGS`` (``argv0 ARGS`` when given) as a subprocess, awaited, so the
+    in-process servers keep serving. No terminal: stdin empty, stdout and stderr read;
+    this environment less ``MMADMIT_*`` (flags only), ``COLUMNS`` and ``LINES``, with
+    ``COLUMNS`` set only when ``columns`` is given. Fails after ``timeout_s``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MMADMIT_") and k not in ("COLUMNS", "LINES")
+    }
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    proc = await asyncio.create_subprocess_exec(
+        *(argv0 or client_command()),
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await communicate(proc, timeout_s, f"mmadmit-client {' '.join(args)}")
+    assert proc.returncode is not None
+    return CliRun(args, proc.returncode, out.decode(), err.decode())
+
+
+async def run_cli_many(
+    *commands: tuple[str, ...], parallel: int = 4, columns: int | None = None
+) -> list[CliRun]:
+    """:func:`run_cli` of each command, ``parallel`` at a time; the runs in order."""
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(args: tuple[str, ...]) -> CliRun:
+        async with gate:
+            return await run_cli(*args, columns=columns)
+
+    return list(await asyncio.gather(*(one(c) for c in commands)))

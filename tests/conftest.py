@@ -239,6 +239,21 @@ async def scrape_metrics(address: str, attempts: int = 1) -> dict[str, float]:
     return out
 
 
+async def communicate(
+    proc: asyncio.subprocess.Process, timeout_s: float, what: str
+) -> tuple[bytes, bytes]:
+    """``proc.communicate()``: its (stdout, stderr) once it exits; still running after
+    ``timeout_s``, it is killed and the test fails naming ``what``."""
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{what}: still running after {timeout_s}s") from None
+    assert proc.returncode is not None
+    return out, err
+
+
 async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll ``cond`` on the running loop every 5 ms; fail after ``timeout_s``."""
     loop = asyncio.get_running_loop()

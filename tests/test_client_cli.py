@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+from client_helpers import CliRun, run_cli, run_cli_many
 from conftest import REPO_ROOT, Vector, config_for_family, free_port, load_vector, vector_names
 from mmadmit import wire
 from mmadmit.config import build_config
@@ -68,68 +69,16 @@ pytestmark = [
 ]
 
 
-def _client_command() -> list[str]:
-    """The installed console script next to this interpreter, else the module."""
-    script = Path(sys.executable).parent / "mmadmit-client"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "mmadmit_client.cli"]
+COLUMNS = 140  # rich tables: one stable width, no wrapping
 
 
-CLIENT = _client_command()
+async def cli(*args: str, timeout_s: float = 60.0, argv0: list[str] | None = None) -> CliRun:
+    """``mmadmit-client ARGS``, its tables ``COLUMNS`` wide (:func:`run_cli`)."""
+    return await run_cli(*args, columns=COLUMNS, timeout_s=timeout_s, argv0=argv0)
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMADMIT_")}
-    env["COLUMNS"] = "140"  # rich tables: one stable width, no wrapping
-    return env
-
-
-@dataclass
-class Run:
-    args: tuple[str, ...]
-    rc: int
-    stdout: str
-    stderr: str
-
-    def json(self) -> Any:
-        assert self.stdout.strip(), f"no stdout; rc={self.rc} stderr:\n{self.stderr}"
-        return json.loads(self.stdout)
-
-    def __str__(self) -> str:
-        return f"mmadmit-client {' '.join(self.args)} -> {self.rc}\n{self.stdout}\n{self.stderr}"
-
-
-async def cli(*args: str, timeout_s: float = 60.0, argv0: list[str] | None = None) -> Run:
-    """Run the command; awaited, so the in-process servers keep serving."""
-    proc = await asyncio.create_subprocess_exec(
-        *(argv0 or CLIENT),
-        *args,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=_env(),
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(
-            f"mmadmit-client {' '.join(args)}: still running after {timeout_s}s"
-        ) from None
-    assert proc.returncode is not None
-    return Run(args, proc.returncode, out.decode(), err.decode())
-
-
-async def cli_many(*commands: tuple[str, ...], parallel: int = 4) -> list[Run]:
-    gate = asyncio.Semaphore(parallel)
-
-    async def one(args: tuple[str, ...]) -> Run:
-        async with gate:
-            return await cli(*args)
-
-    return list(await asyncio.gather(*(one(c) for c in commands)))
+async def cli_many(*commands: tuple[str, ...], parallel: int = 4) -> list[CliRun]:
+    return await run_cli_many(*commands, parallel=parallel, columns=COLUMNS)
 
 
 # --------------------------------------------------------------------------- servers
@@ -199,7 +148,7 @@ async def servers() -> AsyncIterator[Servers]:
 class Admitted:
     vec: Vector
     sent: Request  # the vector decoded by the codec
-    runs: dict[str, Run]
+    runs: dict[str, CliRun]
     replies: dict[str, list[memoryview]]
 
 

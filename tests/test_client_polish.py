@@ -29,20 +29,18 @@ Run with: ``.venv/bin/python -m pytest -q tests/test_client_polish.py``
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import io
 import json
-import os
 import re
-import sys
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from client_helpers import run_cli
 from conftest import REPO_ROOT
 from mmadmit.config import build_config
 from mmadmit.server import ServerHandle, start_server
@@ -57,28 +55,11 @@ MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.timeout(120)
 
 
-def _client_command() -> list[str]:
-    script = Path(sys.executable).parent / "mmadmit-client"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "mmadmit_client.cli"]
-
-
 async def client(*args: str, columns: int | None = None) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of ``mmadmit-client ARGS``: stdin, stdout and
-    stderr are no terminal; ``COLUMNS`` is set only when ``columns`` is given."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env = {k: v for k, v in env.items() if not k.startswith("MMADMIT_")}
-    if columns is not None:
-        env["COLUMNS"] = str(columns)
-    proc = await asyncio.create_subprocess_exec(
-        *_client_command(), *args,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    """(exit status, stdout, stderr) of ``mmadmit-client ARGS`` (:func:`run_cli`: no
+    terminal, ``COLUMNS`` set only when ``columns`` is given)."""
+    run = await run_cli(*args, columns=columns)
+    return run.rc, run.stdout, run.stderr
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -57,6 +57,8 @@ import pytest
 import pytest_asyncio
 import zmq
 import zmq.auth
+from client_helpers import run_cli_many
+from conftest import communicate
 from mmadmit.config import build_config
 from mmadmit.errors import ConfigError
 from mmadmit.pool import MaterializerPool
@@ -412,50 +414,6 @@ async def test_zap_thread_stops_with_the_ingest_and_after_a_failed_start(
 # --------------------------------------------------------------------------- mmadmit-client
 
 
-def _client_command() -> list[str]:
-    script = Path(sys.executable).parent / "mmadmit-client"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "mmadmit_client.cli"]
-
-
-@dataclass
-class Run:
-    args: tuple[str, ...]
-    rc: int
-    stdout: str
-    stderr: str
-
-    def __str__(self) -> str:
-        return f"mmadmit-client {' '.join(self.args)} -> {self.rc}\n{self.stdout}\n{self.stderr}"
-
-
-async def cli(*args: str) -> Run:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMADMIT_")}
-    proc = await asyncio.create_subprocess_exec(
-        *_client_command(), *args, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"mmadmit-client {' '.join(args)} still running") from None
-    assert proc.returncode is not None
-    return Run(args, proc.returncode, out.decode(), err.decode())
-
-
-async def cli_many(*commands: tuple[str, ...]) -> list[Run]:
-    gate = asyncio.Semaphore(4)
-
-    async def one(args: tuple[str, ...]) -> Run:
-        async with gate:
-            return await cli(*args)
-
-    return list(await asyncio.gather(*(one(c) for c in commands)))
-
-
 @pytest.fixture(scope="module")
 def request_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("req") / "text.json"
@@ -508,7 +466,7 @@ async def test_cli_speaks_tls_mutual_tls_and_curve(
     ]  # fmt: skip
     async with plaintext_grpc() as address:  # a TLS client at a plaintext port
         refused.append(("health", f"grpc://{address}", *ca))
-        runs = await cli_many(*ok, *refused)
+        runs = await run_cli_many(*ok, *refused)
     for run in runs[: len(ok)]:
         assert run.rc == 0, run
     for run in runs[1 : len(ok)]:
@@ -545,7 +503,7 @@ async def test_cli_refuses_unusable_security_options(
           "--curve-client-key", pki["curve/allowed/client.key"]), "no secret key"),
         (("admit", z, request_file, "--curve-server-key", missing), "missing.pem"),
     ]  # fmt: skip
-    runs = await cli_many(*(args for args, _ in usage))
+    runs = await run_cli_many(*(args for args, _ in usage))
     for run, (_, needle) in zip(runs, usage, strict=True):
         assert run.rc == 2, run
         lines = run.stderr.strip().splitlines()
@@ -621,12 +579,7 @@ async def test_serve_exits_2_with_one_line_for_each(
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
                 env=no_mmadmit_env,
             )  # fmt: skip
-            try:
-                _, err = await asyncio.wait_for(proc.communicate(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-                raise AssertionError(f"serve {settings} did not exit") from None
+            _, err = await communicate(proc, 30, f"serve {settings}")
             assert proc.returncode is not None
             return proc.returncode, err.decode()
 
