@@ -31,6 +31,7 @@ import zmq.asyncio
 if TYPE_CHECKING:
     from mmadmit.model import Request
     from mmadmit.pool import MaterializerPool
+    from mmadmit.server import ServerHandle
     from mmadmit.zmq_ingest import ZmqIngest
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -290,6 +291,45 @@ async def zctx() -> AsyncIterator[Sockets]:
     net = Sockets()
     yield net
     net.close()
+
+
+# --------------------------------------------------------------------------- in-process server
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    *,
+    before_run: Callable[[Request], None] | None = None,
+    release: Callable[[], None] | None = None,
+    **settings: Any,
+) -> AsyncIterator[ServerHandle]:
+    """The whole server in this process (``mmadmit.server.start_server``), configured as
+    ``mmadmit serve`` from ``settings`` (the flags' names; no environment) over these:
+    ``--device cpu --workers 1``, gRPC and ZMQ on ephemeral loopback ports, no metrics
+    endpoint. ``before_run``: the pool's hook; ``release`` (a holding hook's) is called
+    as the server stops, before its pool does and again after, so that whatever fails
+    no worker is left blocked."""
+    from mmadmit.config import build_config
+    from mmadmit.server import start_server
+
+    config = build_config(
+        {
+            "device": "cpu",
+            "workers": 1,
+            "grpc_listen": "127.0.0.1:0",
+            "zmq_listen": "tcp://127.0.0.1:0",
+            "metrics_listen": "off",
+            **settings,
+        },
+        environ={},
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        if release is not None:
+            stack.callback(release)
+        handle = await start_server(config, stack, before_run=before_run)
+        if release is not None:
+            stack.callback(release)  # LIFO: before the pool stops
+        yield handle
 
 
 # --------------------------------------------------------------------------- in-process ZMQ service

@@ -45,9 +45,9 @@ import mmadmit_client as mc
 import numpy as np
 import pytest
 from conftest import CONFIGS, REPO_ROOT, load_vector, until, vector_names
+from conftest import serving as in_process_server
 from mmadmit import wire as server_wire
-from mmadmit.config import build_config
-from mmadmit.server import ServerHandle, start_server
+from mmadmit.server import ServerHandle
 from mmadmit_client import wire as client_wire
 
 QWEN35_IMAGE = 248056  # Qwen3.5 <|image_pad|>
@@ -75,22 +75,14 @@ class Hold:
 
 @contextlib.asynccontextmanager
 async def serving() -> AsyncIterator[ServerHandle]:
-    config = build_config(
-        {
-            "model": str(CONFIGS / "qwen3_5.json"),
-            "device": "cpu",
-            "grpc_listen": "127.0.0.1:0",
-            "zmq_listen": "tcp://127.0.0.1:0",
-            "metrics_listen": "127.0.0.1:0",
-            "workers": 2,
-        },
-        environ={},
-    )
     hold = Hold()
-    async with contextlib.AsyncExitStack() as stack:
-        stack.callback(hold.release)
-        handle = await start_server(config, stack, before_run=hold)
-        stack.callback(hold.release)  # LIFO: released before the transports stop
+    async with in_process_server(
+        model=str(CONFIGS / "qwen3_5.json"),
+        metrics_listen="127.0.0.1:0",
+        workers=2,
+        before_run=hold,
+        release=hold.release,
+    ) as handle:
         handle.hold = hold  # type: ignore[attr-defined]
         yield handle
 

@@ -48,11 +48,18 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from client_helpers import CliRun, run_cli, run_cli_many
-from conftest import REPO_ROOT, Vector, config_for_family, free_port, load_vector, vector_names
+from conftest import (
+    REPO_ROOT,
+    Vector,
+    config_for_family,
+    free_port,
+    load_vector,
+    serving,
+    vector_names,
+)
 from mmadmit import wire
-from mmadmit.config import build_config
 from mmadmit.model import Request
-from mmadmit.server import ServerHandle, shutdown, start_server
+from mmadmit.server import ServerHandle, shutdown
 from mmadmit_client import Client, GrpcTransport, Item, Materialized, grid
 from mmadmit_client import Request as ClientRequest
 from mmadmit_client._cli_request import UsageError, request_from_json
@@ -97,31 +104,6 @@ class Hold:
             self.gate.wait(10)
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    model: Path, hold: Hold | None = None, **settings: Any
-) -> AsyncIterator[ServerHandle]:
-    config = build_config(
-        {
-            "model": str(model),
-            "device": "cpu",
-            "workers": 1,
-            "grpc_listen": "127.0.0.1:0",
-            "zmq_listen": "tcp://127.0.0.1:0",
-            "metrics_listen": "off",
-            **settings,
-        },
-        environ={},
-    )
-    async with contextlib.AsyncExitStack() as stack:
-        if hold is not None:
-            stack.callback(hold.gate.set)  # whatever fails, never leave a worker blocked
-        handle = await start_server(config, stack, before_run=hold)
-        if hold is not None:
-            stack.callback(hold.gate.set)  # LIFO: released before the pool stops
-        yield handle
-
-
 @dataclass
 class Servers:
     by_family: dict[str, ServerHandle]
@@ -137,7 +119,9 @@ async def servers() -> AsyncIterator[Servers]:
     async with contextlib.AsyncExitStack() as stack:
         handles = {}
         for family in families:
-            handles[family] = await stack.enter_async_context(serving(config_for_family(family)))
+            handles[family] = await stack.enter_async_context(
+                serving(model=str(config_for_family(family)))
+            )
         yield Servers(handles)
 
 
@@ -444,7 +428,9 @@ async def test_health_not_serving_while_draining() -> None:
     transports, and the held request still materializes."""
     hold = Hold()
     model = config_for_family("qwen3_5")
-    async with serving(model, hold, drain_timeout=10) as handle:
+    async with serving(
+        model=str(model), before_run=hold, release=hold.gate.set, drain_timeout=10
+    ) as handle:
         g = f"grpc://{handle.addresses['grpc']}"
         assert (await cli("health", g)).rc == 0
         async with Client(GrpcTransport(handle.addresses["grpc"])) as client:

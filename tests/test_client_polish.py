@@ -30,7 +30,6 @@ Run with: ``.venv/bin/python -m pytest -q tests/test_client_polish.py``
 from __future__ import annotations
 
 import collections
-import contextlib
 import io
 import json
 import re
@@ -41,9 +40,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from client_helpers import run_cli
-from conftest import REPO_ROOT
-from mmadmit.config import build_config
-from mmadmit.server import ServerHandle, start_server
+from conftest import REPO_ROOT, serving
+from mmadmit.server import ServerHandle
 from mmadmit_client._bench import BenchReport, BenchSettings, plot_figure, render_report
 from rich.console import Console
 from test_server_lifecycle import EPHEMERAL, serve
@@ -65,13 +63,8 @@ async def client(*args: str, columns: int | None = None) -> tuple[int, str, str]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server() -> AsyncIterator[ServerHandle]:
     """The default profile (no ``--model``), as ``make run`` serves it."""
-    config = build_config(
-        {"device": "cpu", "workers": 1, "grpc_listen": "127.0.0.1:0",
-         "zmq_listen": "tcp://127.0.0.1:0", "metrics_listen": "off"},
-        environ={},
-    )  # fmt: skip
-    async with contextlib.AsyncExitStack() as stack:
-        yield await start_server(config, stack)
+    async with serving() as handle:
+        yield handle
 
 
 def _report(codes: dict[str, int], errors: dict[str, int] | None = None) -> BenchReport:

@@ -39,13 +39,13 @@ import msgspec
 import numpy as np
 import pytest
 from client_helpers import add_frames, grpc_admit, grpc_client, proto_of, zmq_admit, zmq_client
-from conftest import CONFIGS, REPO_ROOT
+from conftest import CONFIGS, REPO_ROOT, serving
 from mmadmit import cli
 from mmadmit.config import IntRange, ServeConfig, build_config, env_name, flag_name
 from mmadmit.errors import ConfigError
 from mmadmit.limits import INT32_MAX, INT64_MAX, MAX_DEPTH, MAX_RANK, MSGPACK_MAX_LEN
 from mmadmit.model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
-from mmadmit.server import ServerHandle, start_server, warmup_request
+from mmadmit.server import ServerHandle, warmup_request
 
 MODEL = CONFIGS / "qwen3_5.json"
 IMAGE = 248056  # Qwen3.5 <|image_pad|>; its spatial merge is 2: a [1, 2, 2] grid is 1 token
@@ -335,20 +335,8 @@ def test_serve_out_of_range_exits_2_with_one_line(
 async def running(**settings: str) -> AsyncIterator[tuple[ServerHandle, Any, Any]]:
     """The service as ``mmadmit serve`` starts it (ephemeral ports, one worker), and a
     client per transport."""
-    config = build_config(
-        {
-            "model": str(MODEL),
-            "device": "cpu",
-            "workers": "1",
-            "grpc_listen": "127.0.0.1:0",
-            "zmq_listen": "tcp://127.0.0.1:0",
-            "metrics_listen": "off",
-            **settings,
-        },
-        environ={},
-    )
     async with contextlib.AsyncExitStack() as stack:
-        handle = await start_server(config, stack)
+        handle = await stack.enter_async_context(serving(model=str(MODEL), **settings))
         gc = await stack.enter_async_context(grpc_client(handle.addresses["grpc"]))
         zc = await stack.enter_async_context(zmq_client(handle.addresses["zmq"], timeout_s=10))
         yield handle, gc, zc

@@ -58,12 +58,12 @@ import pytest_asyncio
 import zmq
 import zmq.auth
 from client_helpers import run_cli_many
-from conftest import communicate
+from conftest import communicate, serving
 from mmadmit.config import build_config
 from mmadmit.errors import ConfigError
 from mmadmit.pool import MaterializerPool
 from mmadmit.security import load_curve_server
-from mmadmit.server import ServerHandle, start_server
+from mmadmit.server import ServerHandle
 from mmadmit.zmq_ingest import ZmqIngest
 from mmadmit_client import (
     BlockingClient,
@@ -157,24 +157,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 # --------------------------------------------------------------------------- servers
 
 
-@contextlib.asynccontextmanager
-async def serving(**settings: Any) -> AsyncIterator[ServerHandle]:
-    config = build_config(
-        {
-            "device": "cpu",
-            "workers": 1,
-            "grpc_listen": "127.0.0.1:0",
-            "zmq_listen": "tcp://127.0.0.1:0",
-            "metrics_listen": "off",
-            "log_outcomes": "off",
-            **settings,
-        },
-        environ={},
-    )
-    async with contextlib.AsyncExitStack() as stack:
-        yield await start_server(config, stack)
-
-
 @dataclass
 class Servers:
     tls: ServerHandle  # TLS, CURVE with the allow-list folder
@@ -185,12 +167,14 @@ class Servers:
 async def servers(pki: Pki) -> AsyncIterator[Servers]:
     async with (
         serving(
+            log_outcomes="off",
             grpc_tls_cert=pki["server.pem"],
             grpc_tls_key=pki["server.key"],
             zmq_curve_secret_key=pki["curve/server.key_secret"],
             zmq_curve_clients=str(pki.dir / "curve" / "allowed-public"),
         ) as tls,
         serving(
+            log_outcomes="off",
             grpc_tls_cert=pki["server.pem"],
             grpc_tls_key=pki["server.key"],
             grpc_tls_client_ca=pki["ca.pem"],
@@ -668,6 +652,7 @@ async def test_the_smg_face_speaks_the_same_tls(pki: Pki) -> None:
     from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
 
     async with serving(
+        log_outcomes="off",
         grpc_listen="off",
         zmq_listen="off",
         smg_grpc_listen="127.0.0.1:0",
