@@ -104,6 +104,7 @@ def payload(
     *,
     rid: str = "rid-1",
     sampling: Any = None,
+    extra_infos: Any = None,
     unpadded: list[int] | None = None,
     mm_inputs: Any = None,
     verr: str | None = None,
@@ -132,7 +133,7 @@ def payload(
         None,
         None,
         None,
-        None,
+        extra_infos,
         unpadded,
         mm_inputs,
         verr,
@@ -479,34 +480,7 @@ def _pickle_placements() -> dict[str, bytes]:
         "top_trailing": payload(
             ids, mm_inputs=mm([item(1, 1, None, offs, msd=g)]), trailing=([pk],)
         ),
-        "input_extra_infos": ENC.encode(
-            [
-                TAG,
-                "rid-1",
-                None,
-                None,
-                [1],
-                [],
-                False,
-                -1,
-                0,
-                None,
-                False,
-                None,
-                None,
-                None,
-                False,
-                0.0,
-                None,
-                None,
-                None,
-                None,
-                [{"a": cpk}],
-                None,
-                None,
-                None,
-            ]
-        ),
+        "input_extra_infos": payload([1], sampling=[], extra_infos=[{"a": cpk}]),
         "feature_data": payload(
             ids, mm_inputs=mm([item(1, None, None, offs, feature=["float32", [1], pk], msd=g)])
         ),
@@ -613,36 +587,7 @@ def test_wrong_tag_recovers_rid() -> None:
         (b"\xa5hello", ""),  # not an array
         (ENC.encode([TAG, "r-ids", None, None, "not ids"]), "r-ids"),
         (ENC.encode([TAG, "r-ids2", None, None, [1, "x"]]), "r-ids2"),
-        (
-            ENC.encode(
-                [
-                    TAG,
-                    "r-mm",
-                    None,
-                    None,
-                    [1],
-                    [],
-                    False,
-                    -1,
-                    0,
-                    None,
-                    False,
-                    None,
-                    None,
-                    None,
-                    False,
-                    0.0,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    "not mm",
-                ]
-            ),
-            "r-mm",
-        ),
+        (payload([1], rid="r-mm", sampling=[], mm_inputs="not mm", n=23), "r-mm"),
         (ENC.encode([TAG, 17]), ""),  # rid not a string
         (ENC.encode([TAG, "r-short"]), "r-short"),  # no input_ids
     ],
