@@ -357,6 +357,25 @@ async def owned_tasks() -> AsyncIterator[list[asyncio.Task[Any]]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@contextlib.asynccontextmanager
+async def one_worker_serving(
+    drain_s: float,
+) -> AsyncIterator[tuple[ServeProcess, dict[str, str], Client, ZmqPeer, list[asyncio.Task[Any]]]]:
+    """``serve`` with one worker, 16 requests in flight at most and ``drain_s`` of drain
+    timeout, once ready: the process, its addresses, a gRPC client, a :class:`ZmqPeer` and
+    a list of owned tasks (:func:`owned_tasks`)."""
+    with serve(
+        *EPHEMERAL, "--workers", "1", "--max-inflight", "16", "--drain-timeout", str(drain_s)
+    ) as srv:
+        addr = await srv.wait_ready()
+        async with (
+            grpc_client(addr["grpc"]) as gc,
+            zmq_peer(addr["zmq"]) as peer,
+            owned_tasks() as tasks,
+        ):
+            yield srv, addr, gc, peer, tasks
+
+
 async def grpc_outcome(gc: Client, msg: pb.AdmitRequest) -> tuple[str, str]:
     out = await grpc_admit(gc, msg, timeout=60)
     assert out.request_id == msg.request_id, (out, msg.request_id)
@@ -489,73 +508,68 @@ async def test_sigterm_under_load_drains_both_transports() -> None:
     (all fit the 5 s drain: materialized; gRPC in band), and the process exits 0 in
     time."""
     drain_s = 5.0
-    with serve(
-        *EPHEMERAL, "--workers", "1", "--max-inflight", "16", "--drain-timeout", str(drain_s)
-    ) as srv:
-        addr = await srv.wait_ready()
-        async with (
-            grpc_client(addr["grpc"]) as gc,
-            grpc_client(addr["grpc"]) as health_client,
-            zmq_peer(addr["zmq"]) as peer,
-            owned_tasks() as tasks,
-        ):
-            load = await load_in_order(
-                addr,
-                peer,
-                gc,
-                tasks,
-                zmq_head=shared_feature_request(HEAD_S),
-                n_head=4,
-                grpc_req=big_request(1),
-                n_grpc=4,
-                zmq_tail=shared_feature_request(HEAD_S / 4),
-                n_tail=4,
-            )
-            # in flight from both transports at the signal
-            assert not all(t.done() for t in load.grpc_tasks)
-            assert not peer.answered(load.zmq_rids)
-            seen: list[str] = []
-            stop_polling = asyncio.Event()
-            tasks.append(asyncio.ensure_future(poll_health(health_client, seen, stop_polling)))
-            async with asyncio.timeout(5):
-                while not seen:  # SERVING under load, before the signal
-                    await asyncio.sleep(0.005)
-            srv.send()
-            async with asyncio.timeout(drain_s):
-                while "NOT_SERVING" not in seen:
-                    await asyncio.sleep(0.005)
-            # from now on both transports answer new requests SHUTTING_DOWN at once
-            t0 = time.monotonic()
-            late_g = asyncio.ensure_future(
-                grpc_outcome(gc, to_proto(small_request("late-g"), "late-g"))
-            )
-            tasks.append(late_g)
-            await peer.send(small_request("late-z"), "late-z")
-            await peer.send(shared_feature_request(HEAD_S), "late-z-big")
-            late = await peer.wait(["late-z", "late-z-big"], timeout_s=drain_s)
-            late["late-g"] = (await asyncio.wait_for(late_g, drain_s))[1]
-            late_s = time.monotonic() - t0
-            assert late == {
-                "late-z": "SHUTTING_DOWN",
-                "late-z-big": "SHUTTING_DOWN",
-                "late-g": "SHUTTING_DOWN",
-            }
-            # answered while work sent before the signal was still running: not queued
-            assert not peer.answered(load.zmq_rids), (late_s, peer.replies)
-            results = await peer.wait(load.zmq_rids, timeout_s=drain_s + 5)
-            results.update(await asyncio.wait_for(asyncio.gather(*load.grpc_tasks), drain_s))
-            assert len(results) == 12
-            # 2 s of work fits the 5 s drain: everything admitted was materialized
-            assert set(results.values()) == {"MATERIALIZED"}, results
-            stop_polling.set()
-            rc, took = await srv.wait_exit(drain_s + 5)
-            assert rc == 0, srv.stderr
-            assert took < drain_s + 3, took
-            await asyncio.sleep(0.2)  # no second reply for anything
-            assert all(len(v) == 1 for v in peer.replies.values()), peer.replies
-            assert seen[0] == "SERVING" and "NOT_SERVING" in seen, seen
-            assert "SERVING" not in seen[seen.index("NOT_SERVING") :], seen  # for good
-            assert not any("Traceback" in line for line in srv.lines), srv.stderr
+    async with (
+        one_worker_serving(drain_s) as (srv, addr, gc, peer, tasks),
+        grpc_client(addr["grpc"]) as health_client,
+        owned_tasks() as polling,
+    ):
+        load = await load_in_order(
+            addr,
+            peer,
+            gc,
+            tasks,
+            zmq_head=shared_feature_request(HEAD_S),
+            n_head=4,
+            grpc_req=big_request(1),
+            n_grpc=4,
+            zmq_tail=shared_feature_request(HEAD_S / 4),
+            n_tail=4,
+        )
+        # in flight from both transports at the signal
+        assert not all(t.done() for t in load.grpc_tasks)
+        assert not peer.answered(load.zmq_rids)
+        seen: list[str] = []
+        stop_polling = asyncio.Event()
+        polling.append(asyncio.ensure_future(poll_health(health_client, seen, stop_polling)))
+        async with asyncio.timeout(5):
+            while not seen:  # SERVING under load, before the signal
+                await asyncio.sleep(0.005)
+        srv.send()
+        async with asyncio.timeout(drain_s):
+            while "NOT_SERVING" not in seen:
+                await asyncio.sleep(0.005)
+        # from now on both transports answer new requests SHUTTING_DOWN at once
+        t0 = time.monotonic()
+        late_g = asyncio.ensure_future(
+            grpc_outcome(gc, to_proto(small_request("late-g"), "late-g"))
+        )
+        tasks.append(late_g)
+        await peer.send(small_request("late-z"), "late-z")
+        await peer.send(shared_feature_request(HEAD_S), "late-z-big")
+        late = await peer.wait(["late-z", "late-z-big"], timeout_s=drain_s)
+        late["late-g"] = (await asyncio.wait_for(late_g, drain_s))[1]
+        late_s = time.monotonic() - t0
+        assert late == {
+            "late-z": "SHUTTING_DOWN",
+            "late-z-big": "SHUTTING_DOWN",
+            "late-g": "SHUTTING_DOWN",
+        }
+        # answered while work sent before the signal was still running: not queued
+        assert not peer.answered(load.zmq_rids), (late_s, peer.replies)
+        results = await peer.wait(load.zmq_rids, timeout_s=drain_s + 5)
+        results.update(await asyncio.wait_for(asyncio.gather(*load.grpc_tasks), drain_s))
+        assert len(results) == 12
+        # 2 s of work fits the 5 s drain: everything admitted was materialized
+        assert set(results.values()) == {"MATERIALIZED"}, results
+        stop_polling.set()
+        rc, took = await srv.wait_exit(drain_s + 5)
+        assert rc == 0, srv.stderr
+        assert took < drain_s + 3, took
+        await asyncio.sleep(0.2)  # no second reply for anything
+        assert all(len(v) == 1 for v in peer.replies.values()), peer.replies
+        assert seen[0] == "SERVING" and "NOT_SERVING" in seen, seen
+        assert "SERVING" not in seen[seen.index("NOT_SERVING") :], seen  # for good
+        assert not any("Traceback" in line for line in srv.lines), srv.stderr
 
 
 async def test_drain_timeout_ends_the_rest_shutting_down() -> None:
@@ -563,66 +577,50 @@ async def test_drain_timeout_ends_the_rest_shutting_down() -> None:
     behind them, and a 1 s drain: what finished by then is materialized, the rest ends
     SHUTTING_DOWN (the gRPC calls in band), each exactly once; exit 0 in time."""
     drain_s = 1.0
-    with serve(
-        *EPHEMERAL, "--workers", "1", "--max-inflight", "16", "--drain-timeout", str(drain_s)
-    ) as srv:
-        addr = await srv.wait_ready()
-        async with (
-            grpc_client(addr["grpc"]) as gc,
-            zmq_peer(addr["zmq"]) as peer,
-            owned_tasks() as tasks,
-        ):
-            load = await load_in_order(
-                addr,
-                peer,
-                gc,
-                tasks,
-                zmq_head=shared_feature_request(0.4),
-                n_head=8,
-                grpc_req=big_request(1),
-                n_grpc=4,
-            )
-            assert not any(t.done() for t in load.grpc_tasks)
-            srv.send()
-            results = await peer.wait(load.zmq_rids, timeout_s=drain_s + 10)
-            results.update(await asyncio.wait_for(asyncio.gather(*load.grpc_tasks), 10))
-            assert len(results) == 12
-            assert set(results.values()) <= {"MATERIALIZED", "SHUTTING_DOWN"}, results
-            # queued behind more than a second of work: cut short by the drain deadline
-            assert [results[rid] for rid in load.grpc_rids] == ["SHUTTING_DOWN"] * 4, results
-            assert results["zh0"] == "MATERIALIZED", results  # running or done before
-            rc, took = await srv.wait_exit(drain_s + 10)
-            assert rc == 0, srv.stderr
-            assert took < drain_s + 4, took
-            await asyncio.sleep(0.2)
-            assert all(len(v) == 1 for v in peer.replies.values()), peer.replies
-        assert any("ended SHUTTING_DOWN" in line for line in srv.lines), srv.stderr
+    async with one_worker_serving(drain_s) as (srv, addr, gc, peer, tasks):
+        load = await load_in_order(
+            addr,
+            peer,
+            gc,
+            tasks,
+            zmq_head=shared_feature_request(0.4),
+            n_head=8,
+            grpc_req=big_request(1),
+            n_grpc=4,
+        )
+        assert not any(t.done() for t in load.grpc_tasks)
+        srv.send()
+        results = await peer.wait(load.zmq_rids, timeout_s=drain_s + 10)
+        results.update(await asyncio.wait_for(asyncio.gather(*load.grpc_tasks), 10))
+        assert len(results) == 12
+        assert set(results.values()) <= {"MATERIALIZED", "SHUTTING_DOWN"}, results
+        # queued behind more than a second of work: cut short by the drain deadline
+        assert [results[rid] for rid in load.grpc_rids] == ["SHUTTING_DOWN"] * 4, results
+        assert results["zh0"] == "MATERIALIZED", results  # running or done before
+        rc, took = await srv.wait_exit(drain_s + 10)
+        assert rc == 0, srv.stderr
+        assert took < drain_s + 4, took
+        await asyncio.sleep(0.2)
+        assert all(len(v) == 1 for v in peer.replies.values()), peer.replies
+    assert any("ended SHUTTING_DOWN" in line for line in srv.lines), srv.stderr
 
 
 async def test_second_signal_exits_at_once_with_status_1() -> None:
-    with serve(
-        *EPHEMERAL, "--workers", "1", "--max-inflight", "16", "--drain-timeout", "30"
-    ) as srv:
-        addr = await srv.wait_ready()
-        async with (
-            grpc_client(addr["grpc"]) as gc,
-            zmq_peer(addr["zmq"]) as peer,
-            owned_tasks() as tasks,
-        ):
-            load = await load_in_order(
-                addr, peer, gc, tasks, zmq_head=shared_feature_request(HEAD_S), n_head=8
-            )
-            srv.send()
-            async with asyncio.timeout(10):
-                while await gc.health(timeout_s=2) != "NOT_SERVING":  # the drain is running
-                    await asyncio.sleep(0.005)
-            assert srv.proc.poll() is None
-            srv.send(signal.SIGTERM)
-            rc = await asyncio.to_thread(srv.proc.wait, 10)  # the drain would take 30 s
-            assert rc == 1, srv.stderr
-            # it did not wait for the work: none of it was answered, the drain never ended
-            assert not peer.answered(load.zmq_rids)
-            assert "[shutdown] done" not in srv.stderr, srv.stderr
+    async with one_worker_serving(30) as (srv, addr, gc, peer, tasks):
+        load = await load_in_order(
+            addr, peer, gc, tasks, zmq_head=shared_feature_request(HEAD_S), n_head=8
+        )
+        srv.send()
+        async with asyncio.timeout(10):
+            while await gc.health(timeout_s=2) != "NOT_SERVING":  # the drain is running
+                await asyncio.sleep(0.005)
+        assert srv.proc.poll() is None
+        srv.send(signal.SIGTERM)
+        rc = await asyncio.to_thread(srv.proc.wait, 10)  # the drain would take 30 s
+        assert rc == 1, srv.stderr
+        # it did not wait for the work: none of it was answered, the drain never ended
+        assert not peer.answered(load.zmq_rids)
+        assert "[shutdown] done" not in srv.stderr, srv.stderr
 
 
 async def test_zmq_client_keeps_replies_received_before_the_server_closed() -> None:
