@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -59,16 +60,22 @@ def _req(rid: str, n: int = 16) -> Request:
     return Request(rid=rid, input_ids=np.arange(n, dtype=np.int64))
 
 
-def _held_pool(gate: Gate, max_inflight: int = 8) -> MaterializerPool:
-    return MaterializerPool(
-        Materializer(load_profile("llama")), workers=1, max_inflight=max_inflight, before_run=gate
-    )
+@contextmanager
+def _pool(**kw: Any) -> Iterator[MaterializerPool]:
+    """A one-worker llama pool (``kw``: more of its settings), closed on the way out."""
+    pool = MaterializerPool(Materializer(load_profile("llama")), workers=1, **kw)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
-def _inline_pool() -> MaterializerPool:
-    return MaterializerPool(
-        Materializer(load_profile("llama")), workers=1, max_inflight=8, inline_max_tokens=64
-    )
+def _held_pool(gate: Gate, max_inflight: int = 8) -> AbstractContextManager[MaterializerPool]:
+    return _pool(max_inflight=max_inflight, before_run=gate)
+
+
+def _inline_pool() -> AbstractContextManager[MaterializerPool]:
+    return _pool(max_inflight=8, inline_max_tokens=64)
 
 
 async def _finish(
@@ -85,17 +92,13 @@ async def _finish(
 
 
 def test_max_per_peer_must_be_positive() -> None:
-    pool = _inline_pool()
-    try:
+    with _inline_pool() as pool:
         with pytest.raises(ValueError, match="positive"):
             Admissions(pool, transport="zmq", max_per_peer=0)
-    finally:
-        pool.close()
 
 
 async def test_duplicate_refused_while_first_in_flight(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq", scope="from this peer")
         first_key = (b"a", "r1")
         first = adm.submit(first_key, _req("r1"))
@@ -111,26 +114,20 @@ async def test_duplicate_refused_while_first_in_flight(gate: Gate) -> None:
         assert len(adm) == 0 and adm.peer_count(b"a") == 0
         again = adm.submit(first_key, _req("r1"))  # free again once the first has its outcome
         await _finish(adm, (first_key, again))
-    finally:
-        pool.close()
 
 
 async def test_grpc_scope_words_the_duplicate(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="grpc")
         ticket = adm.submit((b"", "x"), _req("x"))
         with pytest.raises(InvalidRequest, match="already in flight on this replica"):
             adm.submit((b"", "x"), _req("x"))
         gate.open()
         await _finish(adm, ((b"", "x"), ticket))
-    finally:
-        pool.close()
 
 
 async def test_closing_refuses_shutting_down_before_the_pool(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq", max_per_peer=1)
         held = adm.submit((b"a", "held"), _req("held"))
         adm.closing = True
@@ -144,13 +141,10 @@ async def test_closing_refuses_shutting_down_before_the_pool(gate: Gate) -> None
         assert pool.stats.admitted == 1 and len(adm) == 1 and adm.peer_count(b"b") == 0
         gate.open()
         await _finish(adm, ((b"a", "held"), held))  # what was in flight still ends normally
-    finally:
-        pool.close()
 
 
 async def test_per_peer_limit_at_and_past_it(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq", max_per_peer=2)
         a0 = adm.submit((b"a", "0"), _req("0"))
         a1 = adm.submit((b"a", "1"), _req("1"))  # at the limit: admitted
@@ -169,13 +163,10 @@ async def test_per_peer_limit_at_and_past_it(gate: Gate) -> None:
         a2 = adm.submit((b"a", "2"), _req("2"))  # room again
         await _finish(adm, ((b"a", "1"), a1), ((b"a", "2"), a2), ((b"b", "0"), b0))
         assert len(adm) == 0 and not adm._peer_counts  # no entry kept per peer once idle
-    finally:
-        pool.close()
 
 
 async def test_pool_refusal_registers_nothing(gate: Gate) -> None:
-    pool = _held_pool(gate, max_inflight=1)
-    try:
+    with _held_pool(gate, max_inflight=1) as pool:
         adm = Admissions(pool, transport="zmq", max_per_peer=4)
         held = adm.submit((b"a", "held"), _req("held"))
         with pytest.raises(Overloaded, match="--max-inflight"):
@@ -183,13 +174,10 @@ async def test_pool_refusal_registers_nothing(gate: Gate) -> None:
         assert (b"a", "next") not in adm and adm.peer_count(b"a") == 1
         gate.open()
         await _finish(adm, ((b"a", "held"), held))
-    finally:
-        pool.close()
 
 
 async def test_inline_tickets_are_not_registered() -> None:
-    pool = _inline_pool()
-    try:
+    with _inline_pool() as pool:
         adm = Admissions(pool, transport="zmq", max_per_peer=1)
         key = (b"a", "small")
         ticket = adm.submit(key, _req("small"))
@@ -200,13 +188,10 @@ async def test_inline_tickets_are_not_registered() -> None:
         assert again.done and len(adm) == 0
         adm.release(key, again)  # harmless
         assert pool.stats.inline == 2
-    finally:
-        pool.close()
 
 
 async def test_release_is_idempotent_and_keeps_a_newer_ticket(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq")
         key = (b"a", "r")
         old = adm.submit(key, _req("r"))
@@ -223,13 +208,10 @@ async def test_release_is_idempotent_and_keeps_a_newer_ticket(gate: Gate) -> Non
         await _finish(adm, (key, new), ((b"a", "s"), other))
         await old.outcome()
         assert len(adm) == 0 and adm.peer_count(b"a") == 0 and not adm._peer_counts
-    finally:
-        pool.close()
 
 
 async def test_cancel_by_key(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq")
         key = (b"a", "r")
         ticket = adm.submit(key, _req("r"))
@@ -244,8 +226,6 @@ async def test_cancel_by_key(gate: Gate) -> None:
         assert key not in adm
         assert adm.cancel(key, AbortCode.CANCELLED, "late") is False
         assert adm.stats == AdmissionStats()  # cancel counts nothing: observe does
-    finally:
-        pool.close()
 
 
 def _requests_total(telemetry: Telemetry, transport: str, outcome: str, code: str) -> float:
@@ -256,10 +236,9 @@ def _requests_total(telemetry: Telemetry, transport: str, outcome: str, code: st
 
 
 async def test_finish_counts_each_outcome_once(gate: Gate) -> None:
-    pool = _held_pool(gate)
     telemetry = Telemetry("llama", log_outcomes=False)
     stats = ZmqIngestStats()  # a transport's own counters extend AdmissionStats
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="zmq", telemetry=telemetry, stats=stats)
         assert adm.stats is stats
         t0 = time.perf_counter()
@@ -286,18 +265,13 @@ async def test_finish_counts_each_outcome_once(gate: Gate) -> None:
         # under its own transport's label only
         assert _requests_total(telemetry, "grpc", "materialized", "OK") == 0
         assert _requests_total(telemetry, "grpc", "aborted", "CANCELLED") == 0
-    finally:
-        pool.close()
 
 
 async def test_finish_without_telemetry_counts_stats_only(gate: Gate) -> None:
-    pool = _held_pool(gate)
-    try:
+    with _held_pool(gate) as pool:
         adm = Admissions(pool, transport="grpc")
         adm.finish("r", None, Abort(AbortCode.OVERLOADED, "full"), 0.0, _same)
         assert adm.stats == AdmissionStats(materialized=0, aborted_by_code={"OVERLOADED": 1})
-    finally:
-        pool.close()
 
 
 def _same(outcome: Any) -> Any:
@@ -310,48 +284,47 @@ async def test_the_ladder_counts_what_was_encoded(gate: Gate) -> None:
     AdmissionError ends the request with that code, one that raises anything else
     ends it INTERNAL (encoded by ``encode_failed``); each counted once, after its
     reply exists."""
-    pool = _held_pool(gate, max_inflight=4)
-    try:
-        adm = Admissions(pool, transport="grpc")
-        t0 = time.perf_counter()
-        held = asyncio.ensure_future(adm.admit((b"", "held"), _req("held"), _same, t0))
-        await asyncio.sleep(0.05)
-        dup = await adm.admit((b"", "held"), _req("held"), _same, t0)
-        assert dup.code is AbortCode.INVALID_REQUEST  # the id is in flight
-        held.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await held
-        assert len(adm) == 0
-        assert adm.stats.aborted_by_code == {"INVALID_REQUEST": 1, "CANCELLED": 1}
-        gate.open()
-        ok = await adm.admit((b"", "ok"), _req("ok"), _same, t0)
-        assert isinstance(ok, Materialized)
+    with _held_pool(gate, max_inflight=4) as pool:
+        try:
+            adm = Admissions(pool, transport="grpc")
+            t0 = time.perf_counter()
+            held = asyncio.ensure_future(adm.admit((b"", "held"), _req("held"), _same, t0))
+            await asyncio.sleep(0.05)
+            dup = await adm.admit((b"", "held"), _req("held"), _same, t0)
+            assert dup.code is AbortCode.INVALID_REQUEST  # the id is in flight
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+            assert len(adm) == 0
+            assert adm.stats.aborted_by_code == {"INVALID_REQUEST": 1, "CANCELLED": 1}
+            gate.open()
+            ok = await adm.admit((b"", "ok"), _req("ok"), _same, t0)
+            assert isinstance(ok, Materialized)
 
-        def refuse(outcome: Any) -> Any:
-            if isinstance(outcome, Materialized):
-                raise ShuttingDown("the scheduler went away")
-            return outcome
+            def refuse(outcome: Any) -> Any:
+                if isinstance(outcome, Materialized):
+                    raise ShuttingDown("the scheduler went away")
+                return outcome
 
-        gone = await adm.admit((b"", "gone"), _req("gone"), refuse, t0)
-        assert gone.code is AbortCode.SHUTTING_DOWN
+            gone = await adm.admit((b"", "gone"), _req("gone"), refuse, t0)
+            assert gone.code is AbortCode.SHUTTING_DOWN
 
-        def broken(outcome: Any) -> Any:
-            raise ValueError("planted")
+            def broken(outcome: Any) -> Any:
+                raise ValueError("planted")
 
-        reply = adm.finish("bug", None, ok, t0, broken, lambda out: ("fallback", out))
-        assert reply[0] == "fallback" and reply[1].code is AbortCode.INTERNAL
-        assert adm.stats == AdmissionStats(
-            materialized=1,
-            aborted_by_code={
-                "INVALID_REQUEST": 1,
-                "CANCELLED": 1,
-                "SHUTTING_DOWN": 1,
-                "INTERNAL": 1,
-            },
-        )
-    finally:
-        gate.open()
-        pool.close()
+            reply = adm.finish("bug", None, ok, t0, broken, lambda out: ("fallback", out))
+            assert reply[0] == "fallback" and reply[1].code is AbortCode.INTERNAL
+            assert adm.stats == AdmissionStats(
+                materialized=1,
+                aborted_by_code={
+                    "INVALID_REQUEST": 1,
+                    "CANCELLED": 1,
+                    "SHUTTING_DOWN": 1,
+                    "INTERNAL": 1,
+                },
+            )
+        finally:
+            gate.open()
 
 
 async def test_until_quiet_does_not_take_a_stalled_loop_for_a_quiet_peer() -> None:
