@@ -74,6 +74,7 @@ pytestmark = [
 ]
 
 READY_RE = re.compile(r"^mmadmit ready grpc=(\S+) zmq=(\S+) metrics=(\S+)$")
+SERVE = (sys.executable, "-m", "mmadmit", "serve", "--model", str(MODEL), "--device", "cpu")
 EPHEMERAL = (
     "--grpc-listen", "127.0.0.1:0",
     "--zmq-listen", "tcp://127.0.0.1:0",
@@ -88,17 +89,7 @@ class ServeProcess:
     """One ``python -m mmadmit serve`` child; a thread collects its stderr lines."""
 
     def __init__(self, *args: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "mmadmit",
-            "serve",
-            "--model",
-            str(MODEL),
-            "--device",
-            "cpu",
-            *args,
-        ]
+        cmd = [*SERVE, *args]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -668,17 +659,7 @@ async def test_zmq_client_keeps_replies_received_before_the_server_closed() -> N
 
 
 def _run_serve(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmadmit",
-        "serve",
-        "--model",
-        str(MODEL),
-        "--device",
-        "cpu",
-        *args,
-    ]
+    cmd = [*SERVE, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
