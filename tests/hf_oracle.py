@@ -279,33 +279,16 @@ def hf_rope_index(
 
 
 def hf_positions(
-    family: str,
-    input_ids: Sequence[int] | np.ndarray,
-    image_grid_thw: Any = None,
-    video_grid_thw: Any = None,
-    second_per_grid_ts: Any = None,
-    video_second_per_grid: Any = None,
-    audio_lengths: Sequence[int] | None = None,
-    audio_seqlens: Sequence[int] | None = None,
-    attention_mask: Any = None,
+    family: str, input_ids: Sequence[int] | np.ndarray, **inputs: Any
 ) -> tuple[np.ndarray, int]:
-    """transformers' positions as ``([3, N] int64, delta)``.
+    """transformers' positions as ``([3, N] int64, delta)``; ``inputs`` are the keyword
+    arguments of :func:`hf_rope_index` (grids, seconds, audio, attention mask).
 
     Raises ``ValueError`` when transformers returns a non-integral position
     (Qwen3-Omni with a fractional ``seconds * position_id_per_seconds``: a known
     deviation, see :func:`hf_rope_index` to inspect the raw floats).
     """
-    pos, delta = hf_rope_index(
-        family,
-        input_ids,
-        image_grid_thw=image_grid_thw,
-        video_grid_thw=video_grid_thw,
-        second_per_grid_ts=second_per_grid_ts,
-        video_second_per_grid=video_second_per_grid,
-        audio_lengths=audio_lengths,
-        audio_seqlens=audio_seqlens,
-        attention_mask=attention_mask,
-    )
+    pos, delta = hf_rope_index(family, input_ids, **inputs)
     if pos.is_floating_point():
         as_int = pos.round().to(torch.int64)
         if not torch.equal(as_int.to(pos.dtype), pos):
