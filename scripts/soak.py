@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -46,6 +47,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,30 @@ class Tally:
         self.latencies_ms.append((time.perf_counter() - started) * 1e3)
         self.outcomes[code] += 1
 
+    async def send(
+        self,
+        kind: str,
+        admit: Awaitable[Outcome],
+        abort: Callable[[], Awaitable[Any]],
+        abort_after_s: float,
+    ) -> None:
+        """One request of ``kind``, counted sent: ``admit`` runs and, for a
+        ``cancel-abort``, ``abort()`` ``abort_after_s`` later (once the request is on its
+        way); recorded is its outcome with its latency, or a client error by type."""
+        self.sent += 1
+        self.by_kind[kind] += 1
+        started = time.perf_counter()
+        try:
+            task = asyncio.ensure_future(admit)
+            if kind == "cancel-abort":
+                await asyncio.sleep(abort_after_s)
+                await abort()
+            out = await task
+        except ClientError as exc:
+            self.errors[type(exc).__name__] += 1
+            return
+        self.record(outcome_code(out), started)
+
     @property
     def received(self) -> int:
         return sum(self.outcomes.values())
@@ -308,19 +334,9 @@ async def zmq_worker(
         ]
         if kind == "invalid-frame":
             frames[-1] = bytes(frames[-1])[:-8]
-        tally.sent += 1
-        tally.by_kind[kind] += 1
-        started = time.perf_counter()
-        try:
-            task = asyncio.ensure_future(zc.admit_frames(frames, timeout_s=CALL_TIMEOUT_S))
-            if kind == "cancel-abort":
-                await asyncio.sleep(0)  # the ADD goes out first
-                await zc.abort((rid,))
-            out = await task
-        except ClientError as exc:
-            tally.errors[type(exc).__name__] += 1
-            continue
-        tally.record(outcome_code(out), started)
+        admit = zc.admit_frames(frames, timeout_s=CALL_TIMEOUT_S)
+        # the ABORT goes out at the next turn of the loop, after the ADD
+        await tally.send(kind, admit, functools.partial(zc.abort, (rid,)), 0)
 
 
 async def grpc_worker(
@@ -345,19 +361,9 @@ async def grpc_worker(
         msg.request_id = rid
         if kind == "cancel-deadline":
             msg.timeout_ms = 1
-        tally.sent += 1
-        tally.by_kind[kind] += 1
-        started = time.perf_counter()
-        try:
-            task = asyncio.ensure_future(gc.admit_proto(msg, timeout_s=CALL_TIMEOUT_S))
-            if kind == "cancel-abort":
-                await asyncio.sleep(0.001)  # the call is on its way
-                await gc.abort((rid,), "soak cancel")
-            out = await task
-        except ClientError as exc:
-            tally.errors[type(exc).__name__] += 1
-            continue
-        tally.record(outcome_code(out), started)
+        admit = gc.admit_proto(msg, timeout_s=CALL_TIMEOUT_S)
+        # the Abort RPC 1 ms after the call: the call is on its way
+        await tally.send(kind, admit, functools.partial(gc.abort, (rid,), "soak cancel"), 0.001)
 
 
 async def sample_rss(
