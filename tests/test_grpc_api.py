@@ -630,36 +630,38 @@ def test_items_take_their_own_placeholder_rows() -> None:
     assert got == [[[2, 5]], [[10, 13], [20, 22]], [[30, 33]]]
 
 
-# mutation -> the message's start: the first fault in item order wins, and within an item
-# its tensors are checked before its placeholder ranges
-PRECEDENCE: dict[str, tuple[Callable[[pb.AdmitRequest], None], str]] = {
+Fault = Callable[[pb.AdmitRequest], None]
+
+
+def _zero_length(item: int, row: int) -> Fault:
+    return lambda r: setattr(r.mm_inputs.items[item].placeholders[row], "length", 0)
+
+
+def _bad_dtype(item: int) -> Fault:
+    return lambda r: setattr(r.mm_inputs.items[item].encoder_input, "dtype", "float33")
+
+
+def _modality_7(item: int) -> Fault:
+    return lambda r: setattr(r.mm_inputs.items[item], "modality", 7)
+
+
+# faults, made in this order -> the message's start: the first fault in item order wins,
+# and within an item its tensors are checked before its placeholder ranges
+PRECEDENCE: dict[str, tuple[tuple[Fault, ...], str]] = {
     "zero length in item 1, bad dtype in item 2": (
-        lambda r: (
-            setattr(r.mm_inputs.items[1].placeholders[1], "length", 0),
-            setattr(r.mm_inputs.items[2].encoder_input, "dtype", "float33"),
-        ),
+        (_zero_length(1, 1), _bad_dtype(2)),
         "item 1: placeholders[1] (offset 20) has length 0",
     ),
     "bad dtype in item 0, zero length in item 0 and 1": (
-        lambda r: (
-            setattr(r.mm_inputs.items[0].placeholders[0], "length", 0),
-            setattr(r.mm_inputs.items[1].placeholders[0], "length", 0),
-            setattr(r.mm_inputs.items[0].encoder_input, "dtype", "float33"),
-        ),
+        (_zero_length(0, 0), _zero_length(1, 0), _bad_dtype(0)),
         "item 0 encoder_input: unsupported tensor dtype",
     ),
     "zero length in item 2, unknown modality in item 2": (
-        lambda r: (
-            setattr(r.mm_inputs.items[2].placeholders[0], "length", 0),
-            setattr(r.mm_inputs.items[2], "modality", 7),
-        ),
+        (_zero_length(2, 0), _modality_7(2)),
         "item 2: modality 7",
     ),
     "zero length in items 0 and 2": (
-        lambda r: (
-            setattr(r.mm_inputs.items[2].placeholders[0], "length", 0),
-            setattr(r.mm_inputs.items[0].placeholders[0], "length", 0),
-        ),
+        (_zero_length(2, 0), _zero_length(0, 0)),
         "item 0: placeholders[0] (offset 2) has length 0",
     ),
 }
@@ -667,10 +669,11 @@ PRECEDENCE: dict[str, tuple[Callable[[pb.AdmitRequest], None], str]] = {
 
 @pytest.mark.parametrize("label", list(PRECEDENCE))
 def test_item_faults_are_worded_in_item_order(label: str) -> None:
-    mutate, start = PRECEDENCE[label]
+    faults, start = PRECEDENCE[label]
     profile = load_profile("qwen3_5")
     msg = _three_items(profile)
-    mutate(msg)
+    for fault in faults:
+        fault(msg)
     with pytest.raises(InvalidRequest) as caught:
         items_from_proto(msg.mm_inputs.items, profile, None)
     assert caught.value.message.startswith(start), caught.value.message
