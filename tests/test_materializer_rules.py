@@ -1115,24 +1115,23 @@ def test_rule7_mismatching_carried_delta(field: str) -> None:
     aborts(simple_image_request(**kw), AbortCode.INVALID_REQUEST, "4", str(SIMPLE_DELTA))
 
 
-@pytest.mark.parametrize("shape", [(3, 10), (2, 11), (11,), (3, 12)])
-def test_rule7_positions_wrong_shape(shape: tuple[int, ...]) -> None:
-    pos = Tensor.from_numpy(np.zeros(shape, np.int64))
+@pytest.mark.parametrize(
+    "positions, word",
+    [
+        (np.zeros((3, 10), np.int64), "shape"),
+        (np.zeros((2, 11), np.int64), "shape"),
+        (np.zeros((11,), np.int64), "shape"),
+        (np.zeros((3, 12), np.int64), "shape"),
+        (SIMPLE_POS.astype(np.float32), "integer"),
+    ],
+    ids=["shape-3x10", "shape-2x11", "shape-11", "shape-3x12", "float-dtype"],
+)
+def test_rule7_carried_positions_refused(positions: np.ndarray, word: str) -> None:
     aborts(
-        simple_image_request(mrope_positions=pos),
+        simple_image_request(mrope_positions=Tensor.from_numpy(positions)),
         AbortCode.INVALID_REQUEST,
         "mrope_positions",
-        "shape",
-    )
-
-
-def test_rule7_positions_float_dtype() -> None:
-    pos = Tensor.from_numpy(SIMPLE_POS.astype(np.float32))
-    aborts(
-        simple_image_request(mrope_positions=pos),
-        AbortCode.INVALID_REQUEST,
-        "mrope_positions",
-        "integer",
+        word,
     )
 
 
