@@ -77,6 +77,21 @@ def aborted(transport: str, code: AbortCode) -> Series:
     return (transport, "aborted", code.value)
 
 
+async def ladder_ends(svc: Service, transport: str, late: Awaitable[Any], aborts: int) -> None:
+    """The end of a transport's ladder: the held request released and the pool idle, the
+    drain begins and ``late`` ends SHUTTING_DOWN, counted once; the transport's own
+    stats then hold 1 materialized and ``aborts`` aborted, the other transport's none."""
+    svc.hold.release()
+    await until(lambda: svc.pool.inflight == 0)
+    svc.pool.begin_drain()
+    await counted_once(svc, aborted(transport, AbortCode.SHUTTING_DOWN), late)
+    handles = {"zmq": svc.handle.zmq, "grpc": svc.handle.grpc}
+    stats = handles.pop(transport).stats
+    assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == aborts
+    (other,) = handles.values()
+    assert not other.stats.aborted_by_code  # nothing under the other label
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -241,14 +256,7 @@ async def test_every_zmq_outcome_is_counted_once(mode: str) -> None:
         await svc.hold.wait_entered()
         await counted_once(svc, aborted(z, AbortCode.OVERLOADED), peer.admit(small_request("o")))
         await counted_once(svc, aborted(z, AbortCode.CANCELLED), _abort(peer, "hold-1"))
-        svc.hold.release()
-        await until(lambda: svc.pool.inflight == 0)
-
-        svc.pool.begin_drain()
-        await counted_once(svc, aborted(z, AbortCode.SHUTTING_DOWN), peer.admit(small_request("l")))
-        stats = svc.handle.zmq.stats
-        assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == 7
-        assert not svc.handle.grpc.stats.aborted_by_code  # nothing under the other label
+        await ladder_ends(svc, z, peer.admit(small_request("l")), aborts=7)
 
 
 async def _raw(peer: ZmqPeer, payload: bytes) -> list[zmq.Frame]:
@@ -299,14 +307,7 @@ async def test_every_grpc_outcome_is_counted_once() -> None:
         late.timeout_ms = 100
         svc.hold.arm()
         await counted_once(svc, aborted(g, AbortCode.DEADLINE_EXCEEDED), gc.admit(late))
-        svc.hold.release()
-        await until(lambda: svc.pool.inflight == 0)
-
-        svc.pool.begin_drain()
-        await counted_once(svc, aborted(g, AbortCode.SHUTTING_DOWN), gc.admit(image_proto("l")))
-        stats = svc.handle.grpc.stats
-        assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == 8
-        assert not svc.handle.zmq.stats.aborted_by_code  # nothing under the other label
+        await ladder_ends(svc, g, gc.admit(image_proto("l")), aborts=8)
 
 
 # --------------------------------------------------------------------------- text-only model
