@@ -41,13 +41,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+def _materialize(
+    model: str | Path, src: str | Path, dst: str | Path, *flags: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """``mmadmit materialize --model MODEL FLAGS SRC DST``, its output captured."""
+    cmd = [sys.executable, "-m", "mmadmit", "materialize", "--model", str(model), *flags]
     return subprocess.run(
-        [sys.executable, "-m", "mmadmit", *args],
-        input=stdin,
-        capture_output=True,
-        env=_env(),
-        timeout=60,
+        [*cmd, str(src), str(dst)], input=stdin, capture_output=True, env=_env(), timeout=60
     )
 
 
@@ -74,15 +74,7 @@ def replies(
     for name in NAMES:
         vec = load_vector(name)
         dst = tmp / f"{name}.reply"
-        proc = _run(
-            "materialize",
-            "--model",
-            str(vec.config),
-            "--native",
-            request.param,
-            str(vec.frames_path),
-            str(dst),
-        )
+        proc = _materialize(vec.config, vec.frames_path, dst, "--native", request.param)
         out[name] = (vec, proc, dst)
     return out
 
@@ -202,15 +194,7 @@ def test_prefill_role_reproduces_vectors(tmp_path: Path) -> None:
     name = "qwen3_5_mixed" if "qwen3_5_mixed" in NAMES else NAMES[0]
     vec = load_vector(name)
     dst = tmp_path / "out"
-    proc = _run(
-        "materialize",
-        "--model",
-        str(vec.config),
-        "--role",
-        "prefill",
-        str(vec.frames_path),
-        str(dst),
-    )
+    proc = _materialize(vec.config, vec.frames_path, dst, "--role", "prefill")
     assert proc.returncode == (1 if vec.error else 0), proc.stderr.decode()
     if not vec.error:
         _check_materialized(vec, parse_frames(dst.read_bytes()))
@@ -221,7 +205,7 @@ def test_stdin_stdout(replies: dict[str, tuple]) -> None:
         pytest.skip(f"no vectors at {VECTORS}")
     name = "qwen3_5_image1" if "qwen3_5_image1" in NAMES else NAMES[0]
     vec, _proc, dst = replies[name]
-    proc = _run("materialize", "--model", str(vec.config), "-", "-", stdin=vec.blob)
+    proc = _materialize(vec.config, "-", "-", stdin=vec.blob)
     assert proc.returncode == (1 if vec.error else 0), proc.stderr.decode()
     assert proc.stdout == dst.read_bytes()  # same bytes as the file-to-file run
     parse_frames(proc.stdout)
@@ -232,7 +216,7 @@ def test_error_vector_stdout_and_message() -> None:
     if not errs:
         pytest.skip("no error vector")
     vec = load_vector(errs[0])
-    proc = _run("materialize", "--model", str(vec.config), "-", "-", stdin=vec.blob)
+    proc = _materialize(vec.config, "-", "-", stdin=vec.blob)
     assert proc.returncode == 1
     err = proc.stderr.decode()
     assert "INVALID_REQUEST" in err
@@ -245,13 +229,7 @@ def test_error_vector_stdout_and_message() -> None:
 
 
 def test_missing_input_file_exits_2(tmp_path: Path) -> None:
-    proc = _run(
-        "materialize",
-        "--model",
-        str(config_for_family("qwen3_5")),
-        str(tmp_path / "nope.frames"),
-        str(tmp_path / "out"),
-    )
+    proc = _materialize(config_for_family("qwen3_5"), tmp_path / "nope.frames", tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.strip()
     assert not (tmp_path / "out").exists()
@@ -260,15 +238,7 @@ def test_missing_input_file_exits_2(tmp_path: Path) -> None:
 def test_bad_role_exits_2_with_one_line(tmp_path: Path) -> None:
     src = tmp_path / "in.frames"
     src.write_bytes(pack_frames([b"\x00", b"\x90"]))
-    proc = _run(
-        "materialize",
-        "--model",
-        str(config_for_family("qwen3_5")),
-        "--role",
-        "bogus",
-        str(src),
-        str(tmp_path / "out"),
-    )
+    proc = _materialize(config_for_family("qwen3_5"), src, tmp_path / "out", "--role", "bogus")
     assert proc.returncode == 2
     lines = proc.stderr.decode().strip().splitlines()
     assert len(lines) == 1, lines
@@ -279,7 +249,7 @@ def test_bad_role_exits_2_with_one_line(tmp_path: Path) -> None:
 def test_not_a_frames_container_exits_2(tmp_path: Path) -> None:
     src = tmp_path / "in.frames"
     src.write_bytes(b"garbage")
-    proc = _run("materialize", "--model", "qwen3_5", str(src), str(tmp_path / "out"))
+    proc = _materialize("qwen3_5", src, tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.strip()
 
@@ -291,7 +261,7 @@ def test_broken_message_answers_minimal_abort(tmp_path: Path) -> None:
         pack_frames([b"\x07", msgspec.msgpack.encode(["TokenizedGenerateReqInput", "r1"])])
     )
     dst = tmp_path / "out"
-    proc = _run("materialize", "--model", "qwen3_5", str(src), str(dst))
+    proc = _materialize("qwen3_5", src, dst)
     assert proc.returncode == 1
     assert b"INVALID_REQUEST" in proc.stderr
     reply = parse_frames(dst.read_bytes())
@@ -307,15 +277,8 @@ def test_decode_exemption_through_cli(tmp_path: Path) -> None:
         pytest.skip("qwen3_5_mixed vector absent")
     vec = load_vector("qwen3_5_mixed")
     dst = tmp_path / "out"
-    proc = _run(
-        "materialize",
-        "--model",
-        str(vec.config),
-        "--role",
-        "decode",
-        "--language-model-only",
-        str(vec.frames_path),
-        str(dst),
+    proc = _materialize(
+        vec.config, vec.frames_path, dst, "--role", "decode", "--language-model-only"
     )
     assert proc.returncode == 0, proc.stderr.decode()
     reply = parse_frames(dst.read_bytes())
@@ -337,9 +300,7 @@ def test_text_only_model_through_cli(tmp_path: Path) -> None:
     cfg.write_text(
         '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300000}'
     )
-    proc = _run(
-        "materialize", "--model", str(tmp_path), str(vec.frames_path), str(tmp_path / "out")
-    )
+    proc = _materialize(tmp_path, vec.frames_path, tmp_path / "out")
     assert proc.returncode == 1
     assert b"TEXT_ONLY_MODEL" in proc.stderr
     reply = parse_frames((tmp_path / "out").read_bytes())
