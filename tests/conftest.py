@@ -157,6 +157,37 @@ def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     return module
 
 
+def generate_request(c: ModuleType, input_ids: list[int], encode_item: int) -> Any:
+    """A frontend's ``GenerateRequest`` (``c``: the :func:`compat_pb2` module) with every
+    scheduler field set (sampling, logprobs, stream, the encode bootstrap of item
+    ``encode_item``, the KV bootstrap, a data-parallel rank); no item yet."""
+    return c.GenerateRequest(
+        request_id="smg-1",
+        tokenized=c.TokenizedInput(input_ids=input_ids, original_text="hi"),
+        sampling_params=c.SamplingParams(
+            temperature=0.7,
+            top_k=20,
+            max_new_tokens=64,
+            stop=["</s>"],
+            json_schema="{}",
+            sampling_seed=7,
+            logit_bias={"a": 1.0},
+        ),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=5,
+        token_ids_logprob=[1, 2, 3],
+        stream=True,
+        encode_bootstrap_info=c.EncodeBootstrapInfo(
+            items=[c.EncodeItemBootstrapInfo(item_index=encode_item, bootstrap_room=9)]
+        ),
+        kv_bootstrap_info=c.KvBootstrapInfo(
+            bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**62
+        ),
+        data_parallel_rank=1,
+    )
+
+
 @pytest.fixture(params=["native", "fallback"])
 def native_mode(request: pytest.FixtureRequest) -> Any:
     """Run a test twice: C extensions on, then Python fallbacks only (``--native off``).

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import CONFIGS, Vector, load_vector, until, vector_names
+from conftest import CONFIGS, Vector, generate_request, load_vector, until, vector_names
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from mmadmit.errors import InvalidRequest
 from mmadmit.grpc_server import ADMISSION_SERVICE, GrpcServer
@@ -281,30 +281,7 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
     assert wire_req is not None and wire_req.mm is not None
     item = wire_req.mm.items[0]
     c = compat_pb2
-    gen = c.GenerateRequest(
-        request_id="smg-1",
-        tokenized=c.TokenizedInput(input_ids=wire_req.input_ids.tolist(), original_text="hi"),
-        sampling_params=c.SamplingParams(
-            temperature=0.7,
-            top_k=20,
-            max_new_tokens=64,
-            stop=["</s>"],
-            json_schema="{}",
-            sampling_seed=7,
-        ),
-        return_logprob=True,
-        logprob_start_len=0,
-        top_logprobs_num=5,
-        token_ids_logprob=[1, 2, 3],
-        stream=True,
-        encode_bootstrap_info=c.EncodeBootstrapInfo(
-            items=[c.EncodeItemBootstrapInfo(item_index=0, bootstrap_room=9)]
-        ),
-        kv_bootstrap_info=c.KvBootstrapInfo(
-            bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**62
-        ),
-        data_parallel_rank=1,
-    )
+    gen = generate_request(c, wire_req.input_ids.tolist(), encode_item=0)
     g_item = gen.mm_inputs.items.add(
         modality=c.IMAGE,
         content_hash=item.hash.to_bytes(8, "little"),

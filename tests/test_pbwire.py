@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import REPO_ROOT, load_vector, vector_names
+from conftest import REPO_ROOT, generate_request, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from mmadmit import pbwire, smg_request
@@ -542,23 +542,7 @@ def test_large_request_strips_every_large_payload(impl: str) -> None:
 def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: ModuleType) -> None:
     """A frontend's GenerateRequest (fields 3 to 8, 10 to 12 set) with large tensors."""
     c = compat_pb2
-    gen = c.GenerateRequest(
-        request_id="smg-1",
-        tokenized=c.TokenizedInput(input_ids=list(range(4000)), original_text="hi"),
-        sampling_params=c.SamplingParams(
-            temperature=0.7, top_k=20, stop=["</s>"], json_schema="{}", logit_bias={"a": 1.0}
-        ),
-        return_logprob=True,
-        logprob_start_len=0,
-        top_logprobs_num=5,
-        token_ids_logprob=[1, 2, 3],
-        stream=True,
-        encode_bootstrap_info=c.EncodeBootstrapInfo(
-            items=[c.EncodeItemBootstrapInfo(item_index=2, bootstrap_room=9)]
-        ),
-        kv_bootstrap_info=c.KvBootstrapInfo(bootstrap_host="10.0.0.1", bootstrap_room=2**62),
-        data_parallel_rank=1,
-    )
+    gen = generate_request(c, list(range(4000)), encode_item=2)
     for k in range(3):
         item = gen.mm_inputs.items.add(modality=c.IMAGE, content_hash=bytes([k]) * 8)
         item.placeholders.add(offset=10 + 100 * k, length=16)
