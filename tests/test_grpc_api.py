@@ -305,14 +305,7 @@ async def test_generate_request_bytes_are_an_admit_request(compat_pb2: ModuleTyp
     assert len(parsed.SerializeToString()) == len(raw)
 
     async with running("qwen3_5") as r:
-        channel = r.grpc._channel
-        assert channel is not None
-        call = channel.unary_unary(
-            "/mmadmit.v1.Admission/Admit",
-            request_serializer=None,  # the GenerateRequest's bytes, as is
-            response_deserializer=pb.AdmitResponse.FromString,
-        )
-        resp = await call(raw)
+        resp = await _bytes_call(r)(raw)  # the GenerateRequest's bytes, as is
     from mmadmit_client import outcome_from_proto
 
     outcome = outcome_from_proto(resp)
@@ -891,15 +884,30 @@ async def _first(stream: Any) -> Any:
     raise AssertionError("the stream ended without an outcome")
 
 
-async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running) -> None:
-    """Earlier requests are still answered; then the call ends INVALID_ARGUMENT."""
-    channel = qwen.grpc._channel
+def _bytes_call(r: Running, stream: bool = False) -> Any:
+    """``Admit`` (``stream``: ``AdmitStream``) on the client's channel, sending the bytes
+    it is given as they are."""
+    channel = r.grpc._channel
     assert channel is not None
-    call = channel.stream_stream(
-        "/mmadmit.v1.Admission/AdmitStream",
+    make = channel.stream_stream if stream else channel.unary_unary
+    return make(
+        "/mmadmit.v1.Admission/AdmitStream" if stream else "/mmadmit.v1.Admission/Admit",
         request_serializer=None,
         response_deserializer=pb.AdmitResponse.FromString,
     )
+
+
+async def _unparsable_refused(r: Running, error: grpc.RpcError) -> None:
+    """``error`` ended a call on bytes that are no ``AdmitRequest``: INVALID_ARGUMENT in
+    mmadmit's words; and the next request is materialized."""
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse as an AdmitRequest" in error.details()
+    assert isinstance(await r.grpc.admit_proto(_image_request(r.profile, "next")), Materialized)
+
+
+async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running) -> None:
+    """Earlier requests are still answered; then the call ends INVALID_ARGUMENT."""
+    call = _bytes_call(qwen, stream=True)
 
     def messages() -> Any:
         yield _image_request(qwen.profile, "before").SerializeToString()
@@ -910,12 +918,8 @@ async def test_stream_message_that_does_not_parse_ends_the_stream(qwen: Running)
     with pytest.raises(grpc.RpcError) as info:
         async for resp in call(messages()):
             answered.append(resp.request_id)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "does not parse as an AdmitRequest" in info.value.details()
     assert answered == ["before"]
-    assert isinstance(
-        await qwen.grpc.admit_proto(_image_request(qwen.profile, "next")), Materialized
-    )
+    await _unparsable_refused(qwen, info.value)
 
 
 async def test_draining_pool_answers_shutting_down(qwen: Running) -> None:
@@ -962,21 +966,10 @@ async def test_busy_port_is_one_clear_oserror() -> None:
 async def test_unary_admit_of_bytes_that_do_not_parse_is_invalid_argument(qwen: Running) -> None:
     """The same bytes end Admit as they end AdmitStream: INVALID_ARGUMENT in mmadmit's
     words (gRPC's own answer would be UNKNOWN naming a Python class)."""
-    channel = qwen.grpc._channel
-    assert channel is not None
-    call = channel.unary_unary(
-        "/mmadmit.v1.Admission/Admit",
-        request_serializer=None,
-        response_deserializer=pb.AdmitResponse.FromString,
-    )
     with pytest.raises(grpc.RpcError) as info:
-        await call(b"\xff\xff\xff not protobuf")
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "does not parse as an AdmitRequest" in info.value.details()
+        await _bytes_call(qwen)(b"\xff\xff\xff not protobuf")
     assert "class" not in info.value.details()
-    assert isinstance(
-        await qwen.grpc.admit_proto(_image_request(qwen.profile, "next")), Materialized
-    )
+    await _unparsable_refused(qwen, info.value)
 
 
 async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> None:
