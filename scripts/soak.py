@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,17 @@ class Picker:
             return f"cancel-{sub}", self.mix[self.rng.choice(self.valid)]
         return "valid", self.mix[self.rng.choice(self.valid)]
 
+    def until(
+        self, deadline: float, transport: str, prefix: str
+    ) -> Iterator[tuple[str, Request, str]]:
+        """The next request's kind, request and rid (``PREFIX-0``, ``PREFIX-1``, ...)
+        for as long as ``deadline`` (``time.perf_counter()``) has not passed."""
+        n = 0
+        while time.perf_counter() < deadline:
+            kind, req = self.next(transport)
+            yield kind, req, f"{prefix}-{n}"
+            n += 1
+
 
 # --------------------------------------------------------------------------- accounting
 
@@ -323,11 +334,7 @@ def outcome_code(out: Outcome) -> str:
 async def zmq_worker(
     zc: ZmqTransport, picker: Picker, tally: Tally, deadline: float, prefix: str, w: int
 ) -> None:
-    n = 0
-    while time.perf_counter() < deadline:
-        kind, req = picker.next("zmq")
-        rid = f"{prefix}-z{w}-{n}"
-        n += 1
+    for kind, req, rid in picker.until(deadline, "zmq", f"{prefix}-z{w}"):
         frames: list[Any] = [
             bytes([wire.MSG_ADD]),
             *wire.encode_request(dataclasses.replace(req, rid=rid)),
@@ -348,11 +355,7 @@ async def grpc_worker(
     prefix: str,
     w: int,
 ) -> None:
-    n = 0
-    while time.perf_counter() < deadline:
-        kind, req = picker.next("grpc")
-        rid = f"{prefix}-g{w}-{n}"
-        n += 1
+    for kind, req, rid in picker.until(deadline, "grpc", f"{prefix}-g{w}"):
         base = bases.get(id(req))
         if base is None:
             base = bases[id(req)] = to_proto(req, "")
