@@ -140,6 +140,18 @@ async def end_call(end: str, call: asyncio.Future[Any], client: Any) -> None:
             await call
 
 
+async def end_stale(end: str, client: Any, timed_out: type[Exception], wait_s: float) -> None:
+    """Send request ``stale`` and end it by ``end``: its own 0.5 s timeout (the admit
+    raises ``timed_out``), or ``wait_s`` after it was sent, by :func:`end_call`."""
+    if end == "timeout":
+        with pytest.raises(timed_out):
+            await client.admit(request("stale"), timeout_s=0.5)
+    else:
+        task = asyncio.ensure_future(client.admit(request("stale")))
+        await asyncio.sleep(wait_s)
+        await end_call(end, task, client)
+
+
 @pytest.mark.parametrize("end", ["timeout", "cancel", "close"])
 async def test_request_ended_with_nothing_listening_never_reaches_a_later_server(end: str) -> None:
     """The operator's scenario: nothing listening, the request ends, a server comes up
@@ -148,13 +160,7 @@ async def test_request_ended_with_nothing_listening_never_reaches_a_later_server
     client = zmq_client(port, timeout_s=30)
     await client.open()
     try:
-        if end == "timeout":
-            with pytest.raises(mc.ServerUnavailable):
-                await client.admit(request("stale"), timeout_s=0.5)
-        else:
-            task = asyncio.ensure_future(client.admit(request("stale")))
-            await asyncio.sleep(0.3)
-            await end_call(end, task, client)
+        await end_stale(end, client, mc.ServerUnavailable, 0.3)
         async with peer_on(port) as peer:
             if end == "close":
                 await asyncio.sleep(0.6)  # a closed client never connects: nothing arrives
@@ -216,13 +222,7 @@ async def test_request_queued_behind_a_stalled_peer_is_discarded(end: str) -> No
         assert isinstance(transport, mc.ZmqTransport)
         loads = [asyncio.ensure_future(transport.admit_frames(ballast(i))) for i in range(4)]
         await asyncio.sleep(0.3)
-        if end == "timeout":
-            with pytest.raises(mc.RequestTimeout):
-                await client.admit(request("stale"), timeout_s=0.5)
-        else:
-            task = asyncio.ensure_future(client.admit(request("stale")))
-            await asyncio.sleep(0.5)
-            await end_call("cancel", task, client)
+        await end_stale(end, client, mc.RequestTimeout, 0.5)
         results = await asyncio.wait_for(asyncio.gather(*loads, return_exceptions=True), 3)
         assert all(isinstance(r, mc.ServerUnavailable) for r in results), results
         assert transport.counters["connection_resets"] == 1
