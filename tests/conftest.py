@@ -137,6 +137,15 @@ def vector_loader():
     return load_vector
 
 
+def module_from_file(name: str, path: Path) -> ModuleType:
+    """The Python file at ``path`` run as a module named ``name`` (not a package's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     """``tests/protos/generate_compat.proto`` compiled: a frontend's ``GenerateRequest``
@@ -148,13 +157,7 @@ def compat_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
         ["grpc_tools.protoc", f"-I{protos}", f"--python_out={out}", "generate_compat.proto"]
     )
     assert rc == 0, "protoc failed on tests/protos/generate_compat.proto"
-    spec = importlib.util.spec_from_file_location(
-        "generate_compat_pb2", Path(out) / "generate_compat_pb2.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file("generate_compat_pb2", Path(out) / "generate_compat_pb2.py")
 
 
 def generate_request(c: ModuleType, input_ids: list[int], encode_item: int) -> Any:

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import pickle
 import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import REPO_ROOT, module_from_file
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
 GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_protos.py"
 REINSTALL = "regenerate: pip install -e . (or python scripts/gen_protos.py)"
@@ -52,11 +51,7 @@ def pb2_grpc() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def gen_protos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_gen_protos_under_test", GEN_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file("_gen_protos_under_test", GEN_SCRIPT)
 
 
 # --------------------------------------------------------------------------
