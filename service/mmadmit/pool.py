@@ -15,28 +15,44 @@ already running finishes on its worker and its outcome is discarded. The
 in-flight count (queued + running) drops only when a worker really lets go of
 the request, so "in flight" never hides work still holding memory.
 
-**Requests with nothing to hash run inline, up to a measured cost.** A request
-whose items need no feature hashing is materialized at once, on the calling
-(event loop) thread, and :meth:`~MaterializerPool.submit` returns its ticket
-already finished, when it has at most ``inline_max_tokens`` tokens, or more
-tokens but an estimated materializer time within ``inline_max_us``
-(:class:`InlineCost`: a fixed part plus a rate per token and item, the rate
-learned from the runs this pool times, inline or not). Such a request is array
-work, well under a millisecond even at 128K tokens, while a trip through a
-worker costs two thread hand-offs and a GIL convoy, which on a small host are
-worth more than the work itself. Every request that hashes feature bytes goes
-to the workers, and so does one whose estimate is over the budget: the loop
-never stalls behind a large request. Inline requests never count as in flight
+**Small requests run inline, up to a measured cost, hashing included.** One
+estimate (:class:`InlineCost`) prices every request before it is admitted: a
+fixed part, a rate per unit (a token, or a thousandth of an item) learned from
+the runs this pool times, and the feature bytes it would hash (items with
+neither a hash nor a pad value) at BLAKE2b's rate on this machine, measured at
+start-up (:meth:`~MaterializerPool.calibrate_inline`). A request is
+materialized at once, on the calling (event loop) thread, and
+:meth:`~MaterializerPool.submit` returns its ticket already finished, when it
+hashes nothing and has at most ``inline_max_tokens`` tokens, or when its whole
+estimate is within ``inline_max_us``. Such a request is well under a
+millisecond, while a trip through a worker costs two thread hand-offs and a GIL
+convoy, which on a small host are worth more than the work itself. Every other
+request goes to the workers: the loop never stalls behind a large request, and
+never hashes more bytes than ``inline_max_us`` buys at the measured rate (none
+at all with ``inline_max_us=0``). Inline requests never count as in flight
 (they are done before ``submit`` returns) and use the CPU array ops, which give
 the same bytes as any worker's. ``inline_max_tokens=0`` turns inline runs off;
 a pool with a ``before_run`` test hook never runs inline.
+
+**Large items are hashed by the idle workers too.** When a request on a worker
+has two items or more of at least ``SHARE_MIN_ITEM_BYTES`` to hash, the pool's
+idle workers help: each thread takes the next item left, the largest first
+(``hashlib`` releases the GIL, so they hash in parallel), and a helper stops at
+the first smaller item, or, after the item in its hands, as soon as a request
+waits in the queue; the worker running the request hashes whatever is left. A
+busy pool lends nothing. Small items are not worth it: each hand-over of the
+GIL between two hashing threads costs about what hashing tens of KiB does (on
+2 vCPUs: 17 items of 37 KiB 0.95x, 8 of 256 KiB 1.1-1.5x, 8 of 1 MiB 1.8x).
+The loop never shares: it hashes its inline requests' few bytes alone. The
+hashes are the same either way.
 
 Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
 and numpy/torch/C array work on large arrays run in parallel. Each worker owns
 its :class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
 :class:`~mmadmit.devices.TorchArrayOps` bound to that worker's own stream.
 The event loop awaits futures; it materializes only the small inline requests
-(on the CPU), never hashes features and never waits on a device.
+(on the CPU, their hashing bounded as above, on the loop's thread alone) and
+never waits on a device.
 """
 
 from __future__ import annotations
@@ -45,12 +61,14 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import Abort, AbortCode, Overloaded, ShuttingDown
+from .hashing import feature_hash, feature_hashes, measure_ns_per_byte
 from .materializer import CPU_OPS, ArrayOps, Materializer, Outcome
 from .model import Request
 
@@ -58,31 +76,61 @@ logger = logging.getLogger(__name__)
 
 # The inline estimate (InlineCost): a run costs FIXED_US plus RATE_NS per unit,
 # a unit being a token or a thousandth of an item (an item's checks and plan cost
-# about what a thousand tokens of arrays do). The rate starts cautious and then
-# follows the runs this pool times (an exponential average over runs big enough
-# for the rate to dominate).
+# about what a thousand tokens of arrays do), plus HASH_NS per feature byte it
+# hashes. The rate starts cautious and then follows the runs this pool times (an
+# exponential average over runs that hash nothing and are big enough for the rate
+# to dominate); the hash rate starts cautious and is measured at calibration.
 INLINE_FIXED_US = 20.0
 INLINE_RATE_NS = 4.0
+INLINE_HASH_NS = 2.0  # per byte: slower than BLAKE2b on any current x86 or ARM core
 ITEM_UNITS = 1000
 _LEARN_MIN_UNITS = 16_384
 _LEARN_WEIGHT = 0.2
+# Hashing shared with idle workers: items of at least this many bytes, two or more
+# of them (smaller ones cost about as much in GIL hand-overs as they save; module
+# docstring), and never on more threads than the process has CPUs.
+SHARE_MIN_ITEM_BYTES = 256 * 1024
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class InlineCost:
-    """The estimated materializer time of a request that hashes nothing."""
+    """The estimated materializer time of a request, its hashing included."""
 
-    __slots__ = ("fixed_us", "rate_ns", "samples")
+    __slots__ = ("fixed_us", "hash_ns", "rate_ns", "samples")
 
-    def __init__(self, fixed_us: float = INLINE_FIXED_US, rate_ns: float = INLINE_RATE_NS):
-        self.fixed_us, self.rate_ns, self.samples = fixed_us, rate_ns, 0
+    def __init__(
+        self,
+        fixed_us: float = INLINE_FIXED_US,
+        rate_ns: float = INLINE_RATE_NS,
+        hash_ns: float = INLINE_HASH_NS,
+    ):
+        self.fixed_us, self.rate_ns, self.hash_ns, self.samples = fixed_us, rate_ns, hash_ns, 0
 
     @staticmethod
     def units(req: Request) -> int:
         mm = req.mm
         return len(req.input_ids) + ITEM_UNITS * (len(mm.items) if mm is not None else 0)
 
-    def estimate_us(self, req: Request) -> float:
-        return self.fixed_us + self.rate_ns * self.units(req) / 1000.0
+    @staticmethod
+    def hash_bytes(req: Request) -> int:
+        """The feature bytes the materializer would hash: the inline features of items
+        with neither a hash nor a pad value (rule 6). Never fewer than it hashes: a
+        request refused, or taken as materialized upstream, hashes nothing; a
+        shared-memory feature is never read (without a hash it is refused)."""
+        mm = req.mm
+        if mm is None:
+            return 0
+        total = 0
+        for item in mm.items:
+            if item.hash is None and item.pad_value is None and item.feature is not None:
+                total += item.feature.data.nbytes
+        return total
+
+    def estimate_us(self, req: Request, hash_bytes: int | None = None) -> float:
+        """The estimate; ``hash_bytes``: :meth:`hash_bytes` when already counted."""
+        if hash_bytes is None:
+            hash_bytes = self.hash_bytes(req)
+        return self.fixed_us + (self.rate_ns * self.units(req) + self.hash_ns * hash_bytes) / 1000.0
 
     def learn(self, req: Request, seconds: float) -> None:
         """Fold one timed run of a request that hashed nothing into the rate."""
@@ -95,13 +143,58 @@ class InlineCost:
 
 
 def hashes_nothing(req: Request) -> bool:
-    """No item needs its feature bytes hashed (the one cost with no bound here)."""
-    mm = req.mm
-    if mm is not None:
-        for item in mm.items:
-            if item.hash is None and (item.feature is not None or item.feature_shm is not None):
-                return False
-    return True
+    """No item has feature bytes to hash (:meth:`InlineCost.hash_bytes` is 0)."""
+    return InlineCost.hash_bytes(req) == 0
+
+
+class _HashShare:
+    """One request's feature buffers, hashed by every thread that calls :meth:`work`:
+    each takes the next buffer left, the largest first, until none is."""
+
+    __slots__ = ("buffers", "hashes", "_order", "_next", "_left", "_lock", "_done", "_error")
+
+    def __init__(self, buffers: Sequence[memoryview]) -> None:
+        self.buffers = buffers
+        self.hashes = [0] * len(buffers)
+        self._order = sorted(range(len(buffers)), key=lambda i: -buffers[i].nbytes)
+        self._next = 0
+        self._left = len(buffers)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def work(self, queued: Callable[[], bool] | None = None, min_bytes: int = 0) -> None:
+        """Hash buffers until none is left to take. A helper passes ``queued`` and
+        ``min_bytes``: it stops once a request waits for a worker, or at the first
+        buffer smaller than ``min_bytes``."""
+        order, buffers, n, lock = self._order, self.buffers, len(self._order), self._lock
+        while True:
+            if queued is not None and queued():
+                return
+            with lock:
+                k = self._next
+                if k >= n or buffers[order[k]].nbytes < min_bytes:
+                    return
+                self._next = k + 1
+            i = order[k]
+            try:
+                self.hashes[i] = feature_hash(buffers[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
+                self._error = exc
+            finally:
+                with lock:
+                    self._left -= 1
+                    if not self._left:
+                        self._done.set()
+
+    def wait(self) -> list[int]:
+        """The hashes, once every buffer is done (call after :meth:`work` without
+        ``min_bytes`` returned: only buffers other threads took can be left, each
+        already being hashed)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self.hashes
 
 
 # A test hook run on the worker thread before each request (tests hold workers
@@ -259,22 +352,42 @@ class MaterializerPool:
             ops = self._choose_ops(req, ops)
         if self._before_run is not None:
             self._before_run(req)
-        return self._timed_run(req, ops, False)
+        # what an inline run would cost: CPU runs that hash nothing teach the rate
+        learn = ops is CPU_OPS and InlineCost.hash_bytes(req) == 0
+        return self._timed_run(req, ops, False, learn)
 
-    def _timed_run(self, req: Request, ops: ArrayOps, inline: bool) -> Outcome:
-        # What an inline run would cost (an inline request was checked to hash nothing).
-        learn = inline or (ops is CPU_OPS and hashes_nothing(req))
+    def _timed_run(self, req: Request, ops: ArrayOps, inline: bool, learn: bool) -> Outcome:
+        hash_many = None if inline else self._hash_shared  # the loop hashes alone
         observe = self._observe_run
         if observe is None and not learn:
-            return self.materializer.run(req, ops)
+            return self.materializer.run(req, ops, hash_many)
         t0 = time.perf_counter()
-        outcome = self.materializer.run(req, ops)
+        outcome = self.materializer.run(req, ops, hash_many)
         seconds = time.perf_counter() - t0
         if learn:
             self.inline_cost.learn(req, seconds)  # a float store: safe from a worker
         if observe is not None:
             observe(len(req.input_ids), seconds, inline)
         return outcome
+
+    def _has_queued(self) -> bool:
+        """A request waits for a worker (read from any thread: two atomic reads)."""
+        return len(self._tickets) > self._running
+
+    def _hash_shared(self, buffers: Sequence[memoryview]) -> list[int]:
+        """A worker's hashing: its large items shared with the idle workers (module
+        docstring), else all of them on this thread."""
+        helpers = min(len(buffers) - 1, _CPUS - 1, self.workers - self._running)
+        if helpers < 1 or sum(b.nbytes >= SHARE_MIN_ITEM_BYTES for b in buffers) < 2:
+            return feature_hashes(buffers)
+        share = _HashShare(buffers)
+        for _ in range(helpers):
+            try:
+                self._executor.submit(share.work, self._has_queued, SHARE_MIN_ITEM_BYTES)
+            except RuntimeError:  # the pool is closing: this thread hashes them all
+                break
+        share.work()
+        return share.wait()
 
     # ------------------------------------------------------------------ admission
 
@@ -296,27 +409,36 @@ class MaterializerPool:
         return self._draining
 
     def calibrate_inline(self, req: Request, runs: int = 3) -> float:
-        """Time ``req`` (which must hash nothing) on the CPU ops ``runs`` times, outside
-        the pool's counts, and learn the inline rate from it (start-up: this machine's
-        rate before any request); returns the rate in ns per unit."""
-        if not hashes_nothing(req):
+        """Start-up: this machine's rates before any request, outside the pool's counts.
+        Times ``req`` (which must hash nothing) on the CPU ops ``runs`` times and learns
+        the inline rate from it, and measures BLAKE2b's rate per byte
+        (:func:`~mmadmit.hashing.measure_ns_per_byte`) for the bytes a request
+        hashes; returns the inline rate in ns per unit."""
+        if InlineCost.hash_bytes(req):
             raise ValueError("calibrate_inline: the request must hash nothing")
         for _ in range(runs):
             t0 = time.perf_counter()
             self.materializer.run(req, CPU_OPS)
             self.inline_cost.learn(req, time.perf_counter() - t0)
+        self.inline_cost.hash_ns = measure_ns_per_byte()
         return self.inline_cost.rate_ns
 
     def runs_inline(self, req: Request) -> bool:
         """Whether :meth:`submit` materializes ``req`` at once on the calling thread:
-        it hashes nothing, and it is small (``inline_max_tokens``) or its estimated
-        cost is within ``inline_max_us``."""
-        limit = self.inline_max_tokens
-        if limit == 0 or not hashes_nothing(req):
-            return False
-        if len(req.input_ids) <= limit:
-            return True
-        return self.inline_cost.estimate_us(req) <= self.inline_max_us
+        it hashes nothing and has at most ``inline_max_tokens`` tokens, or its
+        estimated cost, hashing included, is within ``inline_max_us``."""
+        return self._inline_hash_bytes(req) is not None
+
+    def _inline_hash_bytes(self, req: Request) -> int | None:
+        """The bytes ``req`` hashes when it runs inline (:meth:`runs_inline`), else None."""
+        if self.inline_max_tokens == 0:
+            return None
+        hash_bytes = InlineCost.hash_bytes(req)
+        if not hash_bytes and len(req.input_ids) <= self.inline_max_tokens:
+            return 0
+        if self.inline_cost.estimate_us(req, hash_bytes) <= self.inline_max_us:
+            return hash_bytes
+        return None
 
     def submit(self, req: Request, *, timeout_s: float | None = None) -> Ticket:
         """Admit ``req`` now or raise ``Overloaded`` / ``ShuttingDown``; never blocks.
@@ -331,8 +453,9 @@ class MaterializerPool:
             self._idle.set()
         if self._draining:
             raise ShuttingDown("the service is shutting down; retry on another replica")
-        if self.runs_inline(req):
-            return self._run_inline(req, loop)
+        hash_bytes = self._inline_hash_bytes(req)
+        if hash_bytes is not None:
+            return self._run_inline(req, loop, hash_bytes)
         if len(self._tickets) >= self.max_inflight:
             raise Overloaded(
                 f"{len(self._tickets)} requests in flight (limit {self.max_inflight}, "
@@ -355,12 +478,13 @@ class MaterializerPool:
         cf.add_done_callback(lambda f: self._post_done(loop, ticket, f))
         return ticket
 
-    def _run_inline(self, req: Request, loop: asyncio.AbstractEventLoop) -> Ticket:
+    def _run_inline(self, req: Request, loop: asyncio.AbstractEventLoop, hash_bytes: int) -> Ticket:
         ticket = Ticket(self, req.rid, loop)
         ticket._released = True  # never held by a worker, never in flight
         self.stats.admitted += 1
         self.stats.inline += 1
-        ticket._finish(self._timed_run(req, CPU_OPS, True))  # run() never raises
+        # run() never raises; a run that hashed says nothing of the rate per unit
+        ticket._finish(self._timed_run(req, CPU_OPS, True, not hash_bytes))
         self.stats.completed += 1
         return ticket
 
