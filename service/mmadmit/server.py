@@ -382,7 +382,8 @@ async def start_server(
     outcome = await pool.materialize(warmup_request(profile, pool.materializer))
     if not isinstance(outcome, Materialized):
         raise RuntimeError(f"warm-up request failed: {outcome}")
-    # this machine's inline rate (pool.InlineCost) before the first request
+    # this machine's rates (pool.InlineCost: per token and item, per hashed byte) before
+    # the first request
     pool.calibrate_inline(calibration_request(profile, within=pool.materializer))
     if handle.grpc is not None and handle.link is None:
         handle.grpc.set_serving()
