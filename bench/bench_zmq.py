@@ -50,13 +50,24 @@ every item's hash supplied (nothing hashed) and without any (mmadmit hashes
 every feature). One ``mmadmit`` server per profile, as above. A pair is one
 mmadmit round trip, then one reply-echo round trip of the same request
 frames, at concurrency 1; the excess is the median of the pairs' differences,
-over rounds that rotate over the twelve cells. The echo sends the same bytes
+over rounds that rotate over the cells. The echo sends the same bytes
 (checked frame by frame at warm-up), so the reply's size docs/spec/WIRE.md fixes is not
 counted against mmadmit; what is left is its own work: the event loop,
 decoding, materializing (hashing, without hashes), encoding, a worker hop
 when one is taken. Targets (hashes supplied, issue #18): both families 8K
 <= 0.35 ms; 32K Qwen3.5 <= 1.0 ms, Qwen3-Omni <= 0.45 ms; 128K Qwen3.5
-<= 2.0 ms, Qwen3-Omni <= 1.3 ms.
+<= 2.0 ms, Qwen3-Omni <= 1.3 ms. Two more cells are issue 35's request
+(``workloads.mixed_hash_request``): Qwen3-Omni, 32K tokens, 22 items, 17 of
+them without a hash (629 KiB of features to hash), 5 with theirs; target: its
+excess at most its hashing time + 0.4 ms; and its twin with all 22 hashes
+supplied (no target: what the same request costs with nothing to hash, to set
+beside the first's excess minus its hashing on a machine of any speed). The
+hashing time of every cell that hashes is measured in the client, in the same
+rounds (``hashlib.blake2b`` over the features mmadmit hashes, one after
+another on one thread; the median), and printed beside the excess. The
+mmadmit servers calibrate at start, as ``mmadmit serve`` does
+(``MaterializerPool.calibrate_inline``: the inline rate and BLAKE2b's rate per
+byte).
 
 **Items** (``--only items``, a diagnostic, not part of the default run): the
 same excess for Qwen3-Omni at 8K, 32K and 128K tokens while the number of
@@ -74,6 +85,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import os
 import signal
 import statistics
@@ -207,7 +219,7 @@ async def _serve_echo_or_codec(kind: str) -> None:
 
 async def _serve_mmadmit(workers: int, inline: bool, model: str) -> None:
     from mmadmit.config import build_config
-    from mmadmit.server import build_pool
+    from mmadmit.server import build_pool, calibration_request
     from mmadmit.telemetry import Telemetry
     from mmadmit.zmq_ingest import ZmqIngest
 
@@ -223,6 +235,8 @@ async def _serve_mmadmit(workers: int, inline: bool, model: str) -> None:
     profile = config.load_profile()
     telemetry = Telemetry(profile.family.value)  # metrics as `mmadmit serve` keeps them
     pool = build_pool(config, profile, telemetry=telemetry)
+    # this machine's rates before the first request, as `mmadmit serve` measures them
+    pool.calibrate_inline(calibration_request(profile, within=pool.materializer))
     ingest = ZmqIngest(  # the configuration's limits, as `mmadmit serve` passes them
         pool,
         listen="tcp://127.0.0.1:0",
@@ -442,6 +456,7 @@ EXCESS_TARGET_MS = {
     ("qwen3_5", 131072): 2.0,
     ("qwen3_omni_moe", 131072): 1.3,
 }
+MIXED_SLACK_MS = 0.4  # issue 35: the mixed request's excess <= its hashing time + this
 RID_WIDTH = 8  # every rid of the excess run: the reply echo keys its replies by length
 
 
@@ -453,6 +468,29 @@ class ExcessCell:
     template: Request
     mmadmit_s: list[float]
     echo_s: list[float]
+    mixed: bool = False  # issue 35's request: some hashes supplied, the rest hashed
+    hash_s: list[float] = dataclasses.field(default_factory=list)  # client-side BLAKE2b
+
+    def __post_init__(self) -> None:
+        self.to_hash = workloads.bytes_to_hash(self.template)
+
+    def time_hashing(self) -> None:
+        """One timed pass of BLAKE2b over the features mmadmit hashes for this cell."""
+        if self.to_hash:
+            t0 = time.perf_counter()
+            for data in self.to_hash:
+                hashlib.blake2b(data, digest_size=8).digest()
+            self.hash_s.append(time.perf_counter() - t0)
+
+    @property
+    def hash_ms(self) -> float | None:
+        return statistics.median(self.hash_s) * 1e3 if self.hash_s else None
+
+    @property
+    def target_ms(self) -> float | None:
+        if self.mixed:
+            return None if self.hash_ms is None else self.hash_ms + MIXED_SLACK_MS
+        return EXCESS_TARGET_MS.get((self.family, self.tokens)) if self.hashes else None
 
     @property
     def excess_ms(self) -> float:
@@ -463,6 +501,11 @@ class ExcessCell:
 
     @property
     def hashes_word(self) -> str:
+        if self.mixed:
+            assert self.template.mm is not None
+            items = self.template.mm.items
+            without = sum(it.hash is None for it in items)
+            return f"{without} of {len(items)} without" if without else f"all {len(items)} supplied"
         return "supplied" if self.hashes else "without"
 
 
@@ -473,6 +516,20 @@ def excess_request(family: str, tokens: int, hashes: bool, media_fraction: float
     tokens (fewer items at the same token count)."""
     return workloads.build_request(
         workloads.profile_for(family), tokens, with_hash=hashes, media_fraction=media_fraction
+    )
+
+
+def mixed_cell(all_hashes: bool = False) -> ExcessCell:
+    """Issue 35's request (``workloads.mixed_hash_request``), or its twin with every
+    hash supplied."""
+    return ExcessCell(
+        workloads.MIXED_FAMILY,
+        workloads.MIXED_TOKENS,
+        all_hashes,
+        workloads.mixed_hash_request(all_hashes=all_hashes),
+        [],
+        [],
+        mixed=True,
     )
 
 
@@ -550,6 +607,7 @@ class ExcessClient:
             if record:
                 cell.mmadmit_s.append(t_mm)
                 cell.echo_s.append(t_echo)
+                cell.time_hashing()
 
 
 def measure_excess(
@@ -579,19 +637,26 @@ def print_excess(cells: list[ExcessCell], rounds: int, per_round: int) -> None:
     )
     print()
     print(
-        "| family | tokens | hashes | mmadmit ms | reply-echo ms | excess ms (median of pairs) "
-        "| target | met/MISSED |"
+        "hashing ms: BLAKE2b over the features mmadmit hashes, one thread, in the client "
+        f"(median); the mixed cell's target is its hashing ms + {MIXED_SLACK_MS}"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---|")
+    print()
+    print(
+        "| family | tokens | hashes | mmadmit ms | reply-echo ms | excess ms (median of pairs) "
+        "| hashing ms | target | met/MISSED |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for c in cells:
-        target = EXCESS_TARGET_MS.get((c.family, c.tokens)) if c.hashes else None
+        target = c.target_ms
         excess = c.excess_ms
         verdict = "-" if target is None else ("met" if excess <= target else "MISSED")
+        hashing = "-" if c.hash_ms is None else f"{c.hash_ms:.2f}"
         print(
             f"| {c.family} | {c.tokens} | {c.hashes_word} | "
             f"{statistics.median(c.mmadmit_s) * 1e3:.2f} | "
             f"{statistics.median(c.echo_s) * 1e3:.2f} | "
-            f"{excess:.2f} | {'-' if target is None else f'<= {target}'} | {verdict} |"
+            f"{excess:.2f} | {hashing} | {'-' if target is None else f'<= {target:.2f}'} | "
+            f"{verdict} |"
         )
 
 
@@ -731,6 +796,7 @@ def main() -> None:
             for tokens in EXCESS_TOKENS
             for hashes in (True, False)
         ]
+        + [mixed_cell(), mixed_cell(all_hashes=True)]
         if run_excess
         else [
             ExcessCell(ITEMS_FAMILY, n, True, excess_request(ITEMS_FAMILY, n, True, f), [], [])

@@ -128,6 +128,54 @@ def profile_for(name: str) -> ModelProfile:
     return load_profile(name)
 
 
+# issue 35's workload: Qwen3-Omni, 32K tokens, 22 items, 17 of them to hash
+MIXED_FAMILY, MIXED_TOKENS, MIXED_FRACTION, MIXED_FEATURE_BYTES = (
+    "qwen3_omni_moe",
+    32768,
+    0.48,
+    37_888,
+)
+
+
+def mixed_hash_request(
+    family: str = MIXED_FAMILY,
+    tokens: int = MIXED_TOKENS,
+    *,
+    media_fraction: float = MIXED_FRACTION,
+    feature_bytes: int = MIXED_FEATURE_BYTES,
+    all_hashes: bool = False,
+) -> Request:
+    """A request whose items come partly with their hash, partly without (the
+    service hashes those features): :func:`build_request` with every item's feature
+    ``feature_bytes`` long, and the hash kept on every fourth item (items 2, 6, 10,
+    ...). The defaults are issue 35's request: Qwen3-Omni, 32K tokens, 22 items, 17
+    of them to hash (629 KiB of features), 5 with their hash supplied.
+    ``all_hashes``: its twin with every hash kept (nothing to hash)."""
+    req = build_request(
+        profile_for(family),
+        tokens,
+        media_fraction=media_fraction,
+        feature_bytes=feature_bytes,
+        with_hash=True,
+    )
+    assert req.mm is not None
+    for i, item in enumerate(req.mm.items):
+        if i % 4 != 2 and not all_hashes:
+            item.hash = None
+    return req
+
+
+def bytes_to_hash(req: Request) -> list[memoryview]:
+    """The feature buffers the service hashes for ``req``: items with no hash and no
+    pad value supplied (docs/spec/MATERIALIZE.md rule 6)."""
+    items = req.mm.items if req.mm is not None else []
+    return [
+        memoryview(it.feature.data)
+        for it in items
+        if it.hash is None and it.pad_value is None and it.feature is not None
+    ]
+
+
 def frames_of(req: Request) -> list[Any]:
     return [bytes([wire.MSG_ADD]), *wire.encode_request(req)]
 
