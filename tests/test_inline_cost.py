@@ -25,6 +25,7 @@ from mmadmit.profile import load_profile
 
 OMNI_AUDIO = 151675  # Qwen3-Omni <|audio_pad|>
 AUDIO_TOKENS = 100
+BIG = pool_mod.SHARE_MIN_ITEM_BYTES  # an item a worker shares with the idle ones
 
 
 def _feature(nbytes: int, seed: int) -> Tensor:
@@ -180,6 +181,35 @@ async def test_a_small_hashing_request_runs_inline_a_big_one_on_a_worker() -> No
         budgetless.close()
 
 
+async def test_the_hash_rate_follows_the_hashing_the_pool_times() -> None:
+    """One thread's hashing of at least 64 KiB, inline or on a worker, moves the
+    hash rate toward what it took; a few bytes say nothing, and neither does
+    hashing shared between threads."""
+    pool = _pool(inline_max_tokens=1 << 20, inline_max_us=1e9)
+    try:
+        cost = pool.inline_cost
+        cost.hash_ns = 1000.0  # far from any machine's: every sample pulls it down
+        assert isinstance(pool.submit(omni_request("few", [4096])).result(), Materialized)
+        assert cost.hash_samples == 0 and cost.hash_ns == 1000.0
+        assert isinstance(pool.submit(omni_request("inline", [70_000])).result(), Materialized)
+        assert cost.hash_samples == 1 and cost.hash_ns < 1000.0
+    finally:
+        pool.close()
+    workers = _pool(workers=2, inline_max_tokens=0)
+    try:
+        cost = workers.inline_cost
+        cost.hash_ns = 1000.0
+        assert isinstance(await workers.materialize(omni_request("w", [70_000])), Materialized)
+        assert cost.hash_samples == 1 and cost.hash_ns < 1000.0
+        shared = omni_request("shared", [BIG, BIG])
+        before = cost.hash_ns
+        assert isinstance(await workers.materialize(shared), Materialized)
+        if pool_mod._CPUS > 1:  # shared with the idle worker: not one thread's rate
+            assert cost.hash_samples == 1 and cost.hash_ns == before
+    finally:
+        workers.close()
+
+
 async def test_token_rate_is_learned_only_from_runs_that_hash_nothing() -> None:
     pool = _pool(inline_max_tokens=1, inline_max_us=1e9)
     try:
@@ -226,7 +256,6 @@ class Recorder:
         return self.real(data)  # type: ignore[no-any-return]
 
 
-BIG = pool_mod.SHARE_MIN_ITEM_BYTES
 SIZES = [BIG + 40_000, 64_000, BIG, BIG + 8_000, 4_000, BIG + 16_000, 88_000]
 
 

@@ -20,7 +20,8 @@ estimate (:class:`InlineCost`) prices every request before it is admitted: a
 fixed part, a rate per unit (a token, or a thousandth of an item) learned from
 the runs this pool times, and the feature bytes it would hash (items with
 neither a hash nor a pad value) at BLAKE2b's rate on this machine, measured at
-start-up (:meth:`~MaterializerPool.calibrate_inline`). A request is
+start-up (:meth:`~MaterializerPool.calibrate_inline`) and then learned from the
+hashing this pool times (one thread's: shared hashing says nothing of it). A request is
 materialized at once, on the calling (event loop) thread, and
 :meth:`~MaterializerPool.submit` returns its ticket already finished, when it
 hashes nothing and has at most ``inline_max_tokens`` tokens, or when its whole
@@ -79,12 +80,14 @@ logger = logging.getLogger(__name__)
 # about what a thousand tokens of arrays do), plus HASH_NS per feature byte it
 # hashes. The rate starts cautious and then follows the runs this pool times (an
 # exponential average over runs that hash nothing and are big enough for the rate
-# to dominate); the hash rate starts cautious and is measured at calibration.
+# to dominate); the hash rate starts cautious, is measured at calibration, and then
+# follows the hashing this pool times (one thread's, of at least _LEARN_MIN_BYTES).
 INLINE_FIXED_US = 20.0
 INLINE_RATE_NS = 4.0
 INLINE_HASH_NS = 2.0  # per byte: slower than BLAKE2b on any current x86 or ARM core
 ITEM_UNITS = 1000
 _LEARN_MIN_UNITS = 16_384
+_LEARN_MIN_BYTES = 65_536
 _LEARN_WEIGHT = 0.2
 # Hashing shared with idle workers: items of at least this many bytes, two or more
 # of them (smaller ones cost about as much in GIL hand-overs as they save; module
@@ -96,7 +99,7 @@ _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 class InlineCost:
     """The estimated materializer time of a request, its hashing included."""
 
-    __slots__ = ("fixed_us", "hash_ns", "rate_ns", "samples")
+    __slots__ = ("fixed_us", "hash_ns", "hash_samples", "rate_ns", "samples")
 
     def __init__(
         self,
@@ -104,7 +107,8 @@ class InlineCost:
         rate_ns: float = INLINE_RATE_NS,
         hash_ns: float = INLINE_HASH_NS,
     ):
-        self.fixed_us, self.rate_ns, self.hash_ns, self.samples = fixed_us, rate_ns, hash_ns, 0
+        self.fixed_us, self.rate_ns, self.hash_ns = fixed_us, rate_ns, hash_ns
+        self.samples = self.hash_samples = 0
 
     @staticmethod
     def units(req: Request) -> int:
@@ -140,6 +144,13 @@ class InlineCost:
         rate = max(0.0, seconds * 1e6 - self.fixed_us) * 1000.0 / units
         self.rate_ns += _LEARN_WEIGHT * (rate - self.rate_ns)
         self.samples += 1
+
+    def learn_hash(self, nbytes: int, seconds: float) -> None:
+        """Fold one thread's timed hashing of ``nbytes`` into the hash rate."""
+        if nbytes < _LEARN_MIN_BYTES:
+            return  # the per-call overhead dominates
+        self.hash_ns += _LEARN_WEIGHT * (seconds * 1e9 / nbytes - self.hash_ns)
+        self.hash_samples += 1
 
 
 def hashes_nothing(req: Request) -> bool:
@@ -357,7 +368,7 @@ class MaterializerPool:
         return self._timed_run(req, ops, False, learn)
 
     def _timed_run(self, req: Request, ops: ArrayOps, inline: bool, learn: bool) -> Outcome:
-        hash_many = None if inline else self._hash_shared  # the loop hashes alone
+        hash_many = self._hash_alone if inline else self._hash_shared  # the loop: alone
         observe = self._observe_run
         if observe is None and not learn:
             return self.materializer.run(req, ops, hash_many)
@@ -374,12 +385,20 @@ class MaterializerPool:
         """A request waits for a worker (read from any thread: two atomic reads)."""
         return len(self._tickets) > self._running
 
+    def _hash_alone(self, buffers: Sequence[memoryview]) -> list[int]:
+        """Hash on this thread, timed: the estimate's hash rate follows it."""
+        t0 = time.perf_counter()
+        hashes = feature_hashes(buffers)
+        seconds = time.perf_counter() - t0
+        self.inline_cost.learn_hash(sum(b.nbytes for b in buffers), seconds)  # float stores
+        return hashes
+
     def _hash_shared(self, buffers: Sequence[memoryview]) -> list[int]:
         """A worker's hashing: its large items shared with the idle workers (module
         docstring), else all of them on this thread."""
         helpers = min(len(buffers) - 1, _CPUS - 1, self.workers - self._running)
         if helpers < 1 or sum(b.nbytes >= SHARE_MIN_ITEM_BYTES for b in buffers) < 2:
-            return feature_hashes(buffers)
+            return self._hash_alone(buffers)
         share = _HashShare(buffers)
         for _ in range(helpers):
             try:
