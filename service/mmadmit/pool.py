@@ -21,8 +21,8 @@ fixed part, a rate per unit (a token, or a thousandth of an item) learned from
 the runs this pool times, and the feature bytes it would hash (items with
 neither a hash nor a pad value) at BLAKE2b's rate on this machine, measured at
 start-up (:meth:`~MaterializerPool.calibrate_inline`) and then learned from the
-hashing this pool times (one thread's: shared hashing says nothing of it). A request is
-materialized at once, on the calling (event loop) thread, and
+hashing this pool times (one thread's: shared hashing says nothing of it). A
+request is materialized at once, on the calling (event loop) thread, and
 :meth:`~MaterializerPool.submit` returns its ticket already finished, when it
 hashes nothing and has at most ``inline_max_tokens`` tokens, or when its whole
 estimate is within ``inline_max_us``. Such a request is well under a
