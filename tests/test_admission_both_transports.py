@@ -455,8 +455,9 @@ async def test_transports_decode_under_the_materializers_limits() -> None:
 
 async def test_small_requests_run_inline_on_both_transports() -> None:
     """With the serve defaults, a small request with its hash supplied is answered
-    inline on either transport; one whose feature must be hashed goes to a worker.
-    Both give what the worker path gives."""
+    inline on either transport, and so is one whose small feature must be hashed
+    (its hashing is priced by the same estimate: pool.InlineCost). Both give what
+    the worker path gives."""
 
     def hashed(rid: str) -> Request:
         req = small_request(rid)
@@ -481,7 +482,7 @@ async def test_small_requests_run_inline_on_both_transports() -> None:
         assert m["mmadmit_inline_total"] == 3  # warm-up + 2
         assert m["mmadmit_zmq_inline"] == 1
         hashed_z = await zmq_admit(svc.zmq, small_request("to-hash"))
-        assert (await scrape(svc))["mmadmit_inline_total"] == 3  # hashing: a worker's
+        assert (await scrape(svc))["mmadmit_inline_total"] == 4  # 8 KiB to hash: inline too
     assert inline_z.materialized and hashed_z.materialized
     assert isinstance(inline_g, Materialized)
     async with running(hook=True, workers=1) as ref:  # the hook turns inline off

@@ -229,6 +229,16 @@ async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others
 # --------------------------------------------------------------------------- SIGKILL, restart
 
 
+def queued_request(rid: str) -> Request:
+    """:func:`small_request` with a 4 MiB feature to hash: milliseconds of BLAKE2b, over
+    the default --inline-max-us (pool.InlineCost prices hashing), so it waits for the
+    worker behind the heavy requests instead of being answered inline."""
+    req = small_request(rid)
+    assert req.mm is not None
+    req.mm.items[0].feature = Tensor.from_numpy(np.ones((1 << 20,), np.float32))
+    return req
+
+
 async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_served() -> None:
     """``kill -9`` of ``mmadmit serve`` with 3 ZMQ requests and 1 gRPC call in flight,
     then a new ``mmadmit serve`` on the same gRPC and ZMQ ports. The clients opened
@@ -268,7 +278,7 @@ async def test_sigkill_and_restart_on_the_same_ports_clients_reconnect_and_are_s
             ]
             await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 3)
             lost_g = asyncio.ensure_future(
-                grpc_admit(gc, to_proto(small_request("gk"), "gk"), timeout=30)
+                grpc_admit(gc, to_proto(queued_request("gk"), "gk"), timeout=30)
             )
             m = await until_metric(addr["metrics"], "mmadmit_admitted_total", 3 + 4)
             assert m["mmadmit_inflight"] >= 2, m  # still being worked on

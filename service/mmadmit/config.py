@@ -327,9 +327,11 @@ class ServeConfig:
         default=1000.0,
         metadata={
             "parse": _nonneg_float,
-            "help": "a larger request with no features to hash is materialized on the event "
-            "loop too when its estimated materializer time (learned from the runs) is at "
-            "most this many microseconds; 0: only --inline-max-tokens decides",
+            "help": "any other request, features to hash included, is materialized on the "
+            "event loop when its estimated time (tokens and items at the rate learned from "
+            "the runs, feature bytes at BLAKE2b's measured rate) is at most this many "
+            "microseconds; 0: only --inline-max-tokens decides, and nothing that hashes "
+            "runs inline",
         },
     )
     max_tokens: int = field(
