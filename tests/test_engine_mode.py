@@ -73,9 +73,9 @@ from conftest import (
     free_port,
     free_ports,
     grown,
-    http_get,
     load_vector,
     outcome_counts,
+    scrape_metrics,
     until,
     vector_names,
 )
@@ -297,17 +297,6 @@ async def health(address: str) -> int:
         return int((await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status)
 
 
-async def metrics(address: str) -> dict[str, float]:
-    status, body = await http_get(address)
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def vector_rid(name: str) -> str:
     req = wire.decode_message(load_vector(name).frames).request
     assert req is not None
@@ -360,7 +349,7 @@ async def test_every_vector_relayed_materialized_once_outputs_byte_identical(
             assert out["sha"] == sent[rid]["sha"] and out["frames"] == 2
             v = load_vector(next(n for n in names if vector_rid(n) == rid))
             assert out["reasons"] == ["abort" if v.error else "stop"]
-        m = await metrics(addr["metrics"])
+        m = await scrape_metrics(addr["metrics"])
         assert m["mmadmit_engine_relayed_requests_total"] == len(names)
         assert m["mmadmit_engine_relayed_outputs_total"] == len(names)
         assert m["mmadmit_engine_relayed_output_bytes_total"] > 70000 * len(names)
