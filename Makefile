@@ -35,16 +35,21 @@ define venv_with_torch
 	  $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 endef
 
-$(SERVE_STAMP): pyproject.toml setup.py
+# The client (clients/) is installed editable first; MMADMIT_CLIENT_REQUIREMENT
+# tells setup.py to require it by name, which that install satisfies.
+CLIENT_FIRST := $(PY) -m pip install -e ./clients && MMADMIT_CLIENT_REQUIREMENT=mmadmit-client
+PACKAGING := pyproject.toml setup.py clients/pyproject.toml clients/setup.py
+
+$(SERVE_STAMP): $(PACKAGING)
 	$(venv_with_torch)
 	@echo "setup: installing mmadmit and its client into $(VENV) (builds the C extensions)"
-	$(PY) -m pip install -e .
+	$(CLIENT_FIRST) $(PY) -m pip install -e .
 	touch $@
 
-$(TEST_STAMP): pyproject.toml setup.py
+$(TEST_STAMP): $(PACKAGING)
 	$(venv_with_torch)
 	@echo "setup: installing mmadmit with the test extra into $(VENV) (a few minutes)"
-	$(PY) -m pip install -e ".[test]"
+	$(CLIENT_FIRST) $(PY) -m pip install -e ".[test]"
 	touch $@ $(SERVE_STAMP)
 
 setup: $(TEST_STAMP) ## .venv for development: torch (CPU), the package, the test extra
@@ -74,7 +79,7 @@ protos: setup ## regenerate the protobuf modules from protos/
 	$(PY) scripts/gen_protos.py
 
 clean: ## remove .venv, build outputs and generated code
-	rm -rf $(VENV) build *.egg-info clients/build clients/*.egg-info clients/mmadmit_client/_proto service/mmadmit/*.so
+	rm -rf $(VENV) build *.egg-info clients/build clients/*.egg-info clients/mmadmit_client/proto service/mmadmit/*.so
 
 # Containers (deploy/README.md). compose-smoke builds the image, brings
 # docker-compose.yml up, admits a vector over gRPC and ZMQ from the host and
@@ -110,7 +115,7 @@ FUZZ_EXT_DIR := build/fuzz/mmadmit
 .PHONY: fuzz-build fuzz fuzz-smoke
 
 fuzz-build: setup ## the C extensions with ASan + UBSan, and atheris
-	$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q -e ".[fuzz]" || \
+	$(PY) -c "import atheris" 2>/dev/null || MMADMIT_CLIENT_REQUIREMENT=mmadmit-client $(PY) -m pip install -q -e ".[fuzz]" || \
 	  echo "fuzz-build: atheris did not install; make fuzz uses fuzz/mutator.py"
 	PYTHON=$(PY) OUT=$(FUZZ_EXT_DIR) fuzz/build_sanitized.sh
 

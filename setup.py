@@ -1,53 +1,78 @@
-"""Build hooks for mmadmit; all metadata lives in pyproject.toml.
+"""Build hooks for mmadmit (the server); the rest of its metadata is in pyproject.toml.
 
-This distribution installs the service (``mmadmit``) and, from ``clients/``,
-the client library and its CLI (``mmadmit_client``, also its own distribution:
-``pip install ./clients``). Two build outputs are never committed and are
-produced here, for both ``pip install .`` and PEP 660 ``pip install -e .``:
+This distribution installs the service (``mmadmit``) only. The client library,
+its CLI and the generated protobuf modules are the ``mmadmit-client``
+distribution in ``clients/``, which this one requires: ``pip install .``
+brings it from that folder (a ``file://`` requirement computed here), so the
+two wheels ship no file twice and the service uses only the client's public
+modules (``mmadmit_client.proto``, ``mmadmit_client.dtypes``,
+``mmadmit_client.wire``, ``mmadmit_client.frames``).
 
-* The protobuf/gRPC modules, in one place shared by client and service:
-  ``clients/mmadmit_client/_proto/`` (gitignored), generated from ``protos/``
-  by ``scripts/gen_protos.py``, whose :func:`setuptools_cmdclass` supplies the
-  build commands (``clients/setup.py`` uses the same ones).
-* The optional C extensions (``_kernels``, ``_pbwire``, from C sources) and
-  the modules written in Cython's pure-Python mode, listed in
-  ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is (the
-  reference, run interpreted) and is also compiled by Cython into a
-  separately named extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``,
-  ``mmadmit.rules`` -> ``mmadmit._rules_c``, ``mmadmit.tensorcheck`` ->
-  ``mmadmit._tensorcheck_c``; the generated C in ``build/cython/``);
-  ``mmadmit.native`` picks one at run time. ``optional=True`` for all: without
-  a working compiler (or without Cython) the install still succeeds and the
-  pure-Python paths run. Editable
-  installs build them in place (``service/mmadmit/*.so``, gitignored).
+``MMADMIT_CLIENT_REQUIREMENT`` replaces that requirement: ``make setup``
+installs ``./clients`` editable first and sets it to ``mmadmit-client``, which
+the editable install satisfies (pip refuses an editable install and a
+``file://`` requirement of one project in one resolve).
+
+The optional C extensions (``_kernels``, ``_pbwire``, from C sources) and the
+modules written in Cython's pure-Python mode, listed in ``CYTHON_MODULES``,
+are built here: each ``.py`` is a module of the package as it is (run
+interpreted) and is also compiled by Cython into a separately named extension
+(``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``, ``mmadmit.rules`` ->
+``mmadmit._rules_c``, ``mmadmit.tensorcheck`` -> ``mmadmit._tensorcheck_c``;
+the generated C in ``build/cython/``); ``mmadmit.native`` picks one at run
+time. ``optional=True`` for all: without a working compiler (or without
+Cython) the install still succeeds and the pure-Python paths run. Editable
+installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
+import os
 import sys
+import tomllib
 from pathlib import Path
-from types import ModuleType
 
 from setuptools import Extension, setup
 
 ROOT = Path(__file__).resolve().parent
 _LOGGER = logging.getLogger("mmadmit.setup")
-GEN_PROTOS = ROOT / "scripts" / "gen_protos.py"
+CLIENT_DIR = ROOT / "clients"
+# The client is released with the server's version number.
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
-def _load_gen_protos() -> ModuleType:
-    # scripts/ is not a package; load the file by path (also works when the
-    # build backend runs from another working directory).
-    spec = importlib.util.spec_from_file_location("_mmadmit_gen_protos", GEN_PROTOS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _client_requirement() -> str:
+    override = os.environ.get("MMADMIT_CLIENT_REQUIREMENT", "").strip()
+    if override:
+        return override
+    if (CLIENT_DIR / "pyproject.toml").is_file():
+        return f"mmadmit-client @ {CLIENT_DIR.as_uri()}"
+    return f"mmadmit-client=={VERSION}"  # built away from the repository
 
 
-_GEN = _load_gen_protos()
+INSTALL_REQUIRES = [
+    _client_requirement(),
+    # torch is loose on purpose: the CUDA machines bring their own build.
+    # On a CPU machine install the CPU wheel first (see README / Makefile).
+    "torch>=2.4",
+    "numpy>=1.26",
+    "msgpack>=1.0",
+    "msgspec>=0.18",
+    # mmadmit.msgpack_walk imports `cython` for its type annotations (pure-Python
+    # mode); this file compiles the same source into mmadmit._walk_c with it.
+    "Cython>=3.1",
+    "pyzmq>=26",
+    "grpcio>=1.81.1",
+    "grpcio-health-checking>=1.66",
+    "grpcio-reflection>=1.66",
+    "protobuf>=6.33.5",
+    # SMG's gRPC worker contract (TokenSpeedScheduler), used as published: the
+    # generated modules come from the package, never a hand copy of its .proto.
+    "smg-grpc-proto>=0.4.28,<0.5",
+    "uvloop>=0.19; sys_platform != 'win32'",
+    "prometheus-client>=0.20",
+]
 _COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3"]
 
 # Modules in Cython's pure-Python mode: (extension name, source). The source
@@ -77,7 +102,7 @@ def _cython_extensions() -> list[Extension]:
 
 
 setup(
-    cmdclass=_GEN.setuptools_cmdclass(_GEN.DEFAULT_OUT_DIR, _GEN.PROTO_ROOT),
+    install_requires=INSTALL_REQUIRES,
     # include-package-data (pyproject) would also ship the extension's source.
     exclude_package_data={"mmadmit": ["*.c"]},
     ext_modules=[

@@ -49,7 +49,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 ECHO_SERVICE = "mmadmit.bench.Echo"
 ADMIT = "/mmadmit.v1.Admission/Admit"

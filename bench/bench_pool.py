@@ -58,7 +58,7 @@ import workloads  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request  # noqa: E402
 from mmadmit_client import Aborted, Client, ZmqTransport  # noqa: E402
-from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
+from mmadmit_client.proto import admission_pb2 as pb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"

@@ -1,6 +1,6 @@
 """Build hook of the ``mmadmit-client`` distribution; metadata lives in pyproject.toml.
 
-The protobuf/gRPC modules (``mmadmit_client/_proto/``, gitignored; the one copy
+The protobuf/gRPC modules (``mmadmit_client/proto/``, gitignored; the one copy
 the service imports too) are generated at build time from the repository's
 ``../protos/`` by ``../scripts/gen_protos.py``, the generator and build
 commands the root ``setup.py`` uses as well. ``pip install ./clients`` builds

@@ -26,7 +26,7 @@ import workloads  # noqa: E402
 from conftest import load_vector, vector_names  # noqa: E402
 from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request, Tensor  # noqa: E402
-from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
+from mmadmit_client.proto import admission_pb2 as pb  # noqa: E402
 
 from fuzz.targets import grpc_target, smg_target, zmq_target  # noqa: E402
 

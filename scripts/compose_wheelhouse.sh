@@ -24,13 +24,24 @@ read -r -a EXTRA <<<"${WHEELHOUSE_PIP_ARGS:-}"
 log() { printf '[compose-wheelhouse] %s\n' "$*" >&2; }
 
 mkdir -p "$DIR"
-# Runtime dependencies and build requirements, read from pyproject.toml.
+# Runtime dependencies and build requirements of the server (setup.py's
+# INSTALL_REQUIRES, pyproject.toml's build requirements) and of the client
+# (clients/pyproject.toml), the client itself excluded: it is built from clients/.
 mapfile -t REQS < <("$PYTHON" - <<'PY'
+import ast
 import tomllib
-with open("pyproject.toml", "rb") as f:
-    data = tomllib.load(f)
-for req in data["build-system"]["requires"] + data["project"]["dependencies"]:
-    if not req.replace(" ", "").startswith("torch"):
+
+reqs = []
+for path in ("pyproject.toml", "clients/pyproject.toml"):
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    reqs += data["build-system"]["requires"] + data["project"].get("dependencies", [])
+with open("setup.py") as f:
+    for node in ast.walk(ast.parse(f.read())):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES":
+            reqs += [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+for req in dict.fromkeys(reqs):
+    if not req.replace(" ", "").startswith(("torch", "mmadmit")):
         print(req)
 PY
 )

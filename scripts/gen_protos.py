@@ -2,22 +2,21 @@
 """Generate mmadmit's protobuf and gRPC Python code from ``protos/``.
 
 The generated modules are build outputs, never committed, and live in one
-place: the gitignored package directory ``clients/mmadmit_client/_proto/`` of
-the client distribution, which the service imports too
-(``from mmadmit_client._proto import admission_pb2``). Both ``setup.py`` files
-(the root one, which installs service and client, and ``clients/setup.py``,
-the client alone) take their build commands from :func:`setuptools_cmdclass`,
-which calls :func:`generate` (for ``pip install .`` and PEP 660
-``pip install -e .`` alike). Run this script by hand to regenerate after
+place: the gitignored package directory ``clients/mmadmit_client/proto/`` of
+the client distribution, a public module of it that the service (which
+requires the client) imports too (``from mmadmit_client.proto import
+admission_pb2``). ``clients/setup.py`` takes its build commands from
+:func:`setuptools_cmdclass`, which calls :func:`generate` (for ``pip install``
+and PEP 660 ``pip install -e`` alike). Run this script by hand to regenerate after
 editing a ``.proto`` in a checkout that is already installed in editable mode::
 
-    python scripts/gen_protos.py            # -> clients/mmadmit_client/_proto/
+    python scripts/gen_protos.py            # -> clients/mmadmit_client/proto/
     python scripts/gen_protos.py OUT_DIR    # anywhere else (tests use this)
 
 For each ``protos/<pkg path>/<name>.proto`` this writes ``<name>_pb2.py``,
 ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` flat into the output directory,
 plus an ``__init__.py``, so the import path is
-``from mmadmit_client._proto import admission_pb2, admission_pb2_grpc``. The protoc
+``from mmadmit_client.proto import admission_pb2, admission_pb2_grpc``. The protoc
 imports between generated modules (``from mmadmit.v1 import admission_pb2``)
 are rewritten to relative ones (``from . import admission_pb2``), the
 message classes' ``__module__`` is set to the real module name, and every
@@ -40,15 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-DEFAULT_OUT_DIR = ROOT / "clients" / "mmadmit_client" / "_proto"
+DEFAULT_OUT_DIR = ROOT / "clients" / "mmadmit_client" / "proto"
 
 # Suffixes protoc writes per .proto with --python_out, --pyi_out, --grpc_python_out.
 _GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 _INIT_TEXT = '''"""Protobuf and gRPC code generated from protos/ (see scripts/gen_protos.py).
 
-Shared by the client and the service (one copy): import the modules directly,
-``from mmadmit_client._proto import admission_pb2, admission_pb2_grpc``.
+Public modules of the client, which the service imports too: import them directly,
+``from mmadmit_client.proto import admission_pb2, admission_pb2_grpc``.
 """
 '''
 
@@ -126,7 +125,7 @@ def generate(
 
     packages = {".".join(p.parent.parts) for p in protos}
     modules = {p.stem + s.split(".")[0] for p in protos for s in _GENERATED_SUFFIXES}
-    wkt_include = str(files("grpc_tools") / "_proto")  # google/protobuf/*.proto
+    wkt_include = str(files("grpc_tools") / "proto")  # google/protobuf/*.proto
 
     written: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="mmadmit-protoc-") as tmp:

@@ -62,7 +62,7 @@ from mmadmit import wire  # noqa: E402
 from mmadmit.model import Request  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
 from mmadmit_client import Client, ClientError, GrpcTransport, Outcome, ZmqTransport  # noqa: E402
-from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
+from mmadmit_client.proto import admission_pb2 as pb  # noqa: E402
 
 MODEL = REPO / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
 READY_RE = re.compile(r"^mmadmit ready grpc=(\S+) zmq=(\S+) metrics=(\S+)$")

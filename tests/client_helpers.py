@@ -40,7 +40,7 @@ from mmadmit_client import (
 from mmadmit_client import Request as ClientRequest
 from mmadmit_client import wire as client_wire
 from mmadmit_client._grpc_codec import _item_to_proto, request_to_proto, tensor_to_proto
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 
 def tensor_data(value: Any, dtype: str | None = None) -> pb.TensorData:

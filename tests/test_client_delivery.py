@@ -44,8 +44,8 @@ import zmq
 import zmq.asyncio
 from conftest import REPO_ROOT, free_port, until
 from mmadmit_client import wire
-from mmadmit_client._proto import admission_pb2 as pb
-from mmadmit_client._proto import admission_pb2_grpc as pb_grpc
+from mmadmit_client.proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,7 +44,7 @@ from mmadmit import server, wire
 from mmadmit.config import build_config
 from mmadmit.handshake import ENGINE_CORE_DEAD
 from mmadmit.model import Request
-from mmadmit_client._proto import admission_pb2_grpc as pb_grpc
+from mmadmit_client.proto import admission_pb2_grpc as pb_grpc
 from mmadmit_client.wire import decode_reply
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto import tokenspeed_scheduler_pb2_grpc as ts_grpc
@@ -301,7 +301,7 @@ def admit_request(rid: str, size: int) -> Any:
 
 
 def abort_name(resp: Any) -> str:
-    from mmadmit_client._proto import admission_pb2 as pb
+    from mmadmit_client.proto import admission_pb2 as pb
 
     return pb.AbortCode.Name(resp.abort.code).removeprefix("ABORT_CODE_")
 

@@ -273,7 +273,7 @@ def test_dtype_strings_numpy_would_parse_are_invalid_request(dtype: str) -> None
     INTERNAL. Only a plain numpy type string ever reaches numpy now."""
     from mmadmit import servicer
     from mmadmit.errors import InvalidRequest
-    from mmadmit_client._proto import admission_pb2 as pb
+    from mmadmit_client.proto import admission_pb2 as pb
 
     with pytest.raises(InvalidRequest, match="unsupported tensor dtype"):
         parse_dtype(dtype)
@@ -326,7 +326,7 @@ def test_six_byte_lengths_end_admit_and_generate_as_protobuf(where: str) -> None
     with protobuf's words either way."""
     from google.protobuf.message import DecodeError
     from mmadmit import pbwire, smg_request
-    from mmadmit_client._proto import admission_pb2 as pb
+    from mmadmit_client.proto import admission_pb2 as pb
     from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 
     def ld(number: int, payload: bytes, width: int = 0) -> bytes:

@@ -62,7 +62,7 @@ from mmadmit_client import (
 )
 from mmadmit_client import Request as ClientRequest
 from mmadmit_client import wire as client_wire
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 MODEL_CONFIG = {
     "qwen3_5": CONFIGS / "qwen3_5.json",

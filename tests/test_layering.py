@@ -5,7 +5,9 @@
   (``mmadmit.intcodec``, ``mmadmit.wire``, ``mmadmit.pbwire``, the C codecs);
 * ``mmadmit.security`` reads files for any object with its settings and imports
   nothing of the configuration (the ``config`` <-> ``security`` cycle is gone);
-* no module of the service imports, at any depth, one that imports it back.
+* no module of the service imports, at any depth, one that imports it back;
+* the server and the client are two distributions that ship no file twice, and
+  the service uses only the client's public modules (no ``mmadmit_client._*``).
 
 Run with: python -m pytest tests/test_layering.py -q -p no:cacheprovider
 """
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -94,3 +98,50 @@ def test_the_service_modules_import_no_cycle() -> None:
 
     for module in sorted(graph):
         visit(module, [])
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _client_modules_used(path: Path) -> set[str]:
+    """The ``mmadmit_client`` modules ``path`` imports, at any depth of the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mmadmit_client"):
+            found.add(node.module)  # type: ignore[arg-type]
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("mmadmit_client"))
+    return found
+
+
+def test_the_service_imports_only_the_clients_public_modules() -> None:
+    used = {
+        (path.name, module)
+        for path in sorted((REPO / "service" / "mmadmit").glob("*.py"))
+        for module in _client_modules_used(path)
+    }
+    assert used, "the service no longer uses the client at all: update this test"
+    private = sorted((f, m) for f, m in used if any(p.startswith("_") for p in m.split(".")))
+    assert not private, f"service modules import the client's private modules: {private}"
+
+
+def test_the_two_distributions_ship_no_package_twice(tmp_path: Path) -> None:
+    server = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    client = tomllib.loads((REPO / "clients" / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(p == "mmadmit" or p.startswith("mmadmit.") for p in server["packages"])
+    assert not set(server["packages"]) & set(client["packages"])
+    assert set(server["package-dir"].values()) == {"service"}
+    # The server's metadata as setuptools writes it (no extension is built): one
+    # top-level package, and the client required from its folder beside it.
+    run = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "MMADMIT_CLIENT_REQUIREMENT"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    (info,) = tmp_path.glob("*.egg-info")
+    assert (info / "top_level.txt").read_text().split() == ["mmadmit"]
+    requires = (info / "requires.txt").read_text().splitlines()
+    client_uri = (REPO / "clients").as_uri()
+    assert f"mmadmit-client @ {client_uri}" in requires, requires

@@ -480,7 +480,7 @@ def test_limits_reach_the_fields_of_serve_config() -> None:
 # --------------------------------------------------------------------------- gRPC, pre-parse
 
 from mmadmit import pbwire  # noqa: E402
-from mmadmit_client._proto import admission_pb2 as pb  # noqa: E402
+from mmadmit_client.proto import admission_pb2 as pb  # noqa: E402
 
 PAD = "x" * pbwire.PRECHECK_MIN_BYTES  # original_text: makes a message big enough to count
 

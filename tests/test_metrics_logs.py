@@ -31,7 +31,7 @@ from conftest import http_get, load_vector, vector_names
 from mmadmit import wire
 from mmadmit.model import Request
 from mmadmit.telemetry import token_bucket
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 from test_grpc_api import request_from_vector
 from test_server_lifecycle import (

@@ -34,7 +34,7 @@ from conftest import http_get, until
 from mmadmit import wire
 from mmadmit.errors import AbortCode
 from mmadmit.model import Request, Tensor
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 from test_admission_both_transports import MODEL, Service, running, small_request
 

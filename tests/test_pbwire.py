@@ -46,7 +46,7 @@ from mmadmit.servicer import (
     request_from_proto,
     response_from_outcome,
 )
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
 

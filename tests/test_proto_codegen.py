@@ -1,6 +1,6 @@
 """Generated protobuf/gRPC code: present, importable, fresh, and on contract.
 
-The stubs in ``mmadmit_client._proto`` (one copy, for client and service) are
+The stubs in ``mmadmit_client.proto`` (one copy, for client and service) are
 build outputs (``setup.py`` and ``clients/setup.py`` run ``scripts/gen_protos.py``
 on ``pip install .`` and ``pip install -e .``); nothing generated is committed.
 These tests fail when they are missing, or stale with respect to ``protos/``
@@ -41,12 +41,12 @@ def _source(module: ModuleType) -> Path:
 
 @pytest.fixture(scope="module")
 def pb2() -> ModuleType:
-    return _import("mmadmit_client._proto.admission_pb2")
+    return _import("mmadmit_client.proto.admission_pb2")
 
 
 @pytest.fixture(scope="module")
 def pb2_grpc() -> ModuleType:
-    return _import("mmadmit_client._proto.admission_pb2_grpc")
+    return _import("mmadmit_client.proto.admission_pb2_grpc")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_encode_bootstrap_info_is_generate_requests_own(pb2: ModuleType) -> None
 
 def test_messages_pickle(pb2: ModuleType) -> None:
     # gen_protos sets __module__ to the real import path, so pickling works.
-    assert pb2.AdmitRequest.__module__ == "mmadmit_client._proto.admission_pb2"
+    assert pb2.AdmitRequest.__module__ == "mmadmit_client.proto.admission_pb2"
     msg = pb2.AbortRequest(request_id="r", reason="client gone")
     assert pickle.loads(pickle.dumps(msg)) == msg
 
@@ -267,7 +267,7 @@ def _tools_version(text: str) -> str | None:
 
 
 def test_generated_code_is_fresh(pb2: ModuleType, gen_protos: ModuleType, tmp_path: Path) -> None:
-    """Regenerate from protos/ and compare with the installed mmadmit_client._proto.
+    """Regenerate from protos/ and compare with the installed mmadmit_client.proto.
 
     Always compared: the set of files and the serialized descriptor (changes
     iff a .proto changed). Whole files are compared byte for byte when both

@@ -61,7 +61,7 @@ from mmadmit.hashing import feature_hash
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
 from mmadmit_client import Client, Materialized, Outcome, RequestTimeout, TransportError
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 from mmadmit_client.wire import WireFormatError, decode_reply
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import wire
 from ._cli_usage import UsageError
-from ._dtypes import DTYPES, canonical_dtype, numpy_dtype
+from .dtypes import DTYPES, canonical_dtype, numpy_dtype
 from ._models import MODALITIES, Item, Materialized, Outcome, Request, ShmFeature, Tensor
 from .frames import MAGIC, parse_frames
 

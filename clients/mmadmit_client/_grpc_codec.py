@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _models as models
 from ._exceptions import ProtocolError
-from ._proto import admission_pb2 as pb
+from .proto import admission_pb2 as pb
 
 MODALITIES: dict[str, Any] = {"image": pb.IMAGE, "audio": pb.AUDIO, "video": pb.VIDEO}
 _MODALITY_NAMES = {v: k for k, v in MODALITIES.items()}

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._dtypes import DTYPES, canonical_dtype, dtype_of_array, numpy_dtype
+from .dtypes import DTYPES, canonical_dtype, dtype_of_array, numpy_dtype
 
 ModalityName = Literal["image", "video", "audio"]
 MODALITIES: tuple[ModalityName, ...] = ("image", "video", "audio")

@@ -26,7 +26,7 @@ from mmadmit.errors import AbortCode, AdmissionError, TooLarge
 from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 from ._common import native_mode
 from .pbwire_target import check_parse

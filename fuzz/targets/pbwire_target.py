@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from mmadmit import pbwire
 from mmadmit.errors import TooLarge
 from mmadmit.limits import Limits
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 from ._common import outcome, same
 from ._data import Data

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from mmadmit_client._dtypes import DTYPES, canonical_dtype
+from mmadmit_client.dtypes import DTYPES, canonical_dtype
 
 from .errors import InvalidRequest
 
@@ -28,7 +28,7 @@ class DType:
 
 
 # The names, sizes and numpy equivalents are the client's table (one copy,
-# mmadmit_client._dtypes); here each becomes a DType.
+# mmadmit_client.dtypes); here each becomes a DType.
 _CANONICAL: dict[str, DType] = {
     name: DType(
         name=name,

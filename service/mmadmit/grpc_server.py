@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from mmadmit_client._proto import admission_pb2
+from mmadmit_client.proto import admission_pb2
 
 from .admission import until_quiet
 from .pbwire import (

@@ -69,7 +69,7 @@ from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from mmadmit_client._proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2 as pb
 
 from . import native
 from .errors import AbortCode, TooLarge

@@ -60,8 +60,8 @@ from typing import Any, TypeAlias
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
-from mmadmit_client._proto import admission_pb2 as pb
-from mmadmit_client._proto import admission_pb2_grpc as pb_grpc
+from mmadmit_client.proto import admission_pb2 as pb
+from mmadmit_client.proto import admission_pb2_grpc as pb_grpc
 
 from . import pbwire
 from .admission import Admissions, AdmissionStats
