@@ -45,8 +45,8 @@ from .._exceptions import (
 )
 from .._grpc_codec import model_info_from_proto, outcome_from_proto, request_to_proto
 from .._models import ModelInfo, Outcome, Request
-from .._proto import admission_pb2 as pb
-from .._proto import admission_pb2_grpc as pb_grpc
+from ..proto import admission_pb2 as pb
+from ..proto import admission_pb2_grpc as pb_grpc
 from .base import AsyncTransport
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
