@@ -66,7 +66,7 @@ def workload(model: str) -> tuple[bytes, int]:
     """The request body without its request_id, and the size of its real AdmitResponse."""
     from mmadmit.materializer import Materializer
     from mmadmit.profile import load_profile
-    from mmadmit.servicer import request_from_proto, response_from_outcome
+    from mmadmit.servicer import encode_response, request_from_proto
     from mmadmit_client import Item, Request, Tensor, grid, request_to_proto
 
     profile = load_profile(model)
@@ -89,9 +89,9 @@ def workload(model: str) -> tuple[bytes, int]:
     # The size of the real answer, for the echo's reply (computed in-process, once).
     msg = pb.AdmitRequest.FromString(body + _rid_field("probe"))
     outcome = Materializer(profile).run(request_from_proto(msg, profile))
-    resp = response_from_outcome("probe", outcome, echo_features=False)
-    assert resp.WhichOneof("outcome") == "materialized", resp
-    return body, len(resp.SerializeToString())
+    resp = encode_response("probe", outcome, echo_features=False)
+    assert pb.AdmitResponse.FromString(resp).WhichOneof("outcome") == "materialized"
+    return body, len(resp)
 
 
 def _varint(x: int) -> bytes:

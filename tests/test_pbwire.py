@@ -40,13 +40,9 @@ from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
 from mmadmit.profile import load_profile
-from mmadmit.servicer import (
-    _ids_to_proto,
-    encode_response,
-    request_from_proto,
-    response_from_outcome,
-)
+from mmadmit.servicer import _packed_ids, encode_response, request_from_proto
 from mmadmit_client.proto import admission_pb2 as pb
+from response_oracle import response_from_outcome
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
 
@@ -154,52 +150,30 @@ def test_response_ids_equal_extend(impl: str, size: int) -> None:
     rng = np.random.default_rng(size)
     ids = rng.integers(0, 2**32, size, dtype=np.int64)
     for unpadded in (None, rng.integers(0, 300_000, size, dtype=np.int64)):
-        got = pb.AdmitResponse(request_id="r")
-        _ids_to_proto(ids, unpadded, got.materialized)
-        got.materialized.passthrough = False
-        want = pb.AdmitResponse(request_id="r")
-        want.materialized.input_ids.extend(ids.tolist())
+        got = pb.MaterializedRequest.FromString(_packed_ids(ids, unpadded))
+        want = pb.MaterializedRequest()
+        want.input_ids.extend(ids.tolist())
         if unpadded is not None:
-            want.materialized.input_ids_unpadded.extend(unpadded.tolist())
-        want.materialized.passthrough = False
+            want.input_ids_unpadded.extend(unpadded.tolist())
         assert got == want
-        assert got.SerializeToString() == want.SerializeToString()
-        assert got.WhichOneof("outcome") == "materialized"
+        assert _packed_ids(ids, unpadded) == want.SerializeToString()
 
 
 @pytest.mark.parametrize("size", [3, 9000])
-def test_response_ids_out_of_range_as_before(impl: str, size: int) -> None:
-    """The message the old ``extend`` gave (it becomes an in-band INTERNAL abort)."""
+def test_response_ids_out_of_range_as_extend(impl: str, size: int) -> None:
+    """The message protobuf's ``extend`` gives (it becomes an in-band INTERNAL abort)."""
     ids = np.arange(size, dtype=np.int64)
     unpadded = ids.copy()
     unpadded[-1] = 2**32
     with pytest.raises(ValueError, match=r"^Value out of range: 4294967296$"):
-        _ids_to_proto(ids, unpadded, pb.MaterializedRequest())
+        _packed_ids(ids, unpadded)
     ids[1] = -5  # the first field is checked first
     with pytest.raises(ValueError, match=r"^Value out of range: -5$"):
-        _ids_to_proto(ids, unpadded, pb.MaterializedRequest())
-    # other dtypes keep the extend path and its checks
+        _packed_ids(ids, unpadded)
+    # another integer dtype is packed as int64, with the same check
     with pytest.raises(ValueError, match=r"^Value out of range: -5$"):
-        _ids_to_proto(ids.astype(np.int32), None, pb.MaterializedRequest())
-
-
-def test_response_from_outcome_unchanged(impl: str) -> None:
-    profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
-    outcome = Materializer(profile).run(request_from_proto(_image_request(profile, "x"), profile))
-    assert isinstance(outcome, Materialized)
-    got = response_from_outcome("x", outcome, echo_features=True)
-    want = pb.AdmitResponse()
-    want.CopyFrom(got)
-    for name, arr in (
-        ("input_ids", outcome.request.input_ids),
-        ("input_ids_unpadded", outcome.request.input_ids_unpadded),
-    ):
-        want.materialized.ClearField(name)
-        assert arr is not None
-        getattr(want.materialized, name).extend(arr.tolist())
-    assert got.SerializeToString() == want.SerializeToString()
-    assert list(got.materialized.input_ids) == outcome.request.input_ids.tolist()
-    assert len(got.materialized.input_ids_unpadded) == len(outcome.request.input_ids)
+        _packed_ids(ids.astype(np.int32), None)
+    assert _packed_ids(np.arange(4, dtype=np.int32), None) == _packed_ids(np.arange(4), None)
 
 
 def _outcomes_to_encode() -> Iterator[tuple[str, Any]]:

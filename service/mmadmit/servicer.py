@@ -63,7 +63,6 @@ from google.protobuf.message import DecodeError
 from mmadmit_client.proto import admission_pb2 as pb
 from mmadmit_client.proto import admission_pb2_grpc as pb_grpc
 
-from . import pbwire
 from .admission import Admissions, AdmissionStats
 from .dtypes import parse_dtype
 from .errors import (
@@ -443,42 +442,13 @@ def _tensor_to_proto(t: Tensor | ShmHandle, out: pb.TensorData) -> None:
     out.inline = obj if isinstance(obj, bytes) and len(obj) == t.nbytes else t.data.tobytes()
 
 
-# Without the C extension, pbwire's numpy encoder beats tolist() + extend only on long
-# arrays (a few whole-array passes against a per-element conversion).
-_NUMPY_PACKED_MIN = 8192
-
-
-def _packs_fast(arr: np.ndarray) -> bool:
-    return (
-        arr.ndim == 1
-        and arr.dtype == np.int64
-        and (pbwire.HAVE_NATIVE or arr.shape[0] >= _NUMPY_PACKED_MIN)
-    )
-
-
-def _packed_ids(ids: np.ndarray, unpadded: np.ndarray | None) -> bytes | None:
+def _packed_ids(ids: np.ndarray, unpadded: np.ndarray | None) -> bytes:
     """``input_ids`` (1) and ``input_ids_unpadded`` (2) as packed fields, encoded in
-    one pass (range-checked as protobuf does); None when the packed encoder is not
-    the faster way for these arrays."""
-    if not (_packs_fast(ids) and (unpadded is None or _packs_fast(unpadded))):
-        return None
-    raw = packed_uint32_field(1, ids)
+    one pass and range-checked as protobuf's ``extend`` does (its message)."""
+    raw = packed_uint32_field(1, np.ascontiguousarray(ids, np.int64))
     if unpadded is not None:
-        raw += packed_uint32_field(2, unpadded)
+        raw += packed_uint32_field(2, np.ascontiguousarray(unpadded, np.int64))
     return raw
-
-
-def _ids_to_proto(
-    ids: np.ndarray, unpadded: np.ndarray | None, out: pb.MaterializedRequest
-) -> None:
-    """``input_ids`` (1) and ``input_ids_unpadded`` (2), range-checked as protobuf does."""
-    raw = _packed_ids(ids, unpadded)
-    if raw is not None:
-        out.MergeFromString(raw)  # parsed by upb in C: no Python int per id
-        return
-    out.input_ids.extend(ids.tolist())
-    if unpadded is not None:
-        out.input_ids_unpadded.extend(unpadded.tolist())
 
 
 def _positions_i64(t: Tensor) -> np.ndarray:
@@ -487,13 +457,6 @@ def _positions_i64(t: Tensor) -> np.ndarray:
     if arr.dtype != np.dtype("<i8"):
         arr = arr.astype("<i8")
     return np.ascontiguousarray(arr)
-
-
-def _positions_to_proto(t: Tensor, out: pb.TensorData) -> None:
-    arr = _positions_i64(t)
-    out.shape.extend(arr.shape)
-    out.dtype = "int64"
-    out.inline = arr.tobytes()
 
 
 def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
@@ -522,29 +485,12 @@ def _item_to_proto(item: Item, out: pb.MaterializedItem, echo: bool) -> None:
 def _items_and_delta_to_proto(
     mm: MultimodalInputs, out: pb.MaterializedRequest, echo: bool
 ) -> None:
-    """The items and the delta scalar of a materialized request (both response
-    builders; each writes the ids and the positions its own way)."""
+    """The items and the delta scalar of a materialized request (protobuf builds
+    them; :func:`encode_response` writes the ids and the positions itself)."""
     for item in mm.items:
         _item_to_proto(item, out.items.add(), echo)
     if mm.mrope_position_delta_scalar is not None:
         out.mrope_position_delta = mm.mrope_position_delta_scalar
-
-
-def response_from_outcome(rid: str, outcome: Outcome, *, echo_features: bool) -> pb.AdmitResponse:
-    """Encode one outcome (materialized or abort) as an ``AdmitResponse``."""
-    if not isinstance(outcome, Materialized):
-        return abort_response(rid, outcome)
-    req = outcome.request
-    resp = pb.AdmitResponse(request_id=rid)
-    out = resp.materialized
-    _ids_to_proto(req.input_ids, req.input_ids_unpadded, out)
-    out.passthrough = outcome.passthrough
-    mm = req.mm
-    if mm is not None:
-        _items_and_delta_to_proto(mm, out, echo_features)
-        if mm.mrope_positions is not None:
-            _positions_to_proto(mm.mrope_positions, out.mrope_positions)
-    return resp
 
 
 # Field keys of the bytes encode_response writes itself (tag = number << 3 | wire type 2).
@@ -556,9 +502,8 @@ _KEY_INLINE = b"\x1a"  # TensorData.inline (3)
 
 
 def _positions_field(t: Tensor) -> list[Any]:
-    """``MaterializedRequest.mrope_positions`` as wire pieces (what
-    :func:`_positions_to_proto` sets: shape, dtype ``int64``, the little-endian
-    bytes), the array's bytes as a view, not copied."""
+    """``MaterializedRequest.mrope_positions`` as wire pieces (shape, dtype
+    ``int64``, the little-endian bytes), the array's bytes as a view, not copied."""
     arr = _positions_i64(t)
     shape = packed_uint32_field(1, np.array(arr.shape, np.int64))  # TensorData.shape (1)
     head = b"".join([shape, _DTYPE_INT64, _KEY_INLINE, encode_varint(arr.nbytes)])
@@ -567,25 +512,18 @@ def _positions_field(t: Tensor) -> list[Any]:
 
 
 def encode_response(rid: str, outcome: Outcome, *, echo_features: bool) -> bytes:
-    """``response_from_outcome(rid, outcome, ...).SerializeToString()``, built for less:
-    the bytes parse to an equal message (tests hold them to it), not always the
-    same bytes (fields in another order).
-
-    A materialized outcome's two id arrays are packed varints written in one
-    pass and its ``[3, N]`` positions the array's own bytes; protobuf builds
-    only the rest (items, delta, passthrough). The reference path parses the
-    packed ids back into the message and serializes all of it again (about
-    twice the cost for a 1K-token request). Anything else (an abort, ids the
-    packed encoder is not used for) goes through the reference.
+    """One outcome as the bytes of its ``AdmitResponse`` (what Admit and AdmitStream
+    send): the one encoder. A materialized outcome's two id arrays are packed
+    varints written in one pass and its ``[3, N]`` positions the array's own
+    bytes; protobuf builds only the rest (items, delta, passthrough). The bytes
+    parse to the message protobuf alone would build (``tests/response_oracle.py``
+    holds them to it), not always in the same field order. An id out of
+    ``uint32`` raises ``ValueError`` as protobuf's ``extend`` would.
     """
     if not isinstance(outcome, Materialized):
         return abort_response(rid, outcome).SerializeToString()  # type: ignore[no-any-return]
     req = outcome.request
-    ids = _packed_ids(req.input_ids, req.input_ids_unpadded)
-    if ids is None:
-        ref = response_from_outcome(rid, outcome, echo_features=echo_features)
-        return ref.SerializeToString()  # type: ignore[no-any-return]
-    pieces: list[Any] = [ids]
+    pieces: list[Any] = [_packed_ids(req.input_ids, req.input_ids_unpadded)]
     rest = pb.MaterializedRequest(passthrough=outcome.passthrough)
     positions: list[Any] = []
     mm = req.mm
@@ -844,6 +782,5 @@ __all__ = [
     "encode_response",
     "model_info_from_profile",
     "request_from_proto",
-    "response_from_outcome",
     "tensor_from_proto",
 ]
