@@ -191,6 +191,28 @@ def generate_request(c: ModuleType, input_ids: list[int], encode_item: int) -> A
     )
 
 
+def _session_native() -> bool:
+    """``MMADMIT_NATIVE=0 make test`` runs the whole suite on the Python sources
+    only (what ``--native off`` serves with); in-process and spawned servers read
+    the same variable. The ``native_mode`` cases still run both ways."""
+    from mmadmit.config import build_config
+
+    return build_config({}, environ={"MMADMIT_NATIVE": os.environ.get("MMADMIT_NATIVE", "1")}).native
+
+
+SESSION_NATIVE = _session_native()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from mmadmit import native
+
+    native.set_enabled(SESSION_NATIVE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"mmadmit native extensions: {'on' if SESSION_NATIVE else 'off (MMADMIT_NATIVE)'}"
+
+
 @pytest.fixture(params=["native", "fallback"])
 def native_mode(request: pytest.FixtureRequest) -> Any:
     """Run a test twice: C extensions on, then Python fallbacks only (``--native off``).
@@ -209,7 +231,7 @@ def native_mode(request: pytest.FixtureRequest) -> Any:
     try:
         yield on
     finally:
-        native.set_enabled(True)
+        native.set_enabled(SESSION_NATIVE)
 
 
 def free_port() -> int:
