@@ -1,11 +1,11 @@
 """Build hook of the ``mmadmit-client`` distribution; metadata lives in pyproject.toml.
 
-The protobuf/gRPC modules (``mmadmit_client/proto/``, gitignored; the one copy
-the service imports too) are generated at build time from the repository's
-``../protos/`` by ``../scripts/gen_protos.py``, the generator and build
-commands the root ``setup.py`` uses as well. ``pip install ./clients`` builds
+The protobuf/gRPC modules (``mmadmit_client/proto/``, gitignored; a public
+module the service imports too) are generated at build time from the
+repository's ``../protos/`` by ``../scripts/gen_protos.py``, which also
+supplies the build commands. ``pip install ./clients`` builds
 in place, so both are found; a copy without them (an sdist) must already carry
-the generated ``_proto`` package.
+the generated ``proto`` package.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from setuptools import setup
 
 HERE = Path(__file__).resolve().parent
 GEN_PROTOS = HERE.parent / "scripts" / "gen_protos.py"
-OUT_DIR = HERE / "mmadmit_client" / "_proto"
+OUT_DIR = HERE / "mmadmit_client" / "proto"
 
 cmdclass = {}
 if GEN_PROTOS.is_file():

@@ -389,7 +389,7 @@ print(sorted(m for m in ("rich", "msgspec", "zmq", "mmadmit_client.wire") if m i
 def _client_tree(dst: Path) -> Path:
     """``clients/``, ``protos/`` and the generator, as in the repository, without
     anything built (the generated modules included): the build must make them."""
-    ignore = shutil.ignore_patterns("_proto", "build", "*.egg-info", "__pycache__", "dist")
+    ignore = shutil.ignore_patterns("proto", "build", "*.egg-info", "__pycache__", "dist")
     shutil.copytree(REPO_ROOT / "clients", dst / "clients", ignore=ignore)
     shutil.copytree(REPO_ROOT / "protos", dst / "protos")
     (dst / "scripts").mkdir()

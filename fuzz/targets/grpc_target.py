@@ -4,8 +4,8 @@ The input is one profile byte, one strip-threshold byte, then a serialized
 ``AdmitRequest`` (or garbage). It goes through exactly what ``Admit`` does:
 ``pbwire.parse_admit_request`` (a low threshold, so short inputs exercise the
 inline-payload stripping), ``servicer.request_from_proto``, the materializer,
-``servicer.response_from_outcome`` (and ``servicer.encode_response``, what the
-servicer sends, which must parse to the same message); once with native code on
+``servicer.encode_response`` (what the servicer sends, which must parse to the
+message ``tests/response_oracle.py`` builds with protobuf alone); once with native code on
 and once off. The two must answer the same: both refuse the bytes (protobuf's ``DecodeError``),
 or both produce byte-identical responses. No response may carry ``INTERNAL``.
 In each mode the deserializer is also held to protobuf itself
@@ -19,6 +19,8 @@ tight limits and is held to protobuf's parse of the same bytes (:func:`_counted`
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from mmadmit import pbwire, servicer
@@ -30,6 +32,9 @@ from mmadmit_client.proto import admission_pb2 as pb
 
 from ._common import native_mode
 from .pbwire_target import check_parse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from response_oracle import response_from_outcome  # noqa: E402  (the tests' oracle)
 
 NAME = "grpc"
 MAX_LEN = 1 << 16
@@ -55,9 +60,10 @@ def _admit(m: Materializer, data: bytes, min_bytes: int) -> bytes | None:
         resp = servicer.abort_response(rid, exc.to_abort())
     else:
         outcome = m.run(req)
-        resp = servicer.response_from_outcome(rid, outcome, echo_features=msg.echo_features)
         sent = servicer.encode_response(rid, outcome, echo_features=msg.echo_features)
-        assert pb.AdmitResponse.FromString(sent) == resp, "encode_response differs"
+        resp = pb.AdmitResponse.FromString(sent)
+        oracle = response_from_outcome(rid, outcome, echo_features=msg.echo_features)
+        assert resp == oracle, "encode_response differs from the oracle"
     if resp.HasField("abort"):
         assert resp.abort.code != _INTERNAL, f"INTERNAL outcome: {resp.abort.message}"
     return resp.SerializeToString(deterministic=True)
