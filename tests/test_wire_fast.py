@@ -35,6 +35,7 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
+import wire_oracle
 from conftest import REPO_ROOT, load_vector, vector_names
 from mmadmit import intcodec as ic
 from mmadmit import rules, wire
@@ -43,6 +44,7 @@ from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
 from prompt_gen import gen_prompt
+from wire_oracle import decode_items as reference_items
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import workloads  # noqa: E402  (bench/ is not a package)
@@ -837,12 +839,27 @@ def test_item_refusals_name_the_item_and_what_in_it(
     assert info.value.code is AbortCode[code] and info.value.rid == "rid-v"
 
 
-# ------------------------------------------------ the items' fast walk (build_items)
+def test_a_repeated_side_key_is_refused() -> None:
+    """A model_specific_data key written twice (no encoder writes one) is refused, in
+    every mode, rather than one of its values picked."""
+    payload, aux = _small_mm_payload()
+    top = msgspec.msgpack.decode(payload, ext_hook=lambda c, d: Ext(c, bytes(d)))
+    key = msgpack.packb("g")
+    top[22][0][1][6] = msgspec.Raw(b"\x82" + key + ENC.encode(GRID) + key + ENC.encode(GRID))
+    for name in MODES:
+        with mode(name), pytest.raises(wire.WireError) as info:
+            wire.decode_message([b"\x00", ENC.encode(top), *aux])
+        assert info.value.message == "item 1: model_specific_data: the key 'g' is repeated"
+        assert info.value.code is AbortCode.INVALID_REQUEST
+
+
+# ------------------------------------------------ the items' walk (build_items)
 
 
 def _fast_form_payload() -> tuple[bytes, list[bytes]]:
-    """Items all of the form the walk builds: tensors in aux frames and inline, ints in
-    every width, a uint64 hash, nil and empty side maps, offsets of every shape."""
+    """Items all of the common form the walk reads straight: tensors in aux frames and
+    inline, ints in every width, a uint64 hash, nil and empty side maps, offsets of
+    every shape."""
     vs, ve, img = 248053, 248054, 248056
     ids = [11, 12, vs, *([img] * 16), ve, 13, vs, *([img] * 4), ve]
     grid = ["int64", [1, 3], Ext(3, np.array([1, 8, 8], np.int64).tobytes())]
@@ -873,28 +890,41 @@ def _items_view(payload: bytes) -> memoryview:
     return memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
 
 
+def _walk_items(walk: Any, view: memoryview, reader: Any) -> Any:
+    """``walk.build_items`` on ``view`` as wire.py calls it."""
+    return walk.build_items(
+        view, view, reader.aux, reader.limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE,
+        wire._value, reader.tensor, wire._decode_shm,
+    )  # fmt: skip
+
+
 def _built(walk: Any, view: memoryview, aux: list[Any]) -> Any:
-    limits = wire.DEFAULT_LIMITS
-    got = walk.build_items(view, view, aux, limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
-    if got is None:
-        return None
-    items, features, others, offsets_at = got
-    assert offsets_at == [it.extra.off3 for it in items]
-    return _items_form(items), sorted(set(features)), sorted(set(others))
+    """What one build of the walk makes of the items (comparable), or its refusal's code."""
+    reader = wire._TensorReader(aux)
+    try:
+        items, features, others, offsets_at = _walk_items(walk, view, reader)
+    except (wire.InvalidRequest, wire.TooLarge) as exc:
+        return ("refused", exc.code)
+    assert offsets_at == [it.extra.off3 if it.extra.count > 3 else -1 for it in items]
+    features = sorted(set(features) | reader.features)
+    return _items_form(items), features, sorted(set(others) | reader.others)
 
 
 def _reference(view: memoryview, aux: list[Any]) -> Any:
+    """What the reference (tests/wire_oracle.py) makes of them, or its refusal's code."""
     reader = wire._TensorReader(aux)
     try:
-        items = wire._decode_items_reference(view, reader)
-    except (wire.InvalidRequest, wire.TooLarge):
-        return None
+        items = reference_items(view, reader)
+    except (wire.InvalidRequest, wire.TooLarge) as exc:
+        return ("refused", exc.code)
     return _items_form(items), sorted(reader.features), sorted(reader.others)
 
 
 def _items_form(items: list[Any]) -> list[Any]:
     def t(x: Any) -> Any:
-        return None if x is None else (x.dtype.name, x.shape, bytes(x.data), x.name, x.limits)
+        if not isinstance(x, Tensor):
+            return ("value", x)
+        return (x.dtype.name, x.shape, bytes(x.data), x.name, x.limits)
 
     out = []
     for it in items:
@@ -902,7 +932,7 @@ def _items_form(items: list[Any]) -> list[Any]:
         out.append(
             (
                 type(it.modality), it.modality, it.hash, it.pad_value, it.offsets, t(it.feature),
-                it.feature_shm, {k: t(v) for k, v in it.side.items()},
+                repr(it.feature_shm), {k: t(v) for k, v in it.side.items()}, it.encode_handshake,
                 (s.buf, s.aux, s.start, s.end, s.count, s.off1, s.off3, s.modality),
                 t(s.feature), {k: t(v) for k, v in s.side.items()}, s.side is wire._NO_SIDE,
             )
@@ -919,7 +949,7 @@ def _walks() -> list[Any]:
     return walks
 
 
-def test_build_items_takes_the_common_form_as_the_reference_builds_it() -> None:
+def test_build_items_builds_the_common_form_as_the_reference() -> None:
     payload, aux = _fast_form_payload()
     view = _items_view(payload)
     expected = _reference(view, aux)
@@ -940,11 +970,9 @@ def test_build_items_on_vectors(name: str) -> None:
     view = memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
     aux = [memoryview(bytes(f)) for f in frames[2:]]
     expected = _reference(view, aux)
+    assert expected[0] != "refused"
     for walk in _walks():
-        got = _built(walk, view, aux)
-        assert got is None or got == expected, walk.__name__
-    if ic._BUILT is not None:  # the engine's own items are all of the form the walk takes
-        assert _built(ic._BUILT, view, aux) == expected
+        assert _built(walk, view, aux) == expected, walk.__name__
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_omni_moe"])
@@ -955,15 +983,16 @@ def test_build_items_on_generated_requests(family: str) -> None:
         view = _items_view(bytes(frames[1]))
         aux = [memoryview(bytes(f)) for f in frames[2:]]
         expected = _reference(view, aux)
-        assert expected is not None
+        assert expected[0] != "refused"
         for walk in _walks():
             assert _built(walk, view, aux) == expected, (walk.__name__, n)
 
 
 def test_build_items_on_mutated_bytes_never_differs_from_the_reference() -> None:
     """Every byte of the items replaced by telling values, then random multi-byte
-    mutations: both builds agree, and whatever they build the reference builds the
-    same (anything else they hand to the reference: None)."""
+    mutations: both builds agree, and build what the reference builds or refuse
+    what it refuses (the code may differ where two faults are worded in another
+    order: the walk words the first it reads)."""
     payload, aux = _fast_form_payload()
     view = _items_view(payload)
     base = bytes(view)
@@ -985,9 +1014,12 @@ def test_build_items_on_mutated_bytes_never_differs_from_the_reference() -> None
         v = memoryview(bad)
         results = [_built(walk, v, aux) for walk in walks]
         assert results[1:] == results[:1] * (len(walks) - 1), bad.hex()
-        if results[0] is not None:
+        expected = _reference(v, aux)
+        if results[0][0] == "refused":
+            assert expected[0] == "refused", bad.hex()
+        else:
             taken += 1
-            assert results[0] == _reference(v, aux), bad.hex()
+            assert results[0] == expected, bad.hex()
     assert taken > 50  # the mutations also hit values the walk still takes (ints, sizes)
 
 
@@ -1004,19 +1036,18 @@ def test_build_items_names_past_the_kept_ones_as_the_reference() -> None:
     view = memoryview(ENC.encode(items))
     aux = [bytes(512)]
     expected = _reference(view, aux)
-    assert expected is not None
+    assert expected[0] != "refused"
     for walk in _walks():
         assert _built(walk, view, aux) == expected, walk.__name__
-        first = walk.build_items(view, view, aux, None, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
-        again = walk.build_items(view, view, aux, None, Tensor, Item, wire._ItemSrc, wire._NO_SIDE)
-        assert first is not None and again is not None
+        first = _walk_items(walk, view, wire._TensorReader(aux))
+        again = _walk_items(walk, view, wire._TensorReader(aux))
         assert first[0][7].feature.name is again[0][7].feature.name  # kept
         assert first[0][299].feature.name == (299, "feature")  # past 256: made
         assert first[0][299].feature.name is not again[0][299].feature.name
 
 
 def _form_item(**change: Any) -> list[Any]:
-    fields = [f.name for f in msgspec.structs.fields(wire._LooseItem)]
+    fields = list(wire_oracle._ITEM_FIELD_NAMES)
     item: list[Any] = [1, 5, None, [[3, 18]], ["float32", [64, 2], 1], None, {}, None, None, None]
     for key, value in change.items():
         item[fields.index(key)] = value
@@ -1065,16 +1096,18 @@ OUTSIDE_THE_FORM = {
 
 
 @pytest.mark.parametrize("case", sorted(OUTSIDE_THE_FORM))
-def test_items_outside_the_form_go_to_the_reference(case: str) -> None:
-    """The walk hands every other item to the reference (None), which decodes or words
-    it: the codec's outcome is the reference's, fast path on or off."""
+def test_items_outside_the_common_form_as_the_reference(case: str) -> None:
+    """Every other item (its elements decoded one by one where they are not of the
+    common form) is built or refused as the reference builds or refuses it, and the
+    codec's outcome is the same in every mode."""
     vs, ve, img = 248053, 248054, 248056
     ids = [11, 12, vs, *([img] * 16), ve, 13]
     mm = [[_form_item(), OUTSIDE_THE_FORM[case]], img, 248057, None, None, None, None]
     payload, aux = _ids_payload(msgpack.packb(ids), mm=mm), [bytes(512)]
     view = _items_view(payload)
+    expected = _reference(view, aux)
     for walk in _walks():
-        assert _built(walk, view, aux) is None, walk.__name__
+        assert _built(walk, view, aux) == expected, walk.__name__
     outcomes = []
     for name in MODES:
         with mode(name):
@@ -1088,27 +1121,31 @@ def test_items_outside_the_form_go_to_the_reference(case: str) -> None:
     assert outcomes[1:] == outcomes[:1] * (len(MODES) - 1)
 
 
-def test_native_off_decodes_items_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmadmit import native
+def test_native_off_decodes_items_with_the_interpreted_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With native code off the items are built by the same walk, interpreted, to the
+    same request."""
+    from mmadmit import msgpack_walk, native
 
     payload, aux = _fast_form_payload()
     calls: list[int] = []
-    reference = wire._decode_items_reference
+    walk = msgpack_walk.build_items
 
     def counted(*args: Any) -> Any:
         calls.append(1)
-        return reference(*args)
+        return walk(*args)
 
-    monkeypatch.setattr(wire, "_decode_items_reference", counted)
     try:
         native.set_enabled(False)
+        monkeypatch.setattr(ic, "_items_impl", counted)
         off = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
         assert calls == [1]
     finally:
         native.set_enabled(True)
     on = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
     assert on == off
-    assert calls == ([1] if ic._BUILT is not None else [1, 1])
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("name", ["codec", "fallback"])

@@ -17,8 +17,9 @@ fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 at offsets taken from the spans (or chosen freely), and ``build_items`` on
 the bytes or on an items array built item by item from them. Results, error
 types and error texts must all match (one source words every error); what
-``build_items`` builds must be what wire.py's reference item decoder builds
-from the same bytes (it hands everything else to the reference: None).
+``build_items`` builds must be what the reference item decoder
+(``tests/wire_oracle.py``) builds from the same bytes, and what it refuses
+(InvalidRequest or TooLarge, never another exception) the reference refuses.
 A first byte of 250 or more builds a ``Tensor`` from arguments taken from the
 bytes (dtype, shape, data of some buffer kind, name, limits) with
 ``tensorcheck`` compiled (``_tensorcheck_c``) and interpreted: the same tensor
@@ -26,6 +27,9 @@ or the same refusal.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -248,6 +252,9 @@ def _structured(d: Data) -> bytes:
     return bytes(out)
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from wire_oracle import decode_items as reference_items  # noqa: E402
+
 _AUX = [memoryview(bytes(range(256)) * 2), memoryview(b"\x01" * 24)]  # 512 and 24 bytes
 _ITEM_DTYPES = ("float32", "bfloat16", "int64", "uint8", "int8")
 
@@ -307,14 +314,18 @@ def _items_array(d: Data) -> bytes:
 
 
 def _built(walk: object, buf: memoryview) -> object:
-    got = walk.build_items(  # type: ignore[attr-defined]
-        buf, buf, _AUX, wire.DEFAULT_LIMITS, Tensor, Item, wire._ItemSrc, wire._NO_SIDE
-    )
-    if got is None:
-        return None
-    items, features, others, offsets_at = got
-    assert offsets_at == [it.extra.off3 for it in items], offsets_at
-    return [_item_form(it) for it in items], sorted(set(features)), sorted(set(others))
+    """The items one build of the walk makes (comparable), or its refusal."""
+    reader = wire._TensorReader(list(_AUX))
+    try:
+        items, features, others, offsets_at = walk.build_items(  # type: ignore[attr-defined]
+            buf, buf, reader.aux, reader.limits, Tensor, Item, wire._ItemSrc, wire._NO_SIDE,
+            wire._value, reader.tensor, wire._decode_shm,
+        )  # fmt: skip
+    except AdmissionError as exc:
+        return ("refused", type(exc).__name__, exc.message)
+    assert offsets_at == [it.extra.off3 if it.extra.count > 3 else -1 for it in items]
+    features = sorted(set(features) | reader.features)
+    return [_item_form(it) for it in items], features, sorted(set(others) | reader.others)
 
 
 def _item_form(it: Item) -> object:
@@ -325,7 +336,8 @@ def _item_form(it: Item) -> object:
 
     s = it.extra
     return (
-        type(it.modality), it.modality, it.hash, it.pad_value, t(it.feature), it.feature_shm,
+        type(it.modality), it.modality, it.hash, it.pad_value, t(it.feature),
+        repr(it.feature_shm), it.encode_handshake,
         {k: t(v) for k, v in it.side.items()},
         (s.start, s.end, s.count, s.off1, s.off3, s.modality, t(s.feature)),
         {k: t(v) for k, v in s.side.items()}, s.side is wire._NO_SIDE,
@@ -336,13 +348,12 @@ def _items(buf: memoryview) -> None:
     a = _built(ic._BUILT, buf)
     b = _built(msgpack_walk, buf)
     assert a == b, f"build_items: native and interpreted disagree:\n  {a!r}\n  {b!r}"
-    if a is None:
-        return
     reader = wire._TensorReader(list(_AUX))
     try:
-        items = wire._decode_items_reference(buf, reader)
+        items = reference_items(buf, reader)
     except AdmissionError as exc:
-        raise AssertionError(f"build_items built what the reference refuses: {exc}") from exc
+        assert a[0] == "refused", f"build_items built what the reference refuses: {exc}"
+        return
     ref = [_item_form(it) for it in items], sorted(reader.features), sorted(reader.others)
     assert a == ref, f"build_items against the reference:\n  {a!r}\n  {ref!r}"
 

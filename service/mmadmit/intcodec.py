@@ -275,15 +275,10 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
 _Built = tuple[list[Any], list[int], list[int], list[int]]
 
 
-def build_items(raw: Any, *args: Any) -> _Built | None:
-    """The items of the msgpack array ``raw``, built by the compiled walk of
-    :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``), or None:
-    an item outside the form it takes, or the walker interpreted or not built.
-
-    Interpreted, the walk is a Python loop over bytes, slower than the
-    reference it would shortcut (wire.py's ``msgspec`` item decoder), so it
-    runs compiled only; the tests run both builds against the reference.
-    """
+def build_items(raw: Any, *args: Any) -> _Built:
+    """The items of the msgpack array ``raw``, built (or refused, in words) by the
+    walk of :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``),
+    compiled or interpreted (the same source)."""
     return _items_impl(_as_bytes(raw), *args)
 
 
@@ -477,16 +472,6 @@ def _ints_by_msgspec(buf: memoryview) -> npt.NDArray[np.int64] | None:
         return None  # OverflowError: a uint64 above INT64_MAX
 
 
-def _items_native(buf: memoryview, *args: Any) -> _Built | None:
-    assert _BUILT is not None
-    built: _Built | None = _BUILT.build_items(buf, *args)
-    return built
-
-
-def _items_py(buf: memoryview, *args: Any) -> _Built | None:
-    return None  # interpreted: the reference item decoder is the faster one
-
-
 def _decode_py(buf: memoryview) -> npt.NDArray[np.int64]:
     count = msgpack_walk.array_len(buf)  # a forged count refused before msgspec allocates
     out = _ints_by_msgspec(buf)
@@ -635,7 +620,8 @@ _spans_impl = _spans_py
 _rows_impl = _rows_py
 _len_impl = _len_py
 _check_impl = _check_py
-_items_impl = _items_py
+_items_py = msgpack_walk.build_items
+_items_impl: Any = _items_py
 _splice_py = msgpack_walk.splice_items
 _splice_impl: Any = _splice_py
 
@@ -656,7 +642,7 @@ def _use_native(on: bool) -> bool:
         _rows_impl = _rows_native
         _len_impl = _len_native
         _check_impl = _check_native
-        _items_impl = _items_native
+        _items_impl = _BUILT.build_items
         _splice_impl = _BUILT.splice_items
     else:
         _decode_impl = _decode_py

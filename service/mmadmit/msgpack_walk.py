@@ -20,8 +20,8 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   what changed is known (spans set to one value each, the pad runs), from
   the bytes and the spans alone.
 * :func:`build_items` and :func:`splice_items`: a request's multimodal items
-  built from their received bytes (the common form; wire.py's reference
-  decoder otherwise), and the reply's items array written back from those
+  built from their received bytes (every legal item; refusals worded), and
+  the reply's items array written back from those
   bytes with only hash and pad_value written again.
 * :func:`split`, :func:`array_spans`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
@@ -1528,17 +1528,21 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
 
 
 # --------------------------------------------------------------------------
-# Multimodal items: one walk that builds them (the codec's fast path).
+# Multimodal items: one walk that builds them and words every refusal.
 #
-# wire.py's item decoder (msgspec, then one Python object tree per item) is the
-# reference and words every refusal. build_items takes the common form only:
-# items of exactly 10 elements whose feature_shm, encoded, encoded_deepstack
-# and encode_handshake are nil, whose feature and every model_specific_data
-# value are tensors ``[str, [int, ...], int | ext 3]``; for anything else
-# (a longer or shorter item, a flag among the side values, a pickle, a
-# malformed byte, a tensor Tensor refuses...) it returns None and the caller
-# runs the reference on the same bytes. What it builds is what the reference
-# builds from the same item (tests/test_wire_fast.py compares them).
+# build_items takes every legal MultimodalDataItem (docs/spec/WIRE.md): an array
+# of at least one element, [modality, hash, pad_value, offsets, feature,
+# feature_shm, model_specific_data, encoded, encoded_deepstack,
+# encode_handshake, ...], a shorter one leaving the rest at their defaults. The
+# common form (ints, nils, tensors ``[str, [int, ...], int | ext 3]``) is read
+# straight from the bytes. Any other value of an element (a flag among the side
+# values, a feature_shm map, an encode_handshake map, encoded data, a newer
+# peer's trailing fields, a tensor of another form) is decoded once by the
+# caller's ``value`` (every ext code but 3 refused) and, for a tensor, built by
+# its ``loose_tensor``, which words what is wrong with it. A refusal is an
+# InvalidRequest (Tensor's TooLarge for a limit) naming the item and its field,
+# a type in msgspec's words ("item 1: hash: Expected `int | null`, got `str`").
+# tests/wire_oracle.py holds the reference these builds are compared with.
 
 _ITEM_ELEMS = cython.declare(ssize, 10)
 
@@ -1819,122 +1823,226 @@ def build_items(
     item: object,
     source: object,
     no_side: object,
-) -> tuple | None:
-    """The items of the mm_items array filling ``p``, built, or None (see above).
+    value: object,
+    loose_tensor: object,
+    shm: object,
+) -> tuple:
+    """The items of the mm_items array filling ``p`` (see above).
 
     ``(items, feature_aux, other_aux, offsets_at)``: per item ``item(modality, hash,
-    pad_value, None, feature, None, side, source(view, aux, start, end, 10,
-    start of element 1, start of element 3, modality, feature, side copy or
-    no_side))``, its tensors ``tensor(dtype, shape, data, (index, key),
-    limits)`` on ``aux[index - 1]`` or the inline bytes; the aux indices
-    features and side tensors refer to; where each item's element 3 starts.
-    Offsets are the caller's (element 3 is only skipped: :func:`int_rows` takes
-    ``offsets_at``). Any exception while building, Tensor's refusals included,
-    gives None: the reference words it."""
-    try:
-        return _build_items(p, view, (aux, limits, tensor, item, source, no_side))
-    except Exception:  # noqa: BLE001 - the reference decoder words every refusal
-        return None
-
-
-def _build_items(p: cython.const[u8][::1], view: object, env: tuple) -> tuple | None:
-    """:func:`build_items`; ``env`` its arguments from ``aux`` on, in order."""
+    pad_value, None, feature, feature_shm, side, source(view, aux, start, end,
+    count, start of element 1, start of element 3, modality, feature, side copy
+    or no_side), encode_handshake)``, its tensors of the common form
+    ``tensor(dtype, shape, data, (index, key), limits)`` on ``aux[index - 1]`` or
+    the inline bytes, any other ``loose_tensor(value, index, key, role)``; the
+    aux indices the features and side tensors of the common form refer to;
+    where each item's element 3 starts (-1: it has none; the offsets are the
+    caller's, :func:`int_rows`). ``value(bytes, what)`` decodes any other
+    element, ``shm(value, what)`` makes a feature_shm. Elements 1 and 3 start
+    where :func:`array_spans` says (-1 both for fewer than 3 elements)."""
+    env: tuple = (aux, limits, tensor, item, source, no_side, value, loose_tensor, shm)
     n: ssize = p.shape[0]
     count: ssize
-    h: ssize
-    pos: ssize
     i: ssize
-    k: ssize
-    _k: ssize
     start: ssize
+    pos: ssize
+    k: ssize
+    e: ssize
+    _k: ssize
     off1: ssize
     off3: ssize
-    entries: ssize
-    b: cython.uint
-    if n < 1:
-        return None
-    count, h = _array_head(p, n, 0)
-    if count < 0 or count > n - h:
-        return None
-    at: _At = _At(h)
+    keys: _At
+    try:
+        count = _top(p)
+    except ValueError as exc:
+        raise InvalidRequest(f"mm_items must be a msgpack array ({exc})") from exc
+    at: _At = _At(_head_len(p, 0))
     items: list = []
     features: list = []
     others: list = []
     offsets_at: list = []
-    for i in range(count):
-        start = at.pos
-        if start >= n:
-            return None
-        k, h = _array_head(p, n, start)
-        if k != _ITEM_ELEMS:
-            return None
-        at.pos = start + h
-        modality = _int_at(p, n, at)  # 0 modality
-        if modality is _BAD:
-            return None
-        off1 = at.pos
-        hash_ = _opt_int_at(p, n, at)  # 1 hash
-        if hash_ is _BAD:
-            return None
-        pad = _opt_int_at(p, n, at)  # 2 pad_value
-        if pad is _BAD:
-            return None
-        off3 = at.pos
-        offsets_at.append(off3)
-        at.pos = _skip(p, n, off3, 1, i)  # 3 offsets: the caller's (int_rows)
-        feature = None  # 4 feature
-        if _nil(p, n, at.pos):
-            at.pos += 1
-        else:
-            feature = _tensor_at(p, n, at, env, _name(_FEATURE_NAMES, i, "feature"), features)
-            if feature is _BAD:
-                return None
-        if not _nil(p, n, at.pos):  # 5 feature_shm
-            return None
-        at.pos += 1
-        side: dict = {}  # 6 model_specific_data
-        if _nil(p, n, at.pos):
-            at.pos += 1
-        else:
-            pos = at.pos  # the map's header
-            if pos >= n:
-                return None
-            b = p[pos]
-            if 0x80 <= b <= 0x8F:
-                entries, pos = b & 0x0F, pos + 1
-            elif b == 0xDE or b == 0xDF:
-                h = 3 if b == 0xDE else 5
-                if n - pos < h:
-                    return None
-                entries, pos = cython.cast(ssize, _load(p, pos + 1, h - 1)), pos + h
+    i = 0
+    try:
+        for i in range(count):
+            start = at.pos
+            off1 = -1
+            off3 = -1
+            k = _array_at(p, n, start, i)
+            if k < 0:
+                raise _expected(i, "", "array", p, n, start)
+            if k == 0:
+                raise InvalidRequest(f"item {i}: Expected `array` of at least length 1, got 0")
+            at.pos = start + _head_len(p, start)
+            pos = at.pos
+            modality = _int_at(p, n, at)  # 0 modality
+            if modality is _BAD:
+                raise _expected(i, "modality: ", "int", p, n, pos)
+            hash_ = None
+            pad = None
+            if k >= 2:  # 1 hash
+                pos = at.pos
+                hash_ = _opt_int_at(p, n, at)
+                if hash_ is _BAD:
+                    raise _expected(i, "hash: ", "int | null", p, n, pos)
+                if k >= 3:  # 2 pad_value
+                    off1 = pos
+                    pos = at.pos
+                    pad = _opt_int_at(p, n, at)
+                    if pad is _BAD:
+                        raise _expected(i, "pad_value: ", "int | null", p, n, pos)
+                    off3 = at.pos
+            if k >= 4:  # 3 offsets: the caller's (int_rows)
+                offsets_at.append(off3)
+                at.pos = _skip(p, n, off3, 1, i)
             else:
-                return None
-            if entries > n - pos:
-                return None
-            at.pos = pos
-            for _k in range(entries):
-                entry = _side_key_at(p, n, at)
-                if entry is _BAD:
-                    return None
-                key = entry[1]
-                if key in side:  # a repeated key: the reference keeps the last only
-                    return None
-                tensor = _tensor_at(p, n, at, env, _name(entry[2], i, key), others)
-                if tensor is _BAD:  # a flag or any other value: the reference's
-                    return None
-                side[key] = tensor
-        for _k in range(3):  # 7 encoded, 8 encoded_deepstack, 9 encode_handshake
-            if not _nil(p, n, at.pos):
-                return None
-            at.pos += 1
-        src = env[4](
-            view, env[0], start, at.pos, _ITEM_ELEMS, off1, off3, modality, feature,
-            side.copy() if side else env[5],
-        )  # fmt: skip
-        items.append(env[3](modality, hash_, pad, None, feature, None, side, src))
+                offsets_at.append(-1)
+            feature = None  # 4 feature
+            if k >= 5:
+                if _nil(p, n, at.pos):
+                    at.pos += 1
+                else:
+                    pos = at.pos
+                    feature = _tensor_at(
+                        p, n, at, env, _name(_FEATURE_NAMES, i, "feature"), features
+                    )
+                    if feature is _BAD:  # another form: decoded, then built or worded
+                        at.pos = pos
+                        loose = _other(p, n, view, env, at, i, f"item {i} feature")
+                        feature = env[7](loose, i, "feature", "feature")
+            shm = None  # 5 feature_shm
+            if k >= 6:
+                if _nil(p, n, at.pos):
+                    at.pos += 1
+                else:
+                    shm = env[8](_other(p, n, view, env, at, i, f"item {i}"), f"item {i}")
+            side: dict = {}  # 6 model_specific_data
+            if k >= 7:
+                if _nil(p, n, at.pos):
+                    at.pos += 1
+                else:
+                    e = _map_at(p, n, at, i, "model_specific_data")
+                    for _k in range(e):
+                        pos = at.pos
+                        entry = _side_key_at(p, n, at)
+                        if entry is _BAD:
+                            raise _expected(i, "model_specific_data: a key: ", "str", p, n, pos)
+                        key = entry[1]
+                        if key in side:  # no encoder writes one: refused, not a value picked
+                            raise InvalidRequest(
+                                f"item {i}: model_specific_data: the key {key!r} is repeated"
+                            )
+                        pos = at.pos
+                        t = _tensor_at(p, n, at, env, _name(entry[2], i, key), others)
+                        if t is _BAD:  # a flag or any other value, or a tensor of another form
+                            at.pos = pos
+                            t = _other(p, n, view, env, at, i, f"item {i} {key}")
+                            if _is_tensor_form(t):
+                                t = env[7](t, i, key, "side")
+                        side[key] = t
+            for _k in range(7, min(k, 9)):  # 7 encoded, 8 encoded_deepstack: checked, not kept
+                if _nil(p, n, at.pos):
+                    at.pos += 1
+                else:
+                    _other(p, n, view, env, at, i, f"item {i}")
+            handshake = None  # 9 encode_handshake: nil or a map of str keys, kept as decoded
+            if k >= 10:
+                if _nil(p, n, at.pos):
+                    at.pos += 1
+                else:
+                    keys = _At(at.pos)
+                    e = _map_at(p, n, keys, i, "encode_handshake")
+                    for _k in range(e):
+                        if _str_span(p, n, keys.pos)[0] < 0:
+                            raise _expected(i, "encode_handshake: a key: ", "str", p, n, keys.pos)
+                        keys.pos = _skip(p, n, keys.pos, 2, i)
+                    handshake = _other(p, n, view, env, at, i, f"item {i}")
+            for _k in range(_ITEM_ELEMS, k):  # a newer peer's fields: checked, kept as bytes
+                _other(p, n, view, env, at, i, f"item {i}")
+            src = env[4](
+                view, env[0], start, at.pos, k, off1, off3, modality, feature,
+                side.copy() if side else env[5],
+            )  # fmt: skip
+            if handshake is None:  # left to its default (passing it costs 0.1 us an item)
+                items.append(env[3](modality, hash_, pad, None, feature, shm, side, src))
+            else:
+                items.append(env[3](modality, hash_, pad, None, feature, shm, side, src, handshake))
+    except ValueError as exc:  # bytes cut short (a direct call), a str not UTF-8
+        raise InvalidRequest(f"item {i}: undecodable msgpack ({exc})") from exc
     if at.pos != n:
-        return None
+        raise InvalidRequest(f"mm_items must be a msgpack array ({_trailing(p, at.pos)})")
     return items, features, others, offsets_at
+
+
+def _got(b: cython.uint) -> str:
+    """msgspec's name for the type of type byte ``b`` (its "got `...`")."""
+    name: str = _type_name(b)
+    if name == "map":
+        return "object"
+    if name == "nil":
+        return "None"
+    if name == "bin":
+        return "bytes"
+    return "float" if name.startswith("float") else name
+
+
+@cython.cfunc
+def _expected(
+    i: ssize, field: str, want: str, p: cython.const[u8][::1], n: ssize, pos: ssize
+) -> Exception:
+    """Item ``i``'s refusal of the value at ``p[pos]`` as ``field`` (a ValueError
+    where the bytes end there)."""
+    if pos >= n:
+        return _split_error(_S_END, i, p, n, pos, 0)
+    return InvalidRequest(f"item {i}: {field}Expected `{want}`, got `{_got(p[pos])}`")
+
+
+@cython.cfunc
+def _map_head(p: cython.const[u8][::1], n: ssize, pos: ssize) -> tuple[ssize, ssize]:
+    """``(entries, header length)`` of the map header at ``p[pos]``, ``(-1, 0)`` if
+    it is no map (or ``pos`` is past the end), ``(-2, 0)`` if it is cut short."""
+    if pos >= n:
+        return -1, 0
+    b: cython.uint = p[pos]
+    h: ssize
+    if 0x80 <= b <= 0x8F:
+        return b & 0x0F, 1
+    if b == 0xDE or b == 0xDF:
+        h = 3 if b == 0xDE else 5
+        if n - pos < h:
+            return -2, 0
+        return cython.cast(ssize, _load(p, pos + 1, h - 1)), h
+    return -1, 0
+
+
+@cython.cfunc
+def _map_at(p: cython.const[u8][::1], n: ssize, at: _At, i: ssize, field: str) -> ssize:
+    """The entry count of the map at ``p[at.pos]``, item ``i``'s ``field`` (``at``
+    moved past its header); refused if it is no map."""
+    entries: ssize
+    h: ssize
+    entries, h = _map_head(p, n, at.pos)
+    if entries == -2:
+        raise _split_error(_S_TRUNC, i, p, n, at.pos, 5)
+    if entries < 0:
+        raise _expected(i, f"{field}: ", "object | null", p, n, at.pos)
+    at.pos += h
+    return entries
+
+
+@cython.cfunc
+def _other(
+    p: cython.const[u8][::1], n: ssize, view: object, env: tuple, at: _At, i: ssize, what: str
+) -> object:
+    """The value at ``p[at.pos]`` decoded by ``env``'s ``value`` (``at`` moved past it)."""
+    pos: ssize = at.pos
+    at.pos = _skip(p, n, pos, 1, i)
+    return env[6](view[pos : at.pos], what)
+
+
+@cython.cfunc
+def _is_tensor_form(v: object) -> cython.bint:
+    """A decoded value of a tensor's form ``[str, list, data]`` (built, or refused)."""
+    return type(v) is list and len(v) == 3 and type(v[0]) is str and type(v[1]) is list
 
 
 # --------------------------------------------------------------------------

@@ -25,11 +25,10 @@ How it stays fast and loses nothing:
   ``input_ids`` bytes with only the pad runs written, neither array read.
 * One decode path per message kind, whatever its size: an ADD's payload is
   always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
-  and every multimodal item by one typed ``msgspec`` decoder
-  (:class:`_WireItem`) that takes every legal item; an ABORT by one typed
-  ``list[str]`` decode. When the item decoder refuses ``mm_items``,
-  :func:`_item_error` only words why (which item, which field or tensor):
-  nothing it decodes is kept. An item that changed only in ``hash`` /
+  and every multimodal item by one walk over ``mm_items``
+  (:func:`mmadmit.msgpack_walk.build_items`) that takes every legal item and
+  words its own refusals (which item, which field or tensor) as it reads; an
+  ABORT by one typed ``list[str]`` decode. An item that changed only in ``hash`` /
   ``pad_value`` (what materialization does) is re-emitted as its received
   bytes with those two elements replaced.
 * Tensors are :class:`~mmadmit.model.Tensor` views, each built in one place
@@ -88,7 +87,6 @@ from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
 from .intcodec import (
     IntArrayTooLong,
     array_len,
-    array_spans,
     build_items,
     check_structure,
     decode_int_array,
@@ -164,7 +162,6 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 
 _SPLIT = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
-_Ext = msgspec.msgpack.Ext
 # what the ingest receives: a flat byte buffer. memoryview(frame) is its view; a
 # frame's .buffer is the same view, made and kept behind a weak reference on first
 # use (measured 15 against 10 us for the 130 aux frames of a 128-item request)
@@ -275,9 +272,12 @@ def _check_elements(
     raise msgpack_len_over(where, value, "entries", limits.max_msgpack_len, container="a map of ")
 
 
-def _value(raw: msgspec.Raw, what: str) -> Any:
+def _value(raw: msgspec.Raw | memoryview, what: str) -> Any:
+    """Any msgpack value (ext 3 as inline data); a refusal names ``what``."""
     try:
         return _ANY.decode(raw)
+    except InvalidRequest as exc:  # the ext hook: pickle or an unknown ext code
+        raise InvalidRequest(f"{what}: {exc.message}") from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"{what}: undecodable msgpack ({exc})") from exc
     except RecursionError as exc:
@@ -341,20 +341,6 @@ def _as_buffer(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class _WireTensor(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
-    """A tensor ``[dtype, shape, data]`` as the item decoder takes it (``feature``).
-
-    Exactly three elements (an array-like struct otherwise skips trailing
-    ones); what the types leave open (the dtype's name, the aux index, the
-    ext code, the byte length, the limits) is decided where the
-    :class:`~mmadmit.model.Tensor` is built.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: int | msgspec.msgpack.Ext  # an aux frame index or inline bytes (ext 3)
-
-
 class _TensorReader:
     """Builds the request's tensors on its aux frames and records what each frame held."""
 
@@ -372,7 +358,7 @@ class _TensorReader:
         """The one place a received tensor is made: its data resolved (inline bytes or an
         aux frame), everything else checked by :class:`~mmadmit.model.Tensor`. ``name``:
         a :class:`TensorName` or its ``(item, key)`` pair."""
-        if type(data) is int:  # never a bool (the typed decoder refuses it; type() here)
+        if type(data) is int:  # never a bool (type(), not isinstance)
             aux = self.aux
             if not 0 < data <= len(aux):
                 raise InvalidRequest(
@@ -381,10 +367,6 @@ class _TensorReader:
                 )
             buf: Any = aux[data - 1]
             (self.features if role == "feature" else self.others).add(data)
-        elif type(data) is _Ext:
-            if data.code != EXT_TENSOR_DATA:  # pickle or an unknown ext code
-                raise InvalidRequest(f"{TensorName(*name)}: {ext_refusal(data.code)}")
-            buf = memoryview(data.data)  # bytes: the byte view Tensor keeps
         elif type(data) is _InlineData:
             buf = memoryview(data.data)
         else:
@@ -401,12 +383,6 @@ class _TensorReader:
         return self.build(value[0], value[1], value[2], (item, key), role)
 
 
-def _is_tensor_value(value: Any) -> bool:
-    return (
-        type(value) is list and len(value) == 3 and type(value[0]) is str and type(value[1]) is list
-    )
-
-
 def _decode_shm(value: Any, what: str) -> ShmHandle | None:
     if value is None:
         return None
@@ -420,48 +396,6 @@ def _decode_shm(value: Any, what: str) -> ShmHandle | None:
         shape=tuple(shape) if isinstance(shape, (list, tuple)) else None,
         dtype=dtype if isinstance(dtype, str) else None,
     )
-
-
-class _WireItem(msgspec.Struct, array_like=True, gc=False):
-    """A MultimodalDataItem as the one item decoder takes it: every item of a request
-    in one typed ``msgspec`` call.
-
-    It takes every legal item: ``model_specific_data`` values are any value
-    (a tensor is recognised by its form, ``[str, list, data]``; others, such
-    as a ``use_audio_in_video`` flag, are kept as they are). ``offsets`` are
-    decoded for every item at once by :func:`mmadmit.intcodec.int_rows`.
-    Trailing fields of a newer peer are skipped here unseen: they are checked
-    (no pickle) from the item's raw elements. What the types refuse is worded
-    by :func:`_item_error`, which decodes nothing that is kept.
-    """
-
-    modality: int
-    hash: int | None = None
-    pad_value: int | None = None
-    offsets: msgspec.Raw = _NIL
-    feature: _WireTensor | None = None
-    feature_shm: Any = None
-    model_specific_data: dict[str, msgspec.Raw] | None = None  # see _side_value
-    # Passed through untouched, but decoded so the ext hook sees every element.
-    encoded: Any = None
-    encoded_deepstack: Any = None
-    # EPD: nil or a map, as TokenSpeed's decoder types it (passed through untouched)
-    encode_handshake: dict[str, Any] | None = None
-
-
-_ITEMS = msgspec.msgpack.Decoder(list[_WireItem], ext_hook=_ext_hook)
-_TENSOR = msgspec.msgpack.Decoder(_WireTensor)
-
-
-def _side_value(raw: msgspec.Raw, idx: int, key: str, reader: _TensorReader) -> Any:
-    """A ``model_specific_data`` value the tensor struct does not take (every other is
-    a tensor): any value, kept as decoded (a ``use_audio_in_video`` flag). One of a
-    tensor's form (``[str, list, data]``) is built all the same, for
-    :class:`~mmadmit.model.Tensor` to word what is wrong with it."""
-    value = _value(raw, f"item {idx} {key}")
-    if _is_tensor_value(value):
-        return reader.build(value[0], value[1], value[2], (idx, key), "side")
-    return value
 
 
 _NO_SIDE: dict[str, Any] = {}  # an item decoded without side values (compared, never changed)
@@ -514,79 +448,21 @@ def _check_items(view: memoryview, reader: _TensorReader) -> None:
 
 
 def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
-    """Every item of ``mm_items``: built by the compiled walk when every item has
-    the common form (:func:`mmadmit.msgpack_walk.build_items`), else by the
-    reference decoder (:class:`_WireItem`), which words every refusal."""
+    """Every item of ``mm_items``, built by one walk that words every refusal
+    (:func:`mmadmit.msgpack_walk.build_items`), then their offsets in one table."""
     _check_items(view, reader)
-    built = build_items(view, view, reader.aux, reader.limits, Tensor, Item, _ItemSrc, _NO_SIDE)
-    if built is None:
-        items = _decode_items_reference(view, reader)
-        with_offsets = [it for it in items if it.extra.count > 3]  # items that have element 3
-        _set_offsets(view, with_offsets, [it.extra.off3 for it in with_offsets], items)
+    items, features, others, offsets_at = build_items(
+        view, view, reader.aux, reader.limits, Tensor, Item, _ItemSrc, _NO_SIDE,
+        _value, reader.tensor, _decode_shm,
+    )  # fmt: skip
+    reader.features.update(features)
+    reader.others.update(others)
+    if -1 in offsets_at:  # items without element 3
+        with_offsets = [it for it, at in zip(items, offsets_at, strict=True) if at >= 0]
+        offsets_at = [at for at in offsets_at if at >= 0]
     else:
-        items, features, others, offsets_at = built
-        reader.features.update(features)
-        reader.others.update(others)
-        _set_offsets(view, items, offsets_at, items)
-    return items
-
-
-def _decode_items_reference(view: memoryview, reader: _TensorReader) -> list[Item]:
-    """The reference item decode (one typed ``msgspec`` call, see :class:`_WireItem`)."""
-    try:
-        spans = array_spans(view)
-    except ValueError as exc:
-        raise InvalidRequest(f"mm_items must be a msgpack array ({exc})") from exc
-    try:
-        wire_items = _ITEMS.decode(view)
-    except (msgspec.DecodeError, RecursionError, InvalidRequest) as exc:
-        # a type the decoder refuses (ValidationError is a DecodeError), pickle in any field
-        raise _item_error(view, spans, reader, exc) from exc
-    build = reader.build
-    decode_tensor = _TENSOR.decode
-    items: list[Item] = []
-    for i, w, start, end, count, off1, off3 in zip(
-        range(len(wire_items)),
-        wire_items,
-        spans[0::5],
-        spans[1::5],
-        spans[2::5],
-        spans[3::5],
-        spans[4::5],
-        strict=True,
-    ):
-        if count > _ITEM_FIELDS:  # newer peer's fields: validated (no pickle), kept raw
-            for extra_raw in _split(view[start:end], f"item {i}")[_ITEM_FIELDS:]:
-                _value(extra_raw, f"item {i}")
-        feature = None
-        wt = w.feature
-        if wt is not None:
-            feature = build(wt.dtype, wt.shape, wt.data, (i, "feature"), "feature")
-        side: dict[str, Any] = {}  # the item's own (it may be changed): never _NO_SIDE
-        if w.model_specific_data:
-            for key, raw in w.model_specific_data.items():
-                try:
-                    t = decode_tensor(raw)
-                except msgspec.DecodeError:  # not a tensor, or a malformed one
-                    side[key] = _side_value(raw, i, key, reader)
-                else:
-                    side[key] = build(t.dtype, t.shape, t.data, (i, key), "side")
-        shm = None if w.feature_shm is None else _decode_shm(w.feature_shm, f"item {i}")
-        src = _ItemSrc(
-            view,
-            reader.aux,
-            start,
-            end,
-            count,
-            off1,
-            off3,
-            w.modality,
-            feature,
-            side.copy() if side else _NO_SIDE,
-        )
-        items.append(
-            Item(w.modality, w.hash, w.pad_value, None, feature, shm, side, src, w.encode_handshake)
-        )
+        with_offsets = items
+    _set_offsets(view, with_offsets, offsets_at, items)
     return items
 
 
@@ -607,74 +483,6 @@ def _set_offsets(
                 item.offsets = table[a:b]
 
 
-# ------------------------------------------------------------ error wording (items)
-
-
-class _LooseItem(msgspec.Struct, array_like=True):
-    """The item's fields with only their basic types, for :func:`_item_error`'s wording."""
-
-    modality: int
-    hash: int | None = None
-    pad_value: int | None = None
-    offsets: list[tuple[int, int]] | None = None
-    feature: Any = None
-    feature_shm: Any = None
-    model_specific_data: dict[str, Any] | None = None
-    encoded: Any = None
-    encoded_deepstack: Any = None
-    encode_handshake: dict[str, Any] | None = None
-
-
-_LOOSE_ITEM = msgspec.msgpack.Decoder(_LooseItem, ext_hook=_ext_hook)
-_ITEM_FIELD_NAMES = [f.name for f in msgspec.structs.fields(_LooseItem)]
-
-
-def _item_error(
-    view: memoryview, spans: list[int], reader: _TensorReader, exc: Exception
-) -> AdmissionError:
-    """Word why the item decoder refused ``mm_items``: the first item that is wrong,
-    and what in it (its field, or its tensor by key). Only error wording: what it
-    decodes is dropped, and it runs only once the request has failed."""
-    order = range(len(spans) // 5)
-    index = _error_index(exc)
-    if index is not None and index < len(order):
-        order = range(index, len(order))  # the decoder stopped there; the ones before passed
-    for i in order:
-        start, end = spans[5 * i], spans[5 * i + 1]
-        found = _item_problem(view[start:end], i, reader)
-        if found is not None:
-            return found
-    return InvalidRequest(f"mm_items: {exc}")  # pragma: no cover - every refusal is worded above
-
-
-def _error_index(exc: Exception) -> int | None:
-    """The item index of msgspec's "... - at `$[3]...`" (None without a path)."""
-    _, sep, path = str(exc).partition(" - at `$[")
-    if not sep:
-        return None
-    index = path.split("]", 1)[0]
-    return int(index) if index.isdigit() else None
-
-
-def _item_problem(raw: memoryview, idx: int, reader: _TensorReader) -> AdmissionError | None:
-    """What is wrong with item ``idx`` (None: nothing the item decoder refuses)."""
-    what = f"item {idx}"
-    try:
-        w = _LOOSE_ITEM.decode(raw)
-    except msgspec.ValidationError as exc:
-        return InvalidRequest(f"{what}: {_field_error(exc)}")
-    except (msgspec.DecodeError, RecursionError) as exc:
-        return InvalidRequest(f"{what}: undecodable msgpack ({exc})")
-    except InvalidRequest as exc:  # the ext hook: pickle or an unknown ext code
-        return InvalidRequest(f"{what}: {exc.message}")
-    if w.feature is not None:
-        try:
-            reader.tensor(w.feature, idx, "feature", "feature")
-        except AdmissionError as exc:  # InvalidRequest, or TooLarge before the wrong part
-            return exc
-    return None
-
-
 def _offsets_error(
     view: memoryview, with_offsets: list[Item], items: list[Item], exc: ValueError
 ) -> InvalidRequest:
@@ -688,19 +496,6 @@ def _offsets_error(
                 f"[start, end] pairs of int64 ({one})"
             )
     return InvalidRequest(f"mm_items: offsets ({exc})")  # pragma: no cover - found above
-
-
-def _field_error(exc: msgspec.ValidationError) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$[1]`" with the field's wire name."""
-    text = str(exc)
-    head, sep, path = text.partition(" - at `")
-    where, sep2, index_path = path.partition("$[")  # "key` in `$[9]`": a map key
-    if sep and sep2:
-        index = index_path.split("]", 1)[0]
-        if index.isdigit() and int(index) < len(_ITEM_FIELD_NAMES):
-            of = "a key: " if where.startswith("key") else ""
-            return f"{_ITEM_FIELD_NAMES[int(index)]}: {of}{head}"
-    return text
 
 
 def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
