@@ -57,6 +57,7 @@ from mmadmit.limits import Limits  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.model import Materialized, Request  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
+from mmadmit.runtime import run_loop  # noqa: E402
 
 MODEL = ROOT / "tests" / "data" / "vectors" / "configs" / "qwen3_5.json"
 LISTEN_RE = re.compile(r"^mmadmit engine-handshake (\S+)$")
@@ -341,12 +342,7 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=50)
     parser.add_argument("--bare-relay", metavar="SMG_HANDSHAKE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    try:
-        import uvloop
-
-        return uvloop.run(main_async(args))
-    except ImportError:  # pragma: no cover
-        return asyncio.run(main_async(args))
+    return run_loop(main_async(args))
 
 
 if __name__ == "__main__":

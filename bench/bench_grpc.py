@@ -373,18 +373,11 @@ def main() -> None:
     parser.add_argument("--serve", type=int, metavar="REPLY_BYTES", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    try:
-        import uvloop
-
-        run: Callable[..., Any] = uvloop.run
-    except ImportError:  # pragma: no cover
-        run = asyncio.run
+    from mmadmit.runtime import run_loop, tune_process
 
     if args.serve is not None:
-        from mmadmit.runtime import tune_process
-
         tune_process()  # as `mmadmit serve` does at start-up
-        run(serve(args.model, args.serve, args.workers))
+        run_loop(serve(args.model, args.serve, args.workers))
         return
 
     body, reply = workload(args.model)
@@ -406,7 +399,7 @@ def main() -> None:
         address = line.split()[1]
         print(f"server on {address} (pid {proc.pid})", file=sys.stderr)
         try:
-            results = run(drive(address, proc.pid, body, args))
+            results = run_loop(drive(address, proc.pid, body, args))
         finally:
             proc.stdin.close()
             proc.wait(timeout=30)

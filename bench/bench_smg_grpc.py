@@ -73,7 +73,7 @@ from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.model import Materialized, Modality, Request, Rule  # noqa: E402
 from mmadmit.pool import MaterializerPool  # noqa: E402
 from mmadmit.profile import ModelProfile  # noqa: E402
-from mmadmit.runtime import tune_process  # noqa: E402
+from mmadmit.runtime import run_loop, tune_process  # noqa: E402
 from mmadmit.scheduler_link import SchedulerLink  # noqa: E402
 from mmadmit.smg_grpc import SERVICE, SmgGrpcFace  # noqa: E402
 from mmadmit.smg_request import parse_generate, request_from_generate  # noqa: E402
@@ -415,12 +415,7 @@ def main() -> int:
     parser.add_argument("--bare-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tune_process()  # as mmadmit serve does; the same allocator and collector in every process
-    try:
-        import uvloop
-
-        return uvloop.run(main_async(args))
-    except ImportError:  # pragma: no cover
-        return asyncio.run(main_async(args))
+    return run_loop(main_async(args))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR.parent / "bench"))
 
 from mmadmit import wire  # noqa: E402
+from mmadmit.runtime import run_loop  # noqa: E402
 from mmadmit_client.frames import pack_frames, parse_frames  # noqa: E402
 
 VECTORS = TESTS_DIR / "data" / "vectors"
@@ -699,12 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     sch.add_argument("--dead-after", type=int, default=None, help="ENGINE_CORE_DEAD after N")
     args = parser.parse_args(argv)
     runner = _smg_main if args.role == "smg" else _scheduler_main
-    try:
-        import uvloop
-
-        return uvloop.run(runner(args))
-    except ImportError:  # pragma: no cover
-        return asyncio.run(runner(args))
+    return run_loop(runner(args))
 
 
 if __name__ == "__main__":

@@ -219,6 +219,28 @@ _WHISPER = {
     "dither": 0.0,
 }
 
+
+def _qwen3_vl_family(dir_name: str, preset: str, tokens: Any) -> FamilySpec:
+    """Qwen3-VL and Qwen3.5: one processor (16-pixel patches, half mean/std), one template."""
+    return FamilySpec(
+        dir_name=dir_name,
+        preset=preset,
+        special_tokens=tokens,
+        chat_template=_QWEN_TEMPLATE.replace("IMAGE", "<|image_pad|>"),
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        preprocessor={
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "processor_class": "Qwen3VLProcessor",
+            **_qwen_image_proc(16, _HALF, _HALF),
+            "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+        },
+        video_preprocessor=_qwen3_video_proc(_HALF, _HALF),
+        config_extra={"max_position_embeddings": 262144, "torch_dtype": "bfloat16"},
+    )
+
+
 SPECS: dict[str, FamilySpec] = {
     "text": FamilySpec(
         dir_name="Llama-3-tiny",
@@ -296,40 +318,8 @@ SPECS: dict[str, FamilySpec] = {
         },
         config_extra={"max_position_embeddings": 128000, "torch_dtype": "bfloat16"},
     ),
-    "qwen3_vl": FamilySpec(
-        dir_name="Qwen3-VL-tiny",
-        preset="qwen3_vl.json",
-        special_tokens=_QWEN2_TOKENS,
-        chat_template=_QWEN_TEMPLATE.replace("IMAGE", "<|image_pad|>"),
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        preprocessor={
-            "image_processor_type": "Qwen2VLImageProcessorFast",
-            "processor_class": "Qwen3VLProcessor",
-            **_qwen_image_proc(16, _HALF, _HALF),
-            "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-        },
-        video_preprocessor=_qwen3_video_proc(_HALF, _HALF),
-        config_extra={"max_position_embeddings": 262144, "torch_dtype": "bfloat16"},
-    ),
-    "qwen3_5": FamilySpec(
-        dir_name="Qwen3.5-tiny",
-        preset="qwen3_5.json",
-        special_tokens=_QWEN3_5_TOKENS,
-        chat_template=_QWEN_TEMPLATE.replace("IMAGE", "<|image_pad|>"),
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        preprocessor={
-            "image_processor_type": "Qwen2VLImageProcessorFast",
-            "processor_class": "Qwen3VLProcessor",
-            **_qwen_image_proc(16, _HALF, _HALF),
-            "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-        },
-        video_preprocessor=_qwen3_video_proc(_HALF, _HALF),
-        config_extra={"max_position_embeddings": 262144, "torch_dtype": "bfloat16"},
-    ),
+    "qwen3_vl": _qwen3_vl_family("Qwen3-VL-tiny", "qwen3_vl.json", _QWEN2_TOKENS),
+    "qwen3_5": _qwen3_vl_family("Qwen3.5-tiny", "qwen3_5.json", _QWEN3_5_TOKENS),
     "qwen3_omni": FamilySpec(
         dir_name="Qwen3-Omni-tiny",
         preset="qwen3_omni_moe.json",
