@@ -54,6 +54,16 @@ def build_request(
     side_vid = 16 if n <= 8192 else 32
     img_tokens = side_img * side_img // 4
     per_frame = side_vid * side_vid // 4
+
+    def item(modality: Modality, spans: list[list[int]], rows: int, side: dict[str, Any]) -> Item:
+        return Item(
+            int(modality),
+            hash=int(rng.integers(0, 2**63)),
+            offsets=np.array(spans, np.int64),
+            feature=_feature(rows, feature_bytes),
+            side=side,
+        )
+
     while used < media_budget:
         kind = k % (3 if omni else 2)
         k += 1
@@ -63,15 +73,8 @@ def build_request(
                 break
             ids[pos - 1] = profile.vision_start_token_id or 0
             ids[pos : pos + length] = profile.image_token_id
-            items.append(
-                Item(
-                    int(Modality.IMAGE),
-                    hash=int(rng.integers(0, 2**63)),
-                    offsets=np.array([[pos, pos + length - 1]], np.int64),
-                    feature=_feature(length * 4, feature_bytes),
-                    side=_grid("image_grid_thw", 1, side_img, side_img),
-                )
-            )
+            side = _grid("image_grid_thw", 1, side_img, side_img)
+            items.append(item(Modality.IMAGE, [[pos, pos + length - 1]], length * 4, side))
         elif kind == 1:  # video of 4 frames
             frames, per = 4, per_frame
             length = frames * per + (frames * 8 if not omni else 0)
@@ -91,28 +94,13 @@ def build_request(
             side = _grid("video_grid_thw", frames, side_vid, side_vid)
             if omni:
                 side["video_second_per_grid"] = Tensor.from_numpy(np.array([1.0], np.float32))
-            items.append(
-                Item(
-                    int(Modality.VIDEO),
-                    hash=int(rng.integers(0, 2**63)),
-                    offsets=np.array(spans, np.int64),
-                    feature=_feature(frames * per * 4, feature_bytes),
-                    side=side,
-                )
-            )
+            items.append(item(Modality.VIDEO, spans, frames * per * 4, side))
         else:  # audio 100 tokens
             length = 100
             if pos + length + 16 >= n:
                 break
             ids[pos : pos + length] = profile.audio_token_id
-            items.append(
-                Item(
-                    int(Modality.AUDIO),
-                    hash=int(rng.integers(0, 2**63)),
-                    offsets=np.array([[pos, pos + length - 1]], np.int64),
-                    feature=_feature(length * 4, feature_bytes),
-                )
-            )
+            items.append(item(Modality.AUDIO, [[pos, pos + length - 1]], length * 4, {}))
         used += length
         pos += length + 8
     if not with_hash:
