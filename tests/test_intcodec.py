@@ -365,7 +365,8 @@ def test_one_walker_source() -> None:
     one IntArrayTooLong class for both."""
     from mmadmit import msgpack_walk
 
-    public = {"array_len", "array_spans", "check_structure", "decode", "encode", "int_rows"}
+    public = {"array_len", "array_spans", "check_structure", "decode", "element_span", "encode",
+              "int_rows", "build_items", "splice_items"}  # fmt: skip
     assert public | {"split"} <= set(dir(msgpack_walk))
     if ic._BUILT is not None:
         assert public | {"split"} <= set(dir(ic._BUILT))
@@ -597,6 +598,33 @@ def test_array_spans_native_matches_fallback() -> None:
         for impl in (ic._spans_native, ic._spans_py):
             with pytest.raises(ValueError):
                 impl(ic._as_bytes(raw[:cut]))
+
+
+def test_element_span_both_builds() -> None:
+    """element_span (recover_rid's one probe): every element's span, compiled and
+    interpreted alike; the whole array checked (a cut or trailing byte refused
+    even past the element asked for), any nesting depth, no element out of range."""
+    from mmadmit import msgpack_walk
+
+    raw, items = _items_payload()
+    walks = [msgpack_walk] + ([ic._BUILT] if ic._BUILT is not None else [])
+    offsets = _expected_offsets(items)
+    deep = b"\x93\xa1T\xa3rid" + b"\x91" * 5000 + b"\xc0"
+    for walk in walks:
+        for i in range(len(items)):
+            assert walk.element_span(ic._as_bytes(raw), i) == (offsets[i], offsets[i + 1])
+        assert walk.element_span(ic._as_bytes(deep), 1) == (3, 7)
+        for bad, index in ((raw, len(items)), (raw, -1), (raw + b"\xc0", 0), (deep[:-1], 1)):
+            with pytest.raises(ValueError):
+                walk.element_span(ic._as_bytes(bad), index)
+    for cut in range(len(raw)):
+        outcomes = []
+        for walk in walks:
+            try:
+                outcomes.append(walk.element_span(ic._as_bytes(raw[:cut]), 0))
+            except ValueError as exc:
+                outcomes.append(str(exc))
+        assert outcomes[1:] == outcomes[:1] * (len(walks) - 1)
 
 
 @pytest.mark.parametrize("rows", ROWERS)

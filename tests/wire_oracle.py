@@ -20,7 +20,6 @@ from mmadmit.model import Item
 from mmadmit.tensorcheck import TensorName
 from mmadmit.wire import (
     _ITEM_FIELDS,
-    _NIL,
     _NO_SIDE,
     EXT_TENSOR_DATA,
     _decode_shm,
@@ -34,6 +33,7 @@ from mmadmit.wire import (
 from mmadmit_client.wire import ext_refusal
 
 _Ext = msgspec.msgpack.Ext
+_NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 
 
 def _build(reader: _TensorReader, dtype: Any, shape: Any, data: Any, name: Any, role: str) -> Any:

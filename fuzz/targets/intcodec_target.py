@@ -13,7 +13,8 @@ compiled walker against the interpreted one and the fallback, and
 ``encode_filled`` with spans and marks taken from the bytes), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
-(or offsets chosen freely) with chosen limits, ``array_spans`` and ``int_rows``
+(or offsets chosen freely) with chosen limits, ``array_spans`` (and
+``element_span`` of a chosen element) and ``int_rows``
 at offsets taken from the spans (or chosen freely), and ``build_items`` on
 the bytes or on an items array built item by item from them. Results, error
 types and error texts must all match (one source words every error); what
@@ -200,8 +201,11 @@ def _structure(d: Data) -> None:
 
 
 def _spans(d: Data) -> None:
+    index = d.int_in(-1, 5)
     buf = memoryview(d.rest())
     same(outcome(ic._spans_native, buf), outcome(ic._spans_py, buf), "array_spans")
+    a = outcome(ic._BUILT.element_span, buf, index)
+    same(a, outcome(msgpack_walk.element_span, buf, index), f"element_span({index})")
 
 
 def _rows(d: Data) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "check_int_arrays",
     "check_structure",
     "decode_int_array",
+    "element_span",
     "encode_int_array",
     "encode_int_array_filled",
     "encode_int_array_like",
@@ -255,6 +256,15 @@ def array_spans(raw: Any) -> list[int]:
     as :func:`split_array`.
     """
     return _spans_impl(_as_bytes(raw))
+
+
+def element_span(raw: Any, index: int) -> tuple[int, int]:
+    """``(start, end)`` of element ``index`` of the one msgpack array filling ``raw``,
+    whose structure is checked whole (:func:`mmadmit.msgpack_walk.element_span`: any
+    depth, nothing allocated by its size); ``ValueError`` as :func:`split_array`, or
+    where there is no such element."""
+    start, end = _WALK.element_span(_as_bytes(raw), index)
+    return start, end
 
 
 def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.int64], list[int]]:
@@ -611,6 +621,7 @@ def _rows_py(
     return table, bounds
 
 
+_WALK: Any = msgpack_walk  # the walker the public functions call (_use_native)
 _decode_impl = _decode_py
 _encode_impl = _encode_py
 _like_impl = _like_py
@@ -630,8 +641,9 @@ def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
     global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl, _splice_impl
+    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl, _splice_impl, _WALK
     HAVE_NATIVE = on and _BUILT is not None
+    _WALK = _BUILT if HAVE_NATIVE else msgpack_walk
     if HAVE_NATIVE:
         _decode_impl = _decode_native
         _encode_impl = _encode_native

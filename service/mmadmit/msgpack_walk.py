@@ -23,7 +23,7 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   built from their received bytes (every legal item; refusals worded), and
   the reply's items array written back from those
   bytes with only hash and pad_value written again.
-* :func:`split`, :func:`array_spans`, :func:`int_rows`,
+* :func:`split`, :func:`array_spans`, :func:`element_span`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
   its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
   iteratively (no recursion: any nesting depth costs no stack), every read
@@ -69,6 +69,7 @@ __all__ = [
     "check_structure",
     "decode",
     "decode_marked",
+    "element_span",
     "encode",
     "encode_filled",
     "encode_like",
@@ -1301,6 +1302,23 @@ def split(
         raise _trailing(p, pos)
     offsets.append(pos)
     return offsets, ints
+
+
+def element_span(p: cython.const[u8][::1], index: ssize) -> tuple:
+    """``(start, end)`` of element ``index`` of the one array filling ``p``: the
+    whole array walked as :func:`split` walks it (its structure checked, any
+    depth), but nothing allocated for its elements. ValueError as :func:`split`,
+    or where the array has no element ``index``."""
+    n: ssize = p.shape[0]
+    count: ssize = _top(p)
+    if not 0 <= index < count:
+        raise ValueError(f"msgpack: the array of {count} elements has no element {index}")
+    start: ssize = _skip(p, n, _head_len(p, 0), index, 0)
+    end: ssize = _skip(p, n, start, 1, index)
+    pos: ssize = _skip(p, n, end, count - index - 1, index + 1)
+    if pos != n:
+        raise _trailing(p, pos)
+    return start, end
 
 
 def array_spans(p: cython.const[u8][::1]) -> list:

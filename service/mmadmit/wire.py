@@ -90,6 +90,7 @@ from .intcodec import (
     build_items,
     check_structure,
     decode_int_array,
+    element_span,
     encode_int_array,
     encode_int_array_filled,
     encode_int_array_like,
@@ -167,7 +168,6 @@ _ANY = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 # use (measured 15 against 10 us for the 130 aux frames of a 128-item request)
 _Frame: Any = zmq.Frame  # Any: pyzmq types Frame as no buffer
 _ENC = msgspec.msgpack.Encoder()
-_NIL = msgspec.Raw(_ENC.encode(None))
 
 
 def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw]:
@@ -531,35 +531,20 @@ def _ids(raw: msgspec.Raw, what: str) -> np.ndarray:
         raise InvalidRequest(f"{what} must be an array of integers ({exc})") from exc
 
 
-class _RidProbe(msgspec.Struct, array_like=True, gc=False):
-    """Elements 0 and 1 of a payload; msgspec skips the rest without building it."""
-
-    tag: msgspec.Raw = _NIL
-    rid: msgspec.Raw = _NIL
-
-
-_RID_PROBE = msgspec.msgpack.Decoder(_RidProbe)
 _STR = msgspec.msgpack.Decoder(str)
-
-
-_RECOVER_SPLIT_MAX = DEFAULT_LIMITS.max_msgpack_len
 
 
 def recover_rid(payload: Any) -> str:
     """Best effort: the rid of a payload that failed to decode ("" if unreadable).
 
-    Allocates nothing sized by the payload: an array of up to the default
-    ``max_msgpack_len`` elements is split (an iterative walk: any nesting depth),
-    a longer one is probed for its first two elements by msgspec instead.
+    One probe: element 1 of a payload that is one well-formed msgpack array
+    (:func:`mmadmit.intcodec.element_span`: any nesting depth, nothing allocated
+    by the payload's size).
     """
     try:
         buf = _as_buffer(payload)
-        if array_len(buf) > _RECOVER_SPLIT_MAX:
-            return _STR.decode(_RID_PROBE.decode(buf).rid)
-        offsets, _ = split_array(buf)
-        if len(offsets) <= F_RID + 1:
-            return ""
-        return _STR.decode(buf[offsets[F_RID] : offsets[F_RID + 1]])
+        start, end = element_span(buf, F_RID)
+        return _STR.decode(buf[start:end])
     except Exception:  # noqa: BLE001 - any failure means "no rid"
         return ""
 
