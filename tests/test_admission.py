@@ -27,7 +27,6 @@ from mmadmit.model import Materialized, Request
 from mmadmit.pool import MaterializerPool, Ticket
 from mmadmit.profile import load_profile
 from mmadmit.telemetry import Telemetry
-from mmadmit.zmq_ingest import ZmqIngestStats
 
 HOLD_S = 10.0
 
@@ -237,10 +236,9 @@ def _requests_total(telemetry: Telemetry, transport: str, outcome: str, code: st
 
 async def test_finish_counts_each_outcome_once(gate: Gate) -> None:
     telemetry = Telemetry("llama", log_outcomes=False)
-    stats = ZmqIngestStats()  # a transport's own counters extend AdmissionStats
     with _held_pool(gate) as pool:
-        adm = Admissions(pool, transport="zmq", telemetry=telemetry, stats=stats)
-        assert adm.stats is stats
+        adm = Admissions(pool, transport="zmq", telemetry=telemetry)
+        stats = adm.stats  # the transport's one count of its outcomes
         t0 = time.perf_counter()
         ok_key, cancel_key = (b"a", "ok"), (b"a", "gone")
         ok_req = _req("ok")
@@ -265,6 +263,10 @@ async def test_finish_counts_each_outcome_once(gate: Gate) -> None:
         # under its own transport's label only
         assert _requests_total(telemetry, "grpc", "materialized", "OK") == 0
         assert _requests_total(telemetry, "grpc", "aborted", "CANCELLED") == 0
+        counts = stats.outcome_counts()  # what telemetry reads: every code, OK materialized
+        assert counts["OK"] == 1 and counts["CANCELLED"] == 1 and counts["TOO_LARGE"] == 0
+        assert len(counts) == 1 + len(AbortCode)
+        assert telemetry.answered() == (1, 2)  # the shutdown line's totals
 
 
 async def test_finish_without_telemetry_counts_stats_only(gate: Gate) -> None:

@@ -262,12 +262,12 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
         await until(lambda: svc.pool.inflight == 0)
         await asyncio.sleep(0.2)  # a duplicate reply would arrive now
         assert all(c.transport.counters["unmatched_replies"] == 0 for c in [svc.zmq, *peers])
-        zstats = svc.handle.zmq.stats
-        assert zstats.received == 26 and zstats.replied == 26
+        assert svc.handle.zmq.stats.received == 26 and svc.handle.zmq.output.stats.replied == 26
         assert svc.handle.grpc.stats.requests == 25
         stats = svc.pool.stats
         assert (stats.admitted, stats.completed) == (3, 3)  # warm-up, hold-0, the queued one
-        gstats = svc.handle.grpc.stats
+        zstats = svc.handle.zmq.admissions.stats
+        gstats = svc.handle.grpc.servicer.admissions.stats
         assert zstats.materialized + gstats.materialized == 2  # each outcome counted once
         assert (zstats.aborted_by_code["OVERLOADED"] + gstats.aborted_by_code["OVERLOADED"]
                 == 49)  # fmt: skip
@@ -275,7 +275,7 @@ async def test_burst_from_both_transports_one_outcome_each() -> None:
         assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
         assert outcomes(m, "OVERLOADED") == 49
         assert outcomes(m, "OK") == 2
-        assert m["mmadmit_zmq_replied"] == 26 and m["mmadmit_grpc_requests"] == 25
+        assert m["mmadmit_zmq_replied_total"] == 26 and m["mmadmit_grpc_requests_total"] == 25
 
 
 # --------------------------------------------------------------------------- cancellation
@@ -345,11 +345,13 @@ async def test_cancellation_from_each_transport_leaves_nothing_behind() -> None:
         assert svc.handle.zmq.inflight == 0
         stats = pool.stats
         assert (stats.cancelled_queued, stats.discarded_running) == (3, 2)
-        assert servicer_stats.aborted_by_code == {"CANCELLED": 3}  # 2 calls gone, 1 Abort RPC
-        assert zstats.aborted_by_code == {"CANCELLED": 2}  # the ABORTs
-        assert servicer_stats.materialized == zstats.materialized == 0
+        g_outcomes = svc.handle.grpc.servicer.admissions.stats
+        z_outcomes = svc.handle.zmq.admissions.stats
+        assert g_outcomes.aborted_by_code == {"CANCELLED": 3}  # 2 calls gone, 1 Abort RPC
+        assert z_outcomes.aborted_by_code == {"CANCELLED": 2}  # the ABORTs
+        assert g_outcomes.materialized == z_outcomes.materialized == 0
         assert servicer_stats.aborts_requested == 1 and servicer_stats.calls_cancelled == 2
-        assert zstats.cancelled_by_peer == 2 and zstats.replied == 2
+        assert zstats.cancelled_by_peer == 2 and svc.handle.zmq.output.stats.replied == 2
         m = await scrape(svc)
         assert m["mmadmit_cancelled_queued_total"] == 3
         assert m["mmadmit_discarded_running_total"] == 2
@@ -407,10 +409,10 @@ async def test_drain_refuses_new_work_and_finishes_admitted_work() -> None:
             peer.close()
         stats = pool.stats
         assert stats.shutdown_aborted == 0
-        assert svc.handle.zmq.stats.aborted_by_code == {"SHUTTING_DOWN": 2}
-        assert svc.handle.grpc.stats.aborted_by_code == {"SHUTTING_DOWN": 1}
+        assert svc.handle.zmq.admissions.stats.aborted_by_code == {"SHUTTING_DOWN": 2}
+        assert svc.handle.grpc.servicer.admissions.stats.aborted_by_code == {"SHUTTING_DOWN": 1}
         assert pool.inflight == 0
-        assert svc.handle.zmq.stats.undeliverable == 0
+        assert svc.handle.zmq.output.stats.undeliverable == 0
 
 
 # --------------------------------------------------------------------------- metrics
@@ -435,8 +437,8 @@ async def test_metrics_endpoint_paths() -> None:
         assert m["mmadmit_inflight"] == 0 and m["mmadmit_queue_depth"] == 0
         assert m["mmadmit_max_inflight"] == 2 and m["mmadmit_draining"] == 0
         assert outcomes(m, "OK") == 2  # the warm-up is no transport's request
-        assert "mmadmit_zmq_materialized" not in m  # exported once, as requests_total
-        assert m["mmadmit_grpc_requests"] == 1 and m["mmadmit_zmq_replied"] == 1
+        assert not [k for k in m if "materialized_total" in k]  # once, as requests_total
+        assert m["mmadmit_grpc_requests_total"] == 1 and m["mmadmit_zmq_replied_total"] == 1
         for path in ("/", "/metric", "/metrics/x", "/healthz"):
             assert (await http_get(address, path))[0] == 404, path
         assert (await http_get(address, "/metrics", method="POST"))[0] == 405
@@ -480,7 +482,7 @@ async def test_small_requests_run_inline_on_both_transports() -> None:
         inline_g = await grpc_admit(svc.grpc, build_request("in-g", ids, [item]), timeout=10)
         m = await scrape(svc)
         assert m["mmadmit_inline_total"] == 3  # warm-up + 2
-        assert m["mmadmit_zmq_inline"] == 1
+        assert m["mmadmit_zmq_inline_total"] == 1
         hashed_z = await zmq_admit(svc.zmq, small_request("to-hash"))
         assert (await scrape(svc))["mmadmit_inline_total"] == 4  # 8 KiB to hash: inline too
     assert inline_z.materialized and hashed_z.materialized

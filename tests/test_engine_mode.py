@@ -768,8 +768,8 @@ async def test_in_process_each_outcome_is_counted_once_under_engine() -> None:
             assert grown(before, outcome_counts(telemetry.registry)) == {
                 ("engine", outcome, code): 1
             }, code
-        assert env.relay.stats.materialized == 1
-        assert env.relay.stats.aborted_by_code == {
+        assert env.relay.ingest.admissions.stats.materialized == 1
+        assert env.relay.ingest.admissions.stats.aborted_by_code == {
             "INVALID_REQUEST": 1, "UNSUPPORTED": 1, "SHUTTING_DOWN": 1
         }  # fmt: skip
 
@@ -876,7 +876,7 @@ async def test_in_process_back_pressure_from_the_scheduler_drops_nothing() -> No
             assert msg.request is not None
             rids.append(msg.request.rid)
         assert rids == [f"bp-{k}" for k in range(sent)]
-        assert env.relay.stats.undeliverable == 0
+        assert env.relay.ingest.output.stats.undeliverable == 0
         hs_sock.close(linger=0)
         inp.close(linger=0)
 

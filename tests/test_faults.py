@@ -153,24 +153,24 @@ async def test_forward_downstream_that_stops_reading_stalls_intake_drops_nothing
             break
     else:
         raise AssertionError(f"intake never stopped: {svc.ingest.stats}")
-    stats = svc.ingest.stats
+    stats, out = svc.ingest.stats, svc.ingest.output.stats
+    outcomes = svc.ingest.admissions.stats
     assert stalled_at < 4 + n, stalled_at  # the rest wait upstream, unread
     assert sender.pending == sender.max_pending == 4
-    assert stats.materialized == stalled_at  # every request read was materialized ...
-    assert stats.forwarded == stalled_at - sender.pending  # ... and is in libzmq or pending
-    assert stats.undeliverable == 0
+    assert outcomes.materialized == stalled_at  # every request read was materialized ...
+    assert out.forwarded == stalled_at - sender.pending  # ... and is in libzmq or pending
+    assert out.undeliverable == 0
     # 3. it reads again: everything arrives, once
     await read(n)
     assert sorted(got) == sorted([f"a{i}" for i in range(4)] + [f"b{i}" for i in range(n)])
     assert len(set(got)) == len(got)
     assert await pull.poll(200) == 0  # nothing more
-    stats = svc.ingest.stats
-    assert stats.received == stats.forwarded == stats.materialized == 4 + n
-    assert stats.undeliverable == 0 and not stats.aborted_by_code
+    assert stats.received == out.forwarded == outcomes.materialized == 4 + n
+    assert out.undeliverable == 0 and not outcomes.aborted_by_code
     assert sender.pending == 0 and svc.pool.inflight == 0 and svc.ingest.inflight == 0
     print(
         f"\nforward stall: {stalled_at - 4} of {n} read before intake stopped,"
-        f" {sender.max_pending} pending at the stop; {stats.forwarded} forwarded, 0 dropped"
+        f" {sender.max_pending} pending at the stop; {out.forwarded} forwarded, 0 dropped"
     )
 
 
@@ -206,13 +206,13 @@ async def test_zmq_peer_disconnects_with_requests_in_flight_nothing_leaks_others
                 (f"b{i}", "MATERIALIZED") for i in range(6)
             ]
             assert b.transport.unmatched_replies == 0
-            await until(lambda: svc.ingest.stats.undeliverable == 3)
+            await until(lambda: svc.ingest.output.stats.undeliverable == 3)
             # nothing leaks
             assert svc.pool.inflight == 0 and svc.pool.running == 0
             assert svc.ingest.inflight == 0 and not svc.ingest.admissions.rids()
-            stats = svc.ingest.stats
-            assert stats.replied == 6 and stats.materialized == 9 and stats.send_retries > 0
-            assert not stats.aborted_by_code
+            stats, outcomes = svc.ingest.output.stats, svc.ingest.admissions.stats
+            assert stats.replied == 6 and outcomes.materialized == 9 and stats.send_retries > 0
+            assert not outcomes.aborted_by_code
             seen = f"{stats.undeliverable} undeliverable after {stats.send_retries} send retries"
             # A comes back under the same identity with the same ids: not "already in flight"
             async with zmq_client(svc.endpoint, identity=b"peer-a", timeout_s=15) as again:

@@ -427,7 +427,8 @@ async def test_call_deadline_cancels_the_work(gate: Gate) -> None:
         gate.open()
         await until(lambda: r.pool.inflight == 0)
         assert r.pool.stats.discarded_running == 1  # its result was thrown away, not sent
-        assert r.server.stats.aborted_by_code == {"CANCELLED": 2}  # counted once each
+        outcomes = r.server.servicer.admissions.stats
+        assert outcomes.aborted_by_code == {"CANCELLED": 2}  # counted once each
 
 
 async def test_client_cancellation_cancels_the_work(gate: Gate) -> None:
@@ -663,7 +664,8 @@ async def test_bad_input_is_an_in_band_abort(qwen: Running, label: str) -> None:
     assert isinstance(
         await qwen.grpc.admit_proto(_image_request(qwen.profile, "after")), Materialized
     )
-    assert qwen.pool.inflight == 0 and "INTERNAL" not in qwen.server.stats.aborted_by_code
+    assert qwen.pool.inflight == 0
+    assert "INTERNAL" not in qwen.server.servicer.admissions.stats.aborted_by_code
 
 
 @pytest.mark.parametrize(
@@ -686,7 +688,7 @@ async def test_tensor_limits_refuse_at_translation(at: Limits, past: Limits, fla
         outcome = await r.grpc.admit_proto(_image_request(r.profile, "past"))
         assert isinstance(outcome, Aborted) and outcome.code == "TOO_LARGE", outcome
         assert outcome.message.startswith(f"item 0 encoder_input: {flag}"), outcome.message
-        assert "INTERNAL" not in r.server.stats.aborted_by_code
+        assert "INTERNAL" not in r.server.servicer.admissions.stats.aborted_by_code
 
 
 # ------------------------------------------------------------------------- outcome shapes, clients
@@ -812,7 +814,7 @@ async def test_stream_window_queues_instead_of_overloading(gate: Gate) -> None:
         outcomes = [o async for o in r.grpc.admit_proto_stream(reqs)]
         assert sorted(o.request_id for o in outcomes) == sorted(q.request_id for q in reqs)
         assert all(isinstance(o, Materialized) for o in outcomes), outcomes
-        assert "OVERLOADED" not in r.server.stats.aborted_by_code
+        assert "OVERLOADED" not in r.server.servicer.admissions.stats.aborted_by_code
 
 
 async def test_stream_inflight_limit_bounds_one_stream(gate: Gate) -> None:
@@ -836,7 +838,7 @@ async def test_stream_inflight_limit_bounds_one_stream(gate: Gate) -> None:
         assert sorted(o.request_id for o in outcomes) == sorted(q.request_id for q in reqs)
         assert all(isinstance(o, Materialized) for o in outcomes), outcomes
         assert isinstance(await other, Materialized)
-        assert "OVERLOADED" not in r.server.stats.aborted_by_code
+        assert "OVERLOADED" not in r.server.servicer.admissions.stats.aborted_by_code
 
 
 async def test_max_grpc_streams_refuses_calls_past_it(gate: Gate) -> None:
@@ -990,6 +992,6 @@ async def test_a_request_refused_before_parsing_is_counted_under_its_code() -> N
 
         assert total("aborted", "TOO_LARGE") == 1
         assert total("aborted", "INVALID_REQUEST") in (None, 0)
-        assert r.server.servicer.admissions.stats.aborted_by_code == {"TOO_LARGE": 1}
-        assert r.server.stats.aborted_by_code == {"TOO_LARGE": 1}  # one count, exported
+        outcomes = r.server.servicer.admissions.stats
+        assert outcomes.aborted_by_code == {"TOO_LARGE": 1}  # one count, exported
         assert r.pool.stats.admitted == 0  # never reached the pool

@@ -252,10 +252,10 @@ async def test_metrics_and_json_logs_match_what_was_sent() -> None:
                       path="inline") == inline  # fmt: skip
         # the counters the pool and transports already kept are still there
         assert (
-            sample(fams, "mmadmit_zmq_received")
+            sample(fams, "mmadmit_zmq_received", "_total")
             == len([s for s in sent if s.transport == "zmq"]) + 1
         )  # + the ABORT
-        assert sample(fams, "mmadmit_grpc_requests") == len(
+        assert sample(fams, "mmadmit_grpc_requests", "_total") == len(
             [s for s in sent if s.transport == "grpc"]
         )
         assert sample(fams, "mmadmit_build_info", family="qwen3_5", device="cpu") == 1

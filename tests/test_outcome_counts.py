@@ -85,7 +85,7 @@ async def ladder_ends(svc: Service, transport: str, late: Awaitable[Any], aborts
     await until(lambda: svc.pool.inflight == 0)
     svc.pool.begin_drain()
     await counted_once(svc, aborted(transport, AbortCode.SHUTTING_DOWN), late)
-    handles = {"zmq": svc.handle.zmq, "grpc": svc.handle.grpc}
+    handles = {"zmq": svc.handle.zmq.admissions, "grpc": svc.handle.grpc.servicer.admissions}
     stats = handles.pop(transport).stats
     assert stats.materialized == 1 and sum(stats.aborted_by_code.values()) == aborts
     (other,) = handles.values()
@@ -369,7 +369,7 @@ async def test_an_outcome_that_fails_to_encode_is_counted_internal_once(
                 )
             assert resp.WhichOneof("outcome") == "abort"
             assert resp.abort.code == pb.INTERNAL
-            stats = svc.handle.grpc.stats
+            stats = svc.handle.grpc.servicer.admissions.stats
         else:
             add = [bytes([wire.MSG_ADD]), *wire.encode_request(small_request("enc"))]
             name = "encode_materialized" if mode == "reply" else "encode_request"
@@ -390,6 +390,6 @@ async def test_an_outcome_that_fails_to_encode_is_counted_internal_once(
                 req = wire.decode_message(frames).request
                 assert req is not None and req.validation_error is not None
                 assert "INTERNAL" in str(req.validation_error)
-            stats = svc.handle.zmq.stats
+            stats = svc.handle.zmq.admissions.stats
         assert stats.materialized == 0
         assert stats.aborted_by_code == {"INTERNAL": 1}

@@ -285,7 +285,7 @@ async def test_an_add_that_fails_to_encode_ends_internal_counted_once(
         (resp,) = await collect(env.stub.Generate(ok))
         assert resp.complete.finish_reason == "stop"
         assert [req.rid for req in env.adds()] == ["ok"]
-        stats = env.face.stats
+        stats = env.face.admissions.stats
         assert stats.materialized == 1 and stats.aborted_by_code == {"INTERNAL": 1}
 
 
@@ -334,7 +334,7 @@ async def test_a_refused_request_never_reaches_the_scheduler() -> None:
         assert info.value.details().startswith("UNSUPPORTED: ")
         await asyncio.sleep(0.1)
         assert env.adds() == []
-        assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
+        assert env.face.admissions.stats.aborted_by_code == {"INVALID_REQUEST": 2, "UNSUPPORTED": 1}
 
 
 def handshake(i: int) -> dict[str, Any]:
@@ -459,7 +459,8 @@ async def test_each_refusal_ends_with_its_table_status_through_the_face() -> Non
         (resp,) = await asyncio.wait_for(held, 10)
         assert resp.complete.finish_reason == "stop"
         assert [req.rid for req in env.adds()] == ["hold-1"]
-        assert env.face.stats.aborted_by_code == {"TOO_LARGE": 1, "INTERNAL": 1, "OVERLOADED": 1}
+        codes = env.face.admissions.stats.aborted_by_code
+        assert codes == {"TOO_LARGE": 1, "INTERNAL": 1, "OVERLOADED": 1}
 
 
 async def test_abort_ends_the_stream_and_follows_the_add() -> None:
@@ -706,7 +707,7 @@ async def test_outcomes_are_counted_once_under_their_own_transport_label(
     caplog.set_level("INFO", logger="mmadmit.outcome")
     telemetry = Telemetry("qwen3_5", log_outcomes=True)
     async with face_env(scheduler={}, telemetry=telemetry) as env:
-        telemetry.registry.register(StatsCollector(env.face.pool, {"smg_grpc": env.face}, {}))
+        telemetry.registry.register(StatsCollector([env.face.pool, env.face], {}))
         ok = ts.GenerateRequest(request_id="m1")
         ok.tokenized.input_ids.extend([1, 2, 3])
         await collect(env.stub.Generate(ok))
@@ -722,10 +723,10 @@ async def test_outcomes_are_counted_once_under_their_own_transport_label(
 
         assert total("materialized", "OK") == 1
         assert total("aborted", "INVALID_REQUEST") == 1
-        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_adds_sent") == 1
-        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_completes") == 1
-        assert env.face.stats.materialized == 1
-        assert env.face.stats.aborted_by_code == {"INVALID_REQUEST": 1}
+        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_adds_sent_total") == 1
+        assert telemetry.registry.get_sample_value("mmadmit_smg_grpc_completes_total") == 1
+        assert env.face.admissions.stats.materialized == 1
+        assert env.face.admissions.stats.aborted_by_code == {"INVALID_REQUEST": 1}
     lines = [r.getMessage() for r in caplog.records if r.name == "mmadmit.outcome"]
     assert len(lines) == 2 and all("transport=smg_grpc" in line for line in lines)
 

@@ -228,7 +228,7 @@ async def test_vector_reply_mode(service: Factory, name: str, inline: int) -> No
         # aux frames keep their indices; feature bytes come back untouched
         for i, sent in enumerate(v.frames[2:], start=2):
             assert outcome.frames[i].bytes == bytes(sent)
-    assert svc.ingest.stats.replied == 1
+    assert svc.ingest.output.stats.replied == 1
     assert svc.ingest.stats.inline == svc.pool.stats.inline == expected_inline(svc, [request_of(v)])
     assert svc.pool.inflight == 0
 
@@ -285,8 +285,8 @@ async def test_vectors_forward_mode(
         else:
             assert_matches_vector(req, v)
     assert await silent(sock, 0.1)  # senders get no replies in forward mode
-    assert svc.ingest.stats.forwarded == len(vectors)
-    assert svc.ingest.stats.replied == 0
+    assert svc.ingest.output.stats.forwarded == len(vectors)
+    assert svc.ingest.output.stats.replied == 0
     assert svc.ingest.stats.inline == expected_inline(svc, [request_of(v) for v in vectors])
 
 
@@ -320,9 +320,9 @@ async def test_many_concurrent_peers_one_reply_each(service: Factory, inline: in
             assert_matches_vector(served(outcome), v)
             total += 1
     assert total == peers * per_peer
-    stats = svc.ingest.stats
-    assert stats.received == stats.replied == stats.materialized == total
-    assert stats.undeliverable == 0 and not stats.aborted_by_code
+    stats, out, outcomes = svc.ingest.stats, svc.ingest.output.stats, svc.ingest.admissions.stats
+    assert stats.received == out.replied == outcomes.materialized == total
+    assert out.undeliverable == 0 and not outcomes.aborted_by_code
     assert stats.inline == sum(
         svc.pool.runs_inline(request_of(qwen[(p + i) % len(qwen)]))
         for p in range(peers)
@@ -398,7 +398,7 @@ async def test_bad_input_is_aborted_and_service_keeps_serving(
         good = await zmq_admit(client, load_vector(SMALL).frames)
         assert good.materialized
         assert_matches_vector(served(good), load_vector(SMALL))
-    assert svc.ingest.stats.aborted_by_code == {code: 1}
+    assert svc.ingest.admissions.stats.aborted_by_code == {code: 1}
 
 
 async def test_malformed_abort_is_dropped_without_reply(service: Factory, zctx: Sockets) -> None:
@@ -439,7 +439,7 @@ async def test_abort_cancels_queued_and_running_with_one_reply_each(
     assert await silent(sock)  # the running one's late result is discarded, not sent
     assert svc.pool.stats.cancelled_queued == 1 and svc.pool.stats.discarded_running == 1
     assert svc.ingest.stats.cancelled_by_peer == 2
-    assert svc.ingest.stats.replied == 2
+    assert svc.ingest.output.stats.replied == 2
     await sock.send_multipart(frames_of(v, "after"), copy=False)
     assert as_outcome(await recv(sock)).materialized
 
@@ -474,7 +474,7 @@ async def test_abort_is_scoped_to_its_peer(service: Factory, zctx: Sockets) -> N
     done = as_outcome(await recv(a))
     assert done.request_id == "hold-same" and done.materialized, done.message
     assert await silent(b)  # one reply per request: b already had its CANCELLED
-    assert svc.ingest.stats.replied == 2
+    assert svc.ingest.output.stats.replied == 2
 
 
 @needs_vectors
@@ -607,7 +607,7 @@ async def test_forward_mode_abort_goes_after_marked_add(service: Factory, zctx: 
     assert await silent(pull)  # nothing more: the running one's result was discarded
     await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["ghost-2"])])
     assert forwarded(await recv(pull)) == ("ABORT", ["ghost-2"])  # unknown ids go on
-    assert svc.ingest.stats.forwarded_aborts == 3
+    assert svc.ingest.output.stats.forwarded_aborts == 3
 
 
 @needs_vectors
@@ -683,7 +683,7 @@ async def test_too_many_frames_is_too_large_and_the_rest_is_released(
     await sock.send_multipart(one_over, copy=False)
     reply = as_outcome(await recv(sock))
     assert (reply.request_id, reply.code) == ("one-over", "TOO_LARGE")
-    assert svc.ingest.stats.aborted_by_code == {"TOO_LARGE": 1}
+    assert svc.ingest.admissions.stats.aborted_by_code == {"TOO_LARGE": 1}
     over = [*frames_of(v, "many"), *([b"x" * 10] * 500)]
     before = svc.ingest.stats.received_bytes
     await sock.send_multipart(over, copy=False)
@@ -717,7 +717,8 @@ async def test_codec_limits_are_the_ingests(service: Factory, zctx: Sockets) -> 
     await sock.send_multipart([b"\x01", msgspec.msgpack.encode(["a", "b", "c"])])
     assert await silent(sock, 0.2)
     stats = svc.ingest.stats  # a dropped ABORT counts as malformed, an ADD by its code
-    assert (stats.malformed, stats.aborts_received, stats.aborted_by_code) == (
+    codes = svc.ingest.admissions.stats.aborted_by_code
+    assert (stats.malformed, stats.aborts_received, codes) == (
         1, 0, {"TOO_LARGE": 1}
     )  # fmt: skip
 
@@ -763,7 +764,7 @@ async def test_draining_answers_shutting_down_and_finishes_in_flight(service: Fa
         assert await svc.pool.drain(1.0) == 0
     await svc.ingest.stop(1.0)
     await svc.ingest.stop(1.0)  # idempotent
-    assert svc.ingest.stats.undeliverable == 0
+    assert svc.ingest.output.stats.undeliverable == 0
 
 
 # --------------------------------------------------------------------------- delivery
@@ -786,9 +787,9 @@ async def test_reply_to_gone_peer_is_retried_then_undeliverable(
         router.disable_monitor()
         monitor.close(linger=0)
     svc.gate.open()
-    await until(lambda: svc.ingest.stats.undeliverable == 1)
-    assert svc.ingest.stats.send_retries > 0
-    assert svc.ingest.stats.replied == 0
+    await until(lambda: svc.ingest.output.stats.undeliverable == 1)
+    assert svc.ingest.output.stats.send_retries > 0
+    assert svc.ingest.output.stats.replied == 0
 
 
 @needs_vectors
@@ -821,7 +822,7 @@ async def test_forward_back_pressure_stops_intake_and_drops_nothing(
         assert kind == "ADD" and req.validation_error is None
         rids.append(req.rid)
     assert sorted(rids) == sorted(f"bp-{i}" for i in range(n))
-    assert svc.ingest.stats.forwarded == n and svc.ingest.stats.undeliverable == 0
+    assert svc.ingest.output.stats.forwarded == n and svc.ingest.output.stats.undeliverable == 0
 
 
 @needs_vectors
@@ -831,9 +832,9 @@ async def test_forward_stop_counts_undelivered(service: Factory, zctx: Sockets) 
     sock = dealer(zctx, svc.endpoint)
     for i in range(2):
         await sock.send_multipart(frames_of(load_vector(SMALL), f"lost-{i}"), copy=False)
-    await until(lambda: svc.ingest.stats.materialized == 2)
+    await until(lambda: svc.ingest.admissions.stats.materialized == 2)
     await svc.ingest.stop(0.2)
-    assert svc.ingest.stats.undeliverable == 2 and svc.ingest.stats.forwarded == 0
+    assert svc.ingest.output.stats.undeliverable == 2 and svc.ingest.output.stats.forwarded == 0
 
 
 # --------------------------------------------------------------------------- raw send / recv

@@ -24,11 +24,11 @@ between is the same on every face, and lives here once
   (e.g. the scheduler went away meanwhile), and a call cancelled while
   waiting is counted ``CANCELLED``;
 * **outcome counting**: :meth:`Admissions._observe` counts every terminal
-  outcome of the transport once (:class:`AdmissionStats`, the transport's
-  ``materialized`` / ``aborted_by_code``), and that count is the only one:
-  telemetry exports it at scrape time as ``mmadmit_requests_total`` under the
-  transport's label (:meth:`~mmadmit.telemetry.Telemetry.track`) and is told
-  of each outcome only for its latency histogram and log line. The pool
+  outcome of the transport once (:class:`AdmissionStats`, ``Admissions.stats``),
+  and that count is the only one: telemetry exports it at scrape time as
+  ``mmadmit_requests_total`` under the transport's label
+  (:meth:`~mmadmit.telemetry.Telemetry.track`) and is told of each outcome
+  only for its latency histogram and log line. The pool
   counts its own work (admitted, inline, cancelled while queued, ...), never
   outcomes.
 
@@ -87,14 +87,20 @@ class AdmissionStats:
         else:
             self.materialized += 1
 
+    def outcome_counts(self) -> dict[str, int]:
+        """Outcomes so far by code (``OK``: materialized), every code present; what
+        telemetry reads (a copy, so the scrape thread may call it)."""
+        aborted = dict(self.aborted_by_code)
+        return {"OK": self.materialized, **{c.value: aborted.get(c.value, 0) for c in AbortCode}}
+
 
 class Admissions:
     """The requests one transport has in flight, and how each ends.
 
     ``scope`` words the duplicate refusal ("from this peer", "on this
     replica"); ``max_per_peer`` bounds one peer's requests in flight
-    (``--max-peer-inflight``; the message names the flag); ``stats`` may be
-    the transport's own counters object if it extends :class:`AdmissionStats`.
+    (``--max-peer-inflight``; the message names the flag); ``stats`` counts the
+    outcomes (the transport's own counters are its own stats object).
     """
 
     def __init__(
@@ -105,7 +111,6 @@ class Admissions:
         telemetry: Telemetry | None = None,
         scope: str = "on this replica",
         max_per_peer: int | None = None,
-        stats: AdmissionStats | None = None,
     ) -> None:
         if max_per_peer is not None and max_per_peer < 1:
             raise ValueError("max_per_peer must be positive")
@@ -114,7 +119,7 @@ class Admissions:
         self.telemetry = telemetry
         self.scope = scope
         self.max_per_peer = max_per_peer
-        self.stats = stats if stats is not None else AdmissionStats()
+        self.stats = AdmissionStats()
         if telemetry is not None:
             telemetry.track(transport, self.stats)
         self.closing = False  # set at shutdown: new requests are refused SHUTTING_DOWN

@@ -64,9 +64,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
@@ -75,9 +75,9 @@ import zmq.asyncio
 from .handshake import ENGINE_CORE_DEAD, HandshakeError, parse_init, status_message
 from .limits import DEFAULT_LIMITS, Limits
 from .pool import MaterializerPool
-from .scheduler_link import PROGRESS_S, SchedulerLink
-from .telemetry import Telemetry
-from .zmq_ingest import ZmqIngest, ZmqIngestStats
+from .scheduler_link import HANDSHAKE_STEPS, PROGRESS_S, SchedulerLink
+from .telemetry import Sample, Telemetry, counter, counters, gauge
+from .zmq_ingest import ZmqIngest
 from .zmq_output import Forward
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
@@ -100,15 +100,11 @@ _OUTPUT_TAG = "BatchTokenIDOutSlim"
 
 
 @dataclass
-class EngineStats(ZmqIngestStats):
-    """The relay's counters: the forward-mode ingest's (SMG -> scheduler) and its own
-    (the scheduler side's are its link's, exported with them).
+class EngineStats:
+    """The relay's own counters (``EngineRelay.stats``); SMG's input is its ingest's
+    (``ingest.stats``, ``ingest.output.stats``), the scheduler side its link's."""
 
-    ``forwarded`` - ``forwarded_aborts`` are the relayed requests; ``wakeups``
-    and ``watchdog_reads`` count both intakes (SMG's input, the scheduler's
-    output).
-    """
-
+    relayed_requests: int = 0  # ADD outputs (materialized or marked) queued for the scheduler
     output_messages: int = 0  # scheduler output messages relayed to SMG (read)
     output_bytes: int = 0  # their bytes, all frames
     output_undeliverable: int = 0  # outputs libzmq refused (SMG's PUSH closed)
@@ -116,6 +112,36 @@ class EngineStats(ZmqIngestStats):
     handshake_steps_smg: int = 0  # HELLO, INIT, READY, ready response, output connected
     engine_core_dead_sent: int = 0  # ENGINE_CORE_DEAD frames handed to SMG's PUSH
     outstanding: int = 0  # forwarded requests without a finished output yet
+    wakeups: int = 0  # output reader callbacks run
+    watchdog_reads: int = 0  # output reads started by the watchdog
+
+    # exported as mmadmit_engine_<field>_total, with this help (metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "relayed_requests": "Requests from SMG forwarded to the scheduler, materialized or marked.",
+        "output_undeliverable": "Scheduler outputs that never reached SMG's output socket.",
+        "outputs_untracked": "Scheduler outputs relayed without reading what they finish.",
+    }
+
+    # the output reader's, as mmadmit_engine_output_<field>_total
+    READER_COUNTERS: ClassVar[dict[str, str]] = {
+        "wakeups": "Scheduler output reader callbacks run.",
+        "watchdog_reads": "Scheduler output reads started by the watchdog: output waited unseen.",
+    }
+
+    def metrics(self) -> Iterator[Sample]:
+        yield from counters(self, "engine", self.COUNTERS)
+        yield from counters(self, "engine_output", self.READER_COUNTERS)
+        doc = "Scheduler output messages relayed to SMG."
+        yield counter("engine_relayed_outputs", doc, self.output_messages)
+        doc = "Bytes of the scheduler output messages relayed to SMG."
+        yield counter("engine_relayed_output_bytes", doc, self.output_bytes)
+        doc = "ENGINE_CORE_DEAD messages sent to SMG."
+        yield counter("engine_core_dead_sent", doc, self.engine_core_dead_sent)
+        yield counter(
+            "engine_handshake_steps", HANDSHAKE_STEPS, self.handshake_steps_smg, side="smg"
+        )
+        doc = "Requests forwarded to the scheduler without a finished output yet."
+        yield gauge("engine_outstanding", doc, self.outstanding)
 
 
 class EngineRelay:
@@ -171,6 +197,13 @@ class EngineRelay:
         self._dead_sent = False
         self._outstanding: set[str] = set()
         self._stop_task: asyncio.Future[None] | None = None
+
+    def metrics(self) -> Iterator[Sample]:
+        """The relay's series, its link's and, once relaying, SMG's input's."""
+        yield from self.stats.metrics()
+        yield from self.link.stats.metrics("engine")
+        if self.ingest is not None:
+            yield from self.ingest.metrics()
 
     # ------------------------------------------------------------------ handshake
 
@@ -266,7 +299,6 @@ class EngineRelay:
             watchdog_s=self._watchdog_s,
             telemetry=self.telemetry,
             transport="engine",
-            stats=self.stats,
             limits=self.limits,
             max_frames=self.max_frames,
         )
@@ -279,6 +311,7 @@ class EngineRelay:
             self._send_dead()
 
     def _forwarded(self, rid: str) -> None:
+        self.stats.relayed_requests += 1
         self._outstanding.add(rid)
         self.stats.outstanding = len(self._outstanding)
 

@@ -65,13 +65,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .errors import Abort, AbortCode, Overloaded, ShuttingDown
 from .hashing import feature_hash, feature_hashes, measure_ns_per_byte
 from .materializer import CPU_OPS, ArrayOps, Materializer, Outcome
 from .model import Request
+from .telemetry import Sample, counter, counters, gauge
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +230,16 @@ class PoolStats:
     discarded_running: int = 0  # ended early while running; result thrown away
     shutdown_aborted: int = 0  # ended SHUTTING_DOWN at the drain deadline
     inline: int = 0  # admitted and materialized on the calling thread (small requests)
+
+    # exported as mmadmit_<field>_total, with this help (MaterializerPool.metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "admitted": "Requests admitted to the pool.",
+        "cancelled_queued": "Admitted requests removed from the queue before a worker took them.",
+        "discarded_running": "Requests ended early while running; their result was thrown away.",
+        "inline": "Admitted requests materialized inline (--inline-max-tokens).",
+        "completed": "Admitted requests whose materializer run gave their outcome.",
+        "shutdown_aborted": "Admitted requests ended SHUTTING_DOWN at the drain deadline.",
+    }
 
 
 class Ticket:
@@ -426,6 +438,19 @@ class MaterializerPool:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    def metrics(self) -> Iterator[Sample]:
+        """The pool now and its counters (telemetry's ``Exports``)."""
+        yield gauge("inflight", "Requests admitted, not yet released by a worker.", self.inflight)
+        yield gauge("queue_depth", "Admitted requests waiting for a worker.", self.queued)
+        yield gauge("running", "Requests a worker is materializing now.", self.running)
+        yield gauge("max_inflight", "The --max-inflight limit.", self.max_inflight)
+        yield gauge("draining", "1 once shutdown began (new requests refused).", self._draining)
+        stats = self.stats
+        yield from counters(stats, "", stats.COUNTERS)
+        doc = "Admitted requests by where they ran."
+        yield counter("admissions", doc, stats.inline, path="inline")
+        yield counter("admissions", doc, stats.admitted - stats.inline, path="worker")
 
     def calibrate_inline(self, req: Request, runs: int = 3) -> float:
         """Start-up: this machine's rates before any request, outside the pool's counts.

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import socket as _socket
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from .handshake import (
     parse_ready_response,
     parse_status,
 )
+from .telemetry import Sample, counter, gauge
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +61,31 @@ T = TypeVar("T")
 
 # A progress line while a handshake step waits (the reference engine's period).
 PROGRESS_S = 30.0
+# The help of <face>_handshake_steps_total, whose two sides two modules count.
+HANDSHAKE_STEPS = (
+    "Engine handshake steps completed, by side (scheduler: HELLO, INIT, READY, ready "
+    "response; smg, engine mode only: HELLO, INIT, READY, ready response, output connected)."
+)
 
 
 @dataclass
 class SchedulerStats:
-    """The scheduler link's counters (exported with its face's, under the face's name)."""
+    """The scheduler link's counters (``SchedulerLink.stats``), exported by its face."""
 
     handshake_steps_scheduler: int = 0  # HELLO, INIT, READY, ready response
     scheduler_alive: int = 0  # 1 from the scheduler's ready response until it goes away
     # the scheduler's input / output connections seen dropping (before its handshake,
     # while stopping or after it: a death only in between)
     scheduler_drops: int = 0
+
+    def metrics(self, face: str) -> Iterator[Sample]:
+        """Under the face's name: ``engine_*`` or ``smg_grpc_*``."""
+        steps = self.handshake_steps_scheduler
+        yield counter(f"{face}_handshake_steps", HANDSHAKE_STEPS, steps, side="scheduler")
+        doc = "1 while the scheduler is alive (from its ready response until it goes away)."
+        yield gauge(f"{face}_scheduler_up", doc, self.scheduler_alive)
+        doc = "The scheduler's input or output connection seen dropping."
+        yield counter(f"{face}_scheduler_drops", doc, self.scheduler_drops)
 
 
 def _bind_next_to(endpoint: str, suffix: str) -> str:
@@ -351,4 +366,4 @@ class SchedulerLink:
         self._finalizer.detach()
 
 
-__all__ = ["PROGRESS_S", "SchedulerLink", "SchedulerStats"]
+__all__ = ["HANDSHAKE_STEPS", "PROGRESS_S", "SchedulerLink", "SchedulerStats"]

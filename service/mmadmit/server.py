@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from . import native, security
-from .admission import INTAKE_MAX_S, AdmissionStats
+from .admission import INTAKE_MAX_S
 from .config import OFF, ServeConfig, default_workers
 from .devices import cuda_ops_factory, resolve_device
 from .errors import ConfigError
@@ -63,7 +63,7 @@ from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tens
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
 from .runtime import tune_process
-from .telemetry import StatsCollector, Telemetry, disable_created_metrics
+from .telemetry import Exports, StatsCollector, Telemetry, disable_created_metrics
 
 logger = logging.getLogger("mmadmit.server")
 
@@ -358,19 +358,16 @@ async def start_server(
             f"mmadmit engine-handshake {handle.addresses['engine']}",
             fields("engine_listen", handshake=handle.addresses["engine"]),
         )
-    transports = {
-        name: obj
-        for name, obj in (
-            ("grpc", handle.grpc),
-            ("zmq", handle.zmq),
-            ("engine", handle.engine),
-            ("smg_grpc", handle.smg),
-        )
-        if obj
-    }
+    # What /metrics reads: each declares its series (telemetry.Exports).
+    sources: list[Exports] = [
+        pool,
+        *(t for t in (handle.zmq, handle.engine, handle.smg) if t is not None),
+    ]
+    if handle.grpc is not None:
+        sources.append(handle.grpc.stats)
     device = resolve_device(config.device)
     build = {"family": profile.family.value, "device": device, "role": profile.role}
-    telemetry.registry.register(StatsCollector(pool, transports, build))
+    telemetry.registry.register(StatsCollector(sources, build))
     if config.metrics_listen != OFF:
         from .metrics import MetricsServer
 
@@ -483,7 +480,8 @@ async def shutdown(handle: ServerHandle) -> None:
         *(_close_port(port, deadline) for port in (handle.smg_port, handle.grpc) if port),
         *([handle.zmq.stop(config.drain_timeout)] if handle.zmq is not None else []),
     )
-    materialized, aborted = _answered(handle)
+    # Not the pool's admitted: that counts the start-up's warm-up request too.
+    materialized, aborted = handle.telemetry.answered()
     ended = handle.pool.stats.shutdown_aborted
     logger.info(
         "[shutdown] done: %d request(s) answered (%d materialized, %d aborted), "
@@ -500,19 +498,6 @@ async def shutdown(handle: ServerHandle) -> None:
             shutdown_aborted=ended,
         ),
     )
-
-
-def _answered(handle: ServerHandle) -> tuple[int, int]:
-    """(materialized, aborted): the outcomes the transports gave requests, counted once
-    each (``AdmissionStats``). Not the pool's ``admitted``: that counts the start-up's
-    warm-up request too, which is no traffic (as in ``mmadmit_requests_total``)."""
-    materialized = aborted = 0
-    for transport in (handle.grpc, handle.zmq, handle.engine, handle.smg):
-        stats = getattr(transport, "stats", None)
-        if isinstance(stats, AdmissionStats):
-            materialized += stats.materialized
-            aborted += sum(stats.aborted_by_code.values())
-    return materialized, aborted
 
 
 async def _close_port(port: Any, deadline: float) -> None:

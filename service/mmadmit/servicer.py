@@ -53,9 +53,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import grpc
 import numpy as np
@@ -63,7 +63,7 @@ from google.protobuf.message import DecodeError
 from mmadmit_client.proto import admission_pb2 as pb
 from mmadmit_client.proto import admission_pb2_grpc as pb_grpc
 
-from .admission import Admissions, AdmissionStats
+from .admission import Admissions
 from .dtypes import parse_dtype
 from .errors import (
     Abort,
@@ -98,7 +98,15 @@ from .pbwire import (
 )
 from .pool import MaterializerPool
 from .profile import ModelProfile
-from .telemetry import Telemetry
+from .telemetry import (
+    RECEIVED_BYTES,
+    SENT_BYTES,
+    UNDELIVERABLE,
+    Sample,
+    Telemetry,
+    counter,
+    counters,
+)
 from .tensorcheck import label
 
 logger = logging.getLogger(__name__)
@@ -125,11 +133,9 @@ Response: TypeAlias = pb.AdmitResponse | bytes
 
 
 @dataclass
-class ServicerStats(AdmissionStats):
-    """Counters of the gRPC transport (exported by ``metrics.py`` as ``mmadmit_grpc_*``);
-    its outcome counts (``materialized``, ``aborted_by_code``) are the admission path's.
-
-    Written on the event loop thread only.
+class ServicerStats:
+    """Counters of the gRPC transport (``AdmissionServicer.stats``); its outcomes are
+    the admission path's (``admissions.stats``). Written on the event loop thread only.
     """
 
     requests: int = 0  # AdmitRequests received (Admit calls + stream messages)
@@ -138,6 +144,20 @@ class ServicerStats(AdmissionStats):
     aborts_requested: int = 0  # Abort RPCs that cancelled a request
     received_bytes: int = 0  # bytes of AdmitRequest messages received
     sent_bytes: int = 0  # bytes of AdmitResponse messages serialized for sending
+
+    # exported as mmadmit_grpc_<field>_total, with this help (metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "requests": "AdmitRequests received (Admit calls and AdmitStream messages).",
+        "streams": "AdmitStream calls opened.",
+        "aborts_requested": "Abort RPCs that cancelled a request.",
+    }
+
+    def metrics(self) -> Iterator[Sample]:
+        yield from counters(self, "grpc", self.COUNTERS)
+        lost = self.calls_cancelled  # cancelled or past their deadline: nothing sent
+        yield counter("undeliverable_replies", UNDELIVERABLE, lost, transport="grpc")
+        yield counter("received_bytes", RECEIVED_BYTES, self.received_bytes, transport="grpc")
+        yield counter("sent_bytes", SENT_BYTES, self.sent_bytes, transport="grpc")
 
 
 # --------------------------------------------------------------------------- proto -> model
@@ -605,7 +625,6 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             transport="grpc",
             telemetry=telemetry,
             scope="on this replica",
-            stats=self.stats,
         )
 
     @property

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import msgspec
@@ -29,7 +29,7 @@ from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from smg_grpc_proto.generated import common_pb2
 
 from . import wire
-from .admission import Admissions, AdmissionStats
+from .admission import Admissions
 from .errors import Abort, AbortCode, AdmissionError, ShuttingDown, abort_from_exception
 from .model import Materialized, Modality, Request
 from .pbwire import (
@@ -44,7 +44,15 @@ from .profile import ModelProfile
 from .scheduler_link import SchedulerLink
 from .smg_outputs import Call, Fault, Outputs, Piece, Responses
 from .smg_request import parse_generate, request_from_generate
-from .telemetry import Telemetry
+from .telemetry import (
+    RECEIVED_BYTES,
+    UNDELIVERABLE,
+    Sample,
+    Telemetry,
+    counter,
+    counters,
+    gauge,
+)
 from .zsock import WATCHDOG_S, OrderedSender, SocketReader
 
 logger = logging.getLogger(__name__)
@@ -89,8 +97,9 @@ _STOPPED = object()  # the face stopped (drain deadline)
 
 
 @dataclass
-class SmgStats(AdmissionStats):
-    """The face's counters (``mmadmit_smg_grpc_*`` with its link's, and the outcome counts)."""
+class SmgStats:
+    """The face's counters (``SmgGrpcFace.stats``); outcomes are its admission path's,
+    the scheduler side its link's."""
 
     generate_calls: int = 0  # Generate calls received
     adds_sent: int = 0  # ADDs handed to the scheduler's input
@@ -108,6 +117,31 @@ class SmgStats(AdmissionStats):
     open_calls: int = 0  # forwarded requests without a finished output yet
     wakeups: int = 0  # output reader callbacks run
     watchdog_reads: int = 0  # output reads started by the watchdog
+
+    # exported as mmadmit_smg_grpc_<field>_total, with this help (metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "generate_calls": "Generate calls received.",
+        "adds_sent": "ADD messages handed to the scheduler's input.",
+        "aborts_sent": "ABORT messages handed to the scheduler's input.",
+        "abort_calls": "Abort RPCs that ended a request.",
+        "calls_cancelled": "Generate calls the client cancelled.",
+        "completes": "GenerateComplete messages sent.",
+        "chunks": "GenerateStreamChunk messages sent.",
+        "output_messages": "Scheduler output messages read.",
+        "outputs_untracked": "Requests' parts of scheduler outputs for no open call.",
+        "outputs_bad": "Calls ended INTERNAL: their part of a scheduler output was unusable.",
+        "outputs_undecodable": "Unusable scheduler outputs naming no open call (logged).",
+        "wakeups": "Scheduler output reader callbacks run.",
+        "watchdog_reads": "Scheduler output reads started by the watchdog: output waited unseen.",
+    }
+
+    def metrics(self) -> Iterator[Sample]:
+        yield from counters(self, TRANSPORT, self.COUNTERS)
+        doc = "Generate calls forwarded to the scheduler without a finished output yet."
+        yield gauge(f"{TRANSPORT}_open_calls", doc, self.open_calls)
+        t = TRANSPORT
+        yield counter("undeliverable_replies", UNDELIVERABLE, self.undeliverable, transport=t)
+        yield counter("received_bytes", RECEIVED_BYTES, self.received_bytes, transport=t)
 
 
 class SmgGrpcFace:
@@ -143,9 +177,7 @@ class SmgGrpcFace:
         self.limits = pool.materializer.limits
         self.served_model_name = served_model_name
         self.model_path = model_path
-        self.admissions = Admissions(
-            pool, transport=TRANSPORT, telemetry=telemetry, stats=self.stats
-        )
+        self.admissions = Admissions(pool, transport=TRANSPORT, telemetry=telemetry)
         self.ready = False  # the scheduler's handshake is done
         self.draining = False
         self.started_at = time.time()
@@ -156,6 +188,11 @@ class SmgGrpcFace:
         self._reader: SocketReader | None = None
         self._ready_info: dict[str, Any] = {}
         self._stop_task: asyncio.Future[None] | None = None
+
+    def metrics(self) -> Iterator[Sample]:
+        """The face's series and its link's (telemetry's ``Exports``)."""
+        yield from self.stats.metrics()
+        yield from self.link.stats.metrics(TRANSPORT)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -8,27 +8,24 @@ transport's :class:`~mmadmit.admission.AdmissionStats` (a plain integer add in
 ``/metrics`` is scraped. :meth:`Telemetry.outcome`, called by the same
 ``finish``, adds what a count cannot hold: the latency observation, the
 feature bytes hashed and the outcome log line. The pool reports how long each
-materializer run took. Everything else (in-flight, queue depth, draining,
-bytes received and sent, the pool's and transports' own counters) is read from
-their ``stats`` objects at scrape time too (:class:`StatsCollector`), so it
-costs the request path nothing but a plain integer add.
+materializer run took. Everything else (in-flight, queue depth, bytes, the
+pool's and transports' own counters) is declared where it is counted: each
+stats class's ``metrics()`` yields its series (:func:`counter`, :func:`gauge`),
+read at scrape time by :class:`StatsCollector`, so it costs the request path
+nothing but a plain integer add, and a new stats field is exported only once
+someone declares it.
 
 Non-goals: the HTTP endpoint (``metrics.py``), and deciding outcomes: this
 module only observes them.
 
 Series (all prefixed ``mmadmit_``; the family label is the model profile's)::
 
-    requests_total{transport,outcome,code}          one per terminal outcome (read from
-                                                    the transports' AdmissionStats)
+    requests_total{transport,outcome,code}          one per terminal outcome
     request_duration_seconds{transport,family,tokens}   receipt -> outcome sent
     materialize_duration_seconds{family,tokens,path}    one materializer run
-    received_bytes_total{transport}, sent_bytes_total{transport}
     feature_hashed_bytes_total{transport}           feature bytes we hashed
-    admissions_total{path}                          inline | worker
-    undeliverable_replies_total{transport}          outcomes nobody received
-    engine_relayed_requests_total, engine_relayed_outputs_total,
-    engine_relayed_output_bytes_total, engine_handshake_steps_total{side},
-    engine_scheduler_up                              engine mode (server wires it)
+    heap_bytes{state}, build_info, log_records_dropped_total
+    ... and those declared by the pool and the transports' metrics().
 
 Cost on the request path: label children are resolved once and cached, so an
 outcome is an integer add, a dict lookup and a histogram observation
@@ -43,21 +40,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .errors import Abort, AbortCode
+from .errors import Abort
 from .logs import dropped_records
 from .model import Materialized, Request
 from .runtime import heap_stats
 
 if TYPE_CHECKING:
     from .admission import AdmissionStats
-    from .pool import MaterializerPool
 
 outcome_logger = logging.getLogger("mmadmit.outcome")
 
@@ -165,6 +161,12 @@ class Telemetry:
         ``requests_total{transport=...}`` from now on (idempotent per object)."""
         self._outcomes.track(transport, stats)
 
+    def answered(self) -> tuple[int, int]:
+        """(materialized, aborted): every tracked transport's outcomes so far."""
+        totals = self._outcomes.totals()
+        ok = sum(n for (_, code), n in totals.items() if code == "OK")
+        return ok, sum(totals.values()) - ok
+
     # ------------------------------------------------------------------ children
 
     def _child(self, key: tuple[Any, ...]) -> Any:
@@ -238,11 +240,58 @@ class Telemetry:
 # --------------------------------------------------------------------------- scrape-time
 
 
+class Sample(NamedTuple):
+    """One value of a series declared where it is counted (a ``metrics()`` method):
+    ``name`` after ``mmadmit_`` (a counter's sample gets ``_total``), ``doc`` what
+    it counts; samples of one name form one family, so they share kind, doc and
+    label names."""
+
+    kind: str  # "counter" or "gauge"
+    name: str
+    doc: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def counter(name: str, doc: str, value: float, **labels: str) -> Sample:
+    return Sample("counter", name, doc, value, tuple(labels.items()))
+
+
+def gauge(name: str, doc: str, value: float, **labels: str) -> Sample:
+    return Sample("gauge", name, doc, value, tuple(labels.items()))
+
+
+def counters(stats: object, prefix: str, docs: dict[str, str]) -> Iterator[Sample]:
+    """A counter ``{prefix}_{field}`` of each field of ``stats`` that ``docs`` declares,
+    with its help text (the stats class's own table)."""
+    for field, doc in docs.items():
+        yield Sample(
+            "counter", f"{prefix}_{field}" if prefix else field, doc, getattr(stats, field)
+        )
+
+
+# The families every transport adds a ``transport`` sample to.
+RECEIVED_BYTES = "Bytes of request messages received."
+SENT_BYTES = "Bytes of outcome messages handed to the socket."
+UNDELIVERABLE = (
+    "Outcomes that reached nobody: ZMQ replies or forwards given up, gRPC calls cancelled "
+    "or past their deadline before their answer, ADD / ABORT messages the scheduler's "
+    "socket refused (smg_grpc)."
+)
+
+
+class Exports(Protocol):
+    """What :class:`StatsCollector` reads: the series an object declares, read at
+    scrape time (the pool, each transport or its stats)."""
+
+    def metrics(self) -> Iterable[Sample]: ...
+
+
 class OutcomeCollector(Collector):
     """``mmadmit_requests_total{transport,outcome,code}``, read at scrape time from the
-    transports' outcome counts (:class:`~mmadmit.admission.AdmissionStats`): the one
-    count of each outcome, exported once. Every code of a tracked transport is
-    present from the start (0 until it happens), so a rate never begins mid-series."""
+    transports' outcome counts (:meth:`~mmadmit.admission.AdmissionStats.outcome_counts`):
+    the one count of each outcome, exported once. Every code of a tracked transport
+    is present from the start (0 until it happens), so a rate never begins mid-series."""
 
     def __init__(self) -> None:
         self._tracked: list[tuple[str, AdmissionStats]] = []
@@ -251,124 +300,47 @@ class OutcomeCollector(Collector):
         if not any(s is stats for _, s in self._tracked):
             self._tracked.append((transport, stats))
 
-    def collect(self) -> Iterator[Metric]:
-        totals: dict[tuple[str, str, str], float] = {}
+    def totals(self) -> dict[tuple[str, str], int]:
+        """(transport, code) -> outcomes so far (code ``OK``: materialized)."""
+        totals: dict[tuple[str, str], int] = {}
         for transport, stats in list(self._tracked):  # scrape thread: copy, then read
-            key = (transport, "materialized", "OK")
-            totals[key] = totals.get(key, 0) + stats.materialized
-            aborted = dict(stats.aborted_by_code)
-            for code in AbortCode:
-                key = (transport, "aborted", code.value)
-                totals[key] = totals.get(key, 0) + aborted.get(code.value, 0)
+            for code, count in stats.outcome_counts().items():
+                totals[transport, code] = totals.get((transport, code), 0) + count
+        return totals
+
+    def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
             "mmadmit_requests",
             "Terminal outcomes by transport: outcome is materialized or aborted, code the "
             "abort code (OK when materialized).",
             labels=["transport", "outcome", "code"],
         )
-        for labels, value in totals.items():
-            family.add_metric(list(labels), value)
+        for (transport, code), count in self.totals().items():
+            outcome = "materialized" if code == "OK" else "aborted"
+            family.add_metric([transport, outcome, code], count)
         yield family
 
 
-# The outcome counts every transport's stats carry: exported by OutcomeCollector
-# as requests_total, so not again as mmadmit_<transport>_<name>.
-_OUTCOME_FIELDS = frozenset({"materialized", "aborted_by_code"})
-
-
-def _numeric(stats: Any) -> dict[str, float]:
-    if stats is None or not hasattr(stats, "__dict__"):
-        return {}
-    return {
-        k: v
-        for k, v in list(vars(stats).items())
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _OUTCOME_FIELDS
-    }
-
-
-def _counters(transport: Any) -> dict[str, float]:
-    """A transport's ``stats`` and, for a face in front of a scheduler, its link's."""
-    link_stats = getattr(getattr(transport, "link", None), "stats", None)
-    return {**_numeric(getattr(transport, "stats", None)), **_numeric(link_stats)}
-
-
 class StatsCollector(Collector):
-    """The pool's gauges and the counters the pool and transports keep, read at scrape
-    time (the scrape runs on the metrics thread; it only reads plain ints and copies
-    dicts, both atomic under the GIL)."""
+    """The series the pool and the transports declare (:class:`Exports`), then the
+    process's own (heap, build, dropped log records), read at scrape time on the
+    metrics thread: it only reads plain ints, atomic under the GIL."""
 
-    def __init__(self, pool: MaterializerPool, transports: dict[str, Any], build: dict[str, str]):
-        self.pool = pool
-        self.transports = transports  # name -> object with a ``stats`` dataclass, or None
+    def __init__(self, sources: Iterable[Exports], build: dict[str, str]):
+        self.sources = list(sources)
         self.build = build
 
     def collect(self) -> Iterator[Metric]:
-        pool, stats = self.pool, self.pool.stats
-        yield _gauge(
-            "mmadmit_inflight", "Requests admitted and not yet released by a worker.", pool.inflight
-        )
-        yield _gauge("mmadmit_queue_depth", "Admitted requests waiting for a worker.", pool.queued)
-        yield _gauge("mmadmit_running", "Requests a worker is materializing now.", pool.running)
-        yield _gauge("mmadmit_max_inflight", "The --max-inflight limit.", pool.max_inflight)
-        yield _gauge(
-            "mmadmit_draining", "1 once shutdown began (new requests refused).", int(pool.draining)
-        )
-        yield _counter("mmadmit_admitted", "Requests admitted to the pool.", stats.admitted)
-        yield _counter(
-            "mmadmit_cancelled_queued",
-            "Admitted requests removed from the queue before a worker took them.",
-            stats.cancelled_queued,
-        )
-        yield _counter(
-            "mmadmit_discarded_running",
-            "Requests ended early while running; their result was thrown away.",
-            stats.discarded_running,
-        )
-        yield _counter(
-            "mmadmit_inline",
-            "Admitted requests materialized inline (--inline-max-tokens).",
-            stats.inline,
-        )
-        admissions = CounterMetricFamily(
-            "mmadmit_admissions", "Admitted requests by where they ran.", labels=["path"]
-        )
-        admissions.add_metric(["inline"], stats.inline)
-        admissions.add_metric(["worker"], stats.admitted - stats.inline)
-        yield admissions
-        yield _counter(
-            "mmadmit_completed",
-            "Admitted requests whose materializer run gave their outcome.",
-            stats.completed,
-        )
-        yield _counter(
-            "mmadmit_shutdown_aborted",
-            "Admitted requests ended SHUTTING_DOWN because the drain deadline passed.",
-            stats.shutdown_aborted,
-        )
-        undeliverable = CounterMetricFamily(
-            "mmadmit_undeliverable_replies",
-            "Outcomes that reached nobody: ZMQ replies or forwards given up, gRPC calls "
-            "cancelled or past their deadline before their answer.",
-            labels=["transport"],
-        )
-        for name, obj in self.transports.items():
-            numeric = _counters(obj)
-            lost: float = numeric.get("undeliverable", numeric.get("calls_cancelled", 0))
-            undeliverable.add_metric([name], lost)
-            for key, count in numeric.items():  # every transport counter, as before
-                yield _untyped(f"mmadmit_{name}_{key}", count)
-        yield undeliverable
-        for metric, attr, doc in (
-            ("mmadmit_received_bytes", "received_bytes", "Bytes of request messages received."),
-            ("mmadmit_sent_bytes", "sent_bytes", "Bytes of outcome messages handed to the socket."),
-        ):
-            family = CounterMetricFamily(metric, doc, labels=["transport"])
-            for name, obj in self.transports.items():
-                family.add_metric([name], _counters(obj).get(attr, 0))
-            yield family
-        engine = self.transports.get("engine")
-        if engine is not None:
-            yield from _engine_families(engine.stats, engine.link.stats)
+        families: dict[str, Metric] = {}
+        for source in self.sources:
+            for s in source.metrics():
+                family = families.get(s.name)
+                if family is None:
+                    kind = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
+                    labels = [k for k, _ in s.labels]
+                    family = families[s.name] = kind(f"mmadmit_{s.name}", s.doc, labels=labels)
+                family.add_metric([v for _, v in s.labels], s.value)  # type: ignore[attr-defined]
+        yield from families.values()
         heap = heap_stats()
         if heap is not None:  # glibc only
             heap_family = GaugeMetricFamily(
@@ -388,67 +360,25 @@ class StatsCollector(Collector):
         )
         info.add_metric([self.build[k] for k in sorted(self.build)], 1)
         yield info
-        yield _counter(
+        yield CounterMetricFamily(
             "mmadmit_log_records_dropped",
             "Log records and lines dropped because standard error could not keep up "
             "(logging never blocks the service).",
-            dropped_records(),
+            value=dropped_records(),
         )
-
-
-def _engine_families(stats: Any, link: Any) -> Iterator[Metric]:
-    """Engine mode's relay (``EngineStats``, its link's ``SchedulerStats``) for operators."""
-    yield _counter(
-        "mmadmit_engine_relayed_requests",
-        "Requests from SMG forwarded to the scheduler (materialized or marked aborted).",
-        stats.forwarded - stats.forwarded_aborts,
-    )
-    yield _counter(
-        "mmadmit_engine_relayed_outputs",
-        "Scheduler output messages relayed to SMG.",
-        stats.output_messages,
-    )
-    yield _counter(
-        "mmadmit_engine_relayed_output_bytes",
-        "Bytes of the scheduler output messages relayed to SMG.",
-        stats.output_bytes,
-    )
-    steps = CounterMetricFamily(
-        "mmadmit_engine_handshake_steps",
-        "Engine handshake steps completed, by side (scheduler: HELLO, INIT, READY, ready "
-        "response; smg: HELLO, INIT, READY, ready response, output connected).",
-        labels=["side"],
-    )
-    steps.add_metric(["scheduler"], link.handshake_steps_scheduler)
-    steps.add_metric(["smg"], stats.handshake_steps_smg)
-    yield steps
-    yield _gauge(
-        "mmadmit_engine_scheduler_up",
-        "1 while the scheduler is alive (from its ready response until it goes away).",
-        link.scheduler_alive,
-    )
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
-
-
-def _untyped(name: str, value: float) -> Metric:
-    metric = Metric(name, f"Transport counter {name}.", "untyped")
-    metric.add_sample(name, {}, value)
-    return metric
 
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "Exports",
     "OutcomeCollector",
+    "Sample",
     "disable_created_metrics",
     "StatsCollector",
     "Telemetry",
+    "counter",
+    "counters",
+    "gauge",
     "request_size",
     "token_bucket",
 ]

@@ -9,8 +9,8 @@ and writing the sockets on the event loop (intake, back-pressure, delivery
 retries) is :mod:`mmadmit.zsock`. This module reads messages, hands requests
 to the admission path and each outcome to its output. Non-goals: the SMG
 handshake (:mod:`mmadmit.engine_mode` adopts an ingest for its relay, see
-:meth:`ZmqIngest.adopt`), metrics export (:class:`ZmqIngestStats` holds the
-counters a metrics module reads).
+:meth:`ZmqIngest.adopt`), metrics export (:meth:`ZmqIngest.metrics` declares the series of
+its counters, :class:`ZmqIngestStats`, and its output's).
 
 One intake (a bound ROUTER; peers connect DEALERs), two outputs:
 
@@ -108,22 +108,22 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
 
 from . import wire
-from .admission import INTAKE_MAX_S, INTAKE_QUIET_S, Admissions, AdmissionStats, until_quiet
+from .admission import INTAKE_MAX_S, INTAKE_QUIET_S, Admissions, until_quiet
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, abort_from_exception
 from .limits import DEFAULT_LIMITS, Limits
 from .model import Materialized, Request
 from .pool import MaterializerPool, Ticket
 from .security import CurveAuthenticator, CurveServer
-from .telemetry import Telemetry
-from .zmq_output import ABORT, ADD, Forward, Output, OutputStats, PeerKey, Reply
+from .telemetry import RECEIVED_BYTES, Sample, Telemetry, counter, counters
+from .zmq_output import ABORT, ADD, Forward, Output, PeerKey, Reply
 from .zsock import WATCHDOG_S, CutMessage, Slot, SocketReader, sizes
 
 logger = logging.getLogger(__name__)
@@ -137,14 +137,10 @@ _FINAL_SWEEP_MAX = 10_000
 
 
 @dataclass
-class ZmqIngestStats(AdmissionStats, OutputStats):
-    """Counters for metrics; written on the event loop thread only.
-
-    ``materialized`` / ``aborted_by_code`` (from :class:`AdmissionStats`) count
-    the ADDs' outcomes, each once, through :meth:`Admissions.finish`; the
-    delivery counters (``replied``, ``forwarded``, ``undeliverable``, ...) are
-    the output's (:class:`~mmadmit.zmq_output.OutputStats`).
-    """
+class ZmqIngestStats:
+    """The intake's counters (``ZmqIngest.stats``); written on the event loop thread
+    only. Outcomes are the admission path's (``admissions.stats``), delivery the
+    output's (``output.stats``)."""
 
     received: int = 0  # messages read off the ROUTER (ADD, ABORT or malformed)
     aborts_received: int = 0  # well-formed ABORT messages
@@ -154,6 +150,21 @@ class ZmqIngestStats(AdmissionStats, OutputStats):
     wakeups: int = 0  # intake callbacks run (ZMQ_FD signalled, or a scheduled read)
     watchdog_reads: int = 0  # reads started by the watchdog (input waited unseen)
     received_bytes: int = 0  # bytes of every message read (all frames but the identity)
+
+    # exported as mmadmit_<transport>_<field>_total, with this help (metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "received": "Messages read off the intake: ADD, ABORT or malformed.",
+        "aborts_received": "Well-formed ABORT messages received.",
+        "cancelled_by_peer": "Requests in flight ended by their peer's ABORT.",
+        "malformed": "Messages that did not decode (ADDs answered, ABORTs dropped).",
+        "inline": "ADDs materialized inline by the intake callback, with no task.",
+        "wakeups": "Intake callbacks run (ZMQ_FD signalled, or a scheduled read).",
+        "watchdog_reads": "Intake reads started by the watchdog: input waited unseen.",
+    }
+
+    def metrics(self, transport: str) -> Iterator[Sample]:
+        yield from counters(self, transport, self.COUNTERS)
+        yield counter("received_bytes", RECEIVED_BYTES, self.received_bytes, transport=transport)
 
 
 # --------------------------------------------------------------------------- resources
@@ -250,8 +261,7 @@ class ZmqIngest:
     :class:`~mmadmit.zmq_output.Forward`; the ingest itself never asks which.
     ``watchdog_s`` is the intake watchdog's period (``None``: no watchdog, so
     that tests see a lost wake-up as a stall); ``transport`` names the outcomes
-    in telemetry; ``stats`` may be a subclass of :class:`ZmqIngestStats` its
-    owner extends (engine mode); ``curve`` makes the ROUTER a CURVE server
+    in telemetry and its series; ``curve`` makes the ROUTER a CURVE server
     (``start()`` only; adopted sockets are the adopter's); ``quiet_s``: how
     long intake must be silent before :meth:`stop` closes it.
     """
@@ -270,7 +280,6 @@ class ZmqIngest:
         watchdog_s: float | None = WATCHDOG_S,
         telemetry: Telemetry | None = None,
         transport: str = "zmq",
-        stats: ZmqIngestStats | None = None,
         curve: CurveServer | None = None,
         quiet_s: float = INTAKE_QUIET_S,
     ) -> None:
@@ -286,7 +295,7 @@ class ZmqIngest:
         self.max_message_bytes = max_message_bytes
         self.limits = limits
         self.max_frames = max_frames
-        self.stats = stats if stats is not None else ZmqIngestStats()
+        self.stats = ZmqIngestStats()
         self.telemetry = telemetry
         self.transport = transport
         # The requests in flight, keyed (identity, rid); ``closing`` is set once
@@ -297,7 +306,6 @@ class ZmqIngest:
             telemetry=telemetry,
             scope="from this peer",
             max_per_peer=max_peer_inflight,
-            stats=self.stats,
         )
         self.endpoint: str | None = None
         self._res = _Resources(ctx=context, own_ctx=context is None, output=self.output)
@@ -325,6 +333,11 @@ class ZmqIngest:
     def forward_pending(self) -> int:
         """Outputs registered and not yet handed to libzmq (forward mode)."""
         return self.output.pending
+
+    def metrics(self) -> Iterator[Sample]:
+        """The intake's series and its output's (telemetry's :class:`Exports`)."""
+        yield from self.stats.metrics(self.transport)
+        yield from self.output.stats.metrics(self.transport)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -412,7 +425,6 @@ class ZmqIngest:
             res.ctx,
             intake,
             reader,
-            stats=self.stats,
             spawn=_spawner(self),
             name=self.transport,
             default_max_pending=2 * self.pool.max_inflight,
@@ -711,7 +723,7 @@ class ZmqIngest:
             await self.output.emit(identity, rid, frames, slot)
         finally:
             if not emitted:  # cancelled at stop before the output was emitted
-                self.stats.undeliverable += 1
+                self.output.stats.undeliverable += 1  # one count of undelivered outcomes
                 logger.warning("rid=%s: stopped before its outcome could be sent", rid)
                 self.output.release(slot)
 

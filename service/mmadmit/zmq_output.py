@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
@@ -46,6 +46,7 @@ import zmq.asyncio
 from . import wire
 from .errors import Abort
 from .model import Materialized, Request
+from .telemetry import SENT_BYTES, UNDELIVERABLE, Sample, counter, counters
 from .zsock import OrderedSender, RetryingSender, Slot, SocketReader, sizes
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ Spawn = Callable[[Any], None]
 
 @dataclass
 class OutputStats:
-    """What the outputs count (the ingest's stats extend this); event loop only."""
+    """What an output counts (``Output.stats``); event loop only."""
 
     replied: int = 0  # reply messages handed to libzmq (Reply)
     send_retries: int = 0  # reply sends retried after EAGAIN / EHOSTUNREACH (Reply)
@@ -72,6 +73,22 @@ class OutputStats:
     forwarded_aborts: int = 0  # of which ABORT messages (Forward)
     sent_bytes: int = 0  # bytes of every reply or forward handed to libzmq
     intake_paused: int = 0  # times intake stopped reading: forwards pending at their bound
+
+    # exported as mmadmit_<transport>_<field>_total, with this help (metrics())
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "replied": "Reply messages handed to libzmq.",
+        "send_retries": "Reply sends retried after EAGAIN or EHOSTUNREACH.",
+        "forwarded": "Messages handed to the downstream socket.",
+        "forwarded_aborts": "ABORT messages handed to the downstream socket.",
+        "intake_paused": "Times intake stopped reading: forwards pending at their bound.",
+    }
+
+    def metrics(self, transport: str) -> Iterator[Sample]:
+        yield from counters(self, transport, self.COUNTERS)
+        yield counter(
+            "undeliverable_replies", UNDELIVERABLE, self.undeliverable, transport=transport
+        )
+        yield counter("sent_bytes", SENT_BYTES, self.sent_bytes, transport=transport)
 
 
 class Output:
@@ -82,7 +99,7 @@ class Output:
 
     def __init__(self, sent_hook: SentHook | None = None) -> None:
         self._sent_hook = sent_hook
-        self._stats: OutputStats = OutputStats()
+        self.stats = OutputStats()
         self._spawn: Spawn | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -93,7 +110,6 @@ class Output:
         intake: zmq.Socket[Any],
         reader: SocketReader,
         *,
-        stats: OutputStats,
         spawn: Spawn,
         name: str,
         default_max_pending: int,
@@ -101,7 +117,6 @@ class Output:
         """Make (or take) the sockets and senders; called once, before intake reads.
         Raises ``OSError`` for an unusable address. ``spawn(coro)`` runs a task the
         ingest waits for at stop."""
-        self._stats = stats
         self._spawn = spawn
         self._bind(ctx, intake, reader, spawn, name, default_max_pending)
 
@@ -232,14 +247,14 @@ class Reply(Output):
         await self._sender.deliver(msg, rid)  # counts a give-up (and a cancel) itself
 
     def _count_replied(self, msg: list[Any]) -> None:
-        self._stats.replied += 1
-        self._stats.sent_bytes += sum(sizes(msg[1:]))
+        self.stats.replied += 1
+        self.stats.sent_bytes += sum(sizes(msg[1:]))
 
     def _count_retry(self) -> None:
-        self._stats.send_retries += 1
+        self.stats.send_retries += 1
 
     def _give_up(self, msg: list[Any], rid: str, why: object) -> None:
-        self._stats.undeliverable += 1
+        self.stats.undeliverable += 1
         peer = msg[0].bytes if isinstance(msg[0], zmq.Frame) else bytes(msg[0])
         logger.warning(
             "rid=%s: reply to peer %s undeliverable (send timeout %.1fs): %s",
@@ -352,7 +367,7 @@ class Forward(Output):
         await fifo.stop()
         left = len(fifo.abandon_queued())
         if left:
-            self._stats.undeliverable += left
+            self.stats.undeliverable += left
             logger.warning(
                 "[shutdown] %d message(s) never reached the forward socket (%s)",
                 left,
@@ -406,7 +421,7 @@ class Forward(Output):
         finally:
             fifo.release(slot)
             if not enqueued:  # cancelled at stop while an earlier output of its key waited
-                self._stats.undeliverable += 1
+                self.stats.undeliverable += 1
                 fifo.done_pending()
                 logger.warning("rid=%s: stopped before its outcome could be forwarded", rid)
 
@@ -448,23 +463,23 @@ class Forward(Output):
             finally:
                 fifo.release(slot)
                 if not handed_off:
-                    self._stats.undeliverable += 1
+                    self.stats.undeliverable += 1
                     fifo.done_pending()
 
         self._spawn(after_predecessors())
 
     def _count_pause(self) -> None:
-        self._stats.intake_paused += 1
+        self.stats.intake_paused += 1
 
     def _count_forwarded(self, msg: list[Any]) -> None:
-        stats = self._stats
+        stats = self.stats
         stats.forwarded += 1
         stats.sent_bytes += sum(sizes(msg))
         if msg[0] == ABORT:
             stats.forwarded_aborts += 1
 
     def _forward_failed(self, msg: list[Any], exc: BaseException) -> None:
-        self._stats.undeliverable += 1
+        self.stats.undeliverable += 1
         logger.warning(
             "rid=%s: forward: could not hand the message to %s (%s)",
             wire.recover_rid(msg[1]) if msg[0] == ADD else "(ABORT)",
