@@ -331,7 +331,7 @@ class StatsCollector(Collector):
         self.build = build
 
     def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for source in self.sources:
             for s in source.metrics():
                 family = families.get(s.name)
@@ -339,7 +339,7 @@ class StatsCollector(Collector):
                     kind = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
                     labels = [k for k, _ in s.labels]
                     family = families[s.name] = kind(f"mmadmit_{s.name}", s.doc, labels=labels)
-                family.add_metric([v for _, v in s.labels], s.value)  # type: ignore[attr-defined]
+                family.add_metric([v for _, v in s.labels], s.value)
         yield from families.values()
         heap = heap_stats()
         if heap is not None:  # glibc only
