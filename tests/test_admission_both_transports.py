@@ -49,8 +49,8 @@ from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
 from mmadmit.pool import MaterializerPool
 from mmadmit.server import ServerHandle, shutdown, start_server
 from mmadmit_client import Aborted, Client, Materialized, Outcome, RequestTimeout
-from mmadmit_client.proto import admission_pb2 as pb
 from mmadmit_client._transports.grpc import LoadBalancing
+from mmadmit_client.proto import admission_pb2 as pb
 from mmadmit_client.wire import WireFormatError, decode_reply
 
 MODEL = CONFIGS / "qwen3_5.json"
