@@ -53,11 +53,11 @@ FAMILY = "qwen2_5_vl"
 READY_TIMEOUT_S = 60.0
 # the SMG face's own series printed in step 6 (besides mmadmit_requests_total)
 FACE_SERIES = (
-    "mmadmit_smg_grpc_scheduler_alive",
-    "mmadmit_smg_grpc_generate_calls",
-    "mmadmit_smg_grpc_adds_sent",
-    "mmadmit_smg_grpc_completes",
-    "mmadmit_smg_grpc_aborts_sent",
+    "mmadmit_smg_grpc_scheduler_up",
+    "mmadmit_smg_grpc_generate_calls_total",
+    "mmadmit_smg_grpc_adds_sent_total",
+    "mmadmit_smg_grpc_completes_total",
+    "mmadmit_smg_grpc_aborts_sent_total",
 )
 
 
@@ -248,6 +248,9 @@ class Demo:
                 f"--- mmadmit /metrics (127.0.0.1:{metrics}): smg_grpc requests, the face's state"
             )
             print("\n".join(counted + face_lines), flush=True)
+            missing = set(FACE_SERIES) - {ln.split(" ")[0] for ln in face_lines}
+            if missing:
+                raise RuntimeError(f"series missing from /metrics: {sorted(missing)}")
             done = [ln for ln in counted if 'outcome="materialized"' in ln]
             if sum(float(ln.rsplit(" ", 1)[1]) for ln in done) != 2:
                 raise RuntimeError(f"not 2 materialized smg_grpc requests: {counted}")

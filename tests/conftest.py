@@ -197,7 +197,8 @@ def _session_native() -> bool:
     the same variable. The ``native_mode`` cases still run both ways."""
     from mmadmit.config import build_config
 
-    return build_config({}, environ={"MMADMIT_NATIVE": os.environ.get("MMADMIT_NATIVE", "1")}).native
+    environ = {"MMADMIT_NATIVE": os.environ.get("MMADMIT_NATIVE", "1")}
+    return build_config({}, environ=environ).native
 
 
 SESSION_NATIVE = _session_native()
