@@ -16,6 +16,7 @@ Run with: python -m pytest tests/test_intcodec.py -q
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,15 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mmadmit import intcodec as ic
+from mmadmit import msgpack_walk
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+from fuzz.targets._common import on_walk  # noqa: E402
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -34,6 +41,24 @@ EDGE_VALUES = [
     0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1,
     -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
 ]  # fmt: skip
+
+
+# each public function on the compiled walker (_native) and the interpreted one (_py)
+_decode_native, _decode_py = (
+    on_walk(ic._BUILT, ic.decode_int_array),
+    on_walk(msgpack_walk, ic.decode_int_array),
+)
+_encode_native, _encode_py = (
+    on_walk(ic._BUILT, ic.encode_int_array),
+    on_walk(msgpack_walk, ic.encode_int_array),
+)
+_split_native, _split_py = on_walk(ic._BUILT, ic.split_array), on_walk(msgpack_walk, ic.split_array)
+_spans_native, _spans_py = on_walk(ic._BUILT, ic.array_spans), on_walk(msgpack_walk, ic.array_spans)
+_rows_native, _rows_py = on_walk(ic._BUILT, ic.int_rows), on_walk(msgpack_walk, ic.int_rows)
+_like_native = on_walk(ic._BUILT, ic.encode_int_array_like)
+_like_py = on_walk(msgpack_walk, ic.encode_int_array_like)
+_filled_native = on_walk(ic._BUILT, ic.encode_int_array_filled)
+_filled_py = on_walk(msgpack_walk, ic.encode_int_array_filled)
 
 native_only = pytest.mark.skipif(
     not ic.HAVE_NATIVE,
@@ -44,13 +69,13 @@ Decoder = Callable[[Any], np.ndarray]
 Encoder = Callable[[Any], bytes]
 
 DECODERS = [
-    pytest.param(lambda raw: ic._decode_native(ic._as_bytes(raw)), id="native", marks=native_only),
-    pytest.param(lambda raw: ic._decode_py(ic._as_bytes(raw)), id="fallback"),
+    pytest.param(lambda raw: _decode_native(ic._as_bytes(raw)), id="native", marks=native_only),
+    pytest.param(lambda raw: _decode_py(ic._as_bytes(raw)), id="fallback"),
     pytest.param(ic.decode_int_array, id="public"),
 ]
 ENCODERS = [
-    pytest.param(lambda v: ic._encode_native(ic._as_int64(v)), id="native", marks=native_only),
-    pytest.param(lambda v: ic._encode_py(ic._as_int64(v)), id="fallback"),
+    pytest.param(lambda v: _encode_native(ic._as_int64(v)), id="native", marks=native_only),
+    pytest.param(lambda v: _encode_py(ic._as_int64(v)), id="fallback"),
     pytest.param(ic.encode_int_array, id="public"),
 ]
 
@@ -327,7 +352,7 @@ def test_decode_errors(decode: Decoder, raw: bytes, message: str) -> None:
 @pytest.mark.parametrize(("raw", "message"), ERROR_CASES)
 def test_native_and_fallback_errors_identical(raw: bytes, message: str) -> None:
     errors = []
-    for impl in (ic._decode_native, ic._decode_py):
+    for impl in (_decode_native, _decode_py):
         with pytest.raises(ValueError) as info:
             impl(ic._as_bytes(raw))
         errors.append((type(info.value), str(info.value)))
@@ -383,11 +408,9 @@ def test_one_walker_source() -> None:
 def test_property_round_trip(values: list[int]) -> None:
     arr = np.array(values, dtype=np.int64)
     raw = msgpack.packb(values)
-    impls: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = [
-        (ic._encode_py, ic._decode_py)
-    ]
+    impls: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = [(_encode_py, _decode_py)]
     if ic.HAVE_NATIVE:
-        impls.append((ic._encode_native, ic._decode_native))
+        impls.append((_encode_native, _decode_native))
     for encode, decode in impls:
         assert encode(arr) == raw
         assert decode(memoryview(raw)).tolist() == values
@@ -401,16 +424,16 @@ def test_property_round_trip(values: list[int]) -> None:
 # (texts differ: the wire codec wraps them).
 
 SPLITTERS = [
-    pytest.param(ic._split_native, id="native", marks=native_only),
-    pytest.param(ic._split_py, id="fallback"),
+    pytest.param(_split_native, id="native", marks=native_only),
+    pytest.param(_split_py, id="fallback"),
 ]
 SPANNERS = [
-    pytest.param(ic._spans_native, id="native", marks=native_only),
-    pytest.param(ic._spans_py, id="fallback"),
+    pytest.param(_spans_native, id="native", marks=native_only),
+    pytest.param(_spans_py, id="fallback"),
 ]
 ROWERS = [
-    pytest.param(ic._rows_native, id="native", marks=native_only),
-    pytest.param(ic._rows_py, id="fallback"),
+    pytest.param(_rows_native, id="native", marks=native_only),
+    pytest.param(_rows_py, id="fallback"),
 ]
 
 Ext = msgpack.ExtType
@@ -544,15 +567,15 @@ def test_split_malformed(split: Callable[..., Any], raw: bytes) -> None:
 @native_only
 def test_split_native_nesting_has_no_depth_limit() -> None:
     deep = b"\x92" + b"\x91" * 200_000 + b"\xc0" + b"\x01"
-    offsets, _ = ic._split_native(ic._as_bytes(deep), ())
+    offsets, _ = _split_native(ic._as_bytes(deep), ())
     assert offsets == [1, len(deep) - 1, len(deep)]
     with pytest.raises(ValueError):
-        ic._split_native(ic._as_bytes(deep[:-1]), ())  # the outer array misses an element
+        _split_native(ic._as_bytes(deep[:-1]), ())  # the outer array misses an element
 
 
 def test_split_public_api_matches_fallback() -> None:
     raw = _small_message()
-    assert ic.split_array(raw, (4,))[0] == ic._split_py(ic._as_bytes(raw), (4,))[0]
+    assert ic.split_array(raw, (4,))[0] == _split_py(ic._as_bytes(raw), (4,))[0]
     assert ic.split_array(memoryview(raw))[0] == _expected_offsets(msgpack.unpackb(raw))
 
 
@@ -593,9 +616,9 @@ def test_array_spans(spans: Callable[..., Any]) -> None:
 @native_only
 def test_array_spans_native_matches_fallback() -> None:
     raw, _ = _items_payload()
-    assert ic._spans_native(ic._as_bytes(raw)) == ic._spans_py(ic._as_bytes(raw))
+    assert _spans_native(ic._as_bytes(raw)) == _spans_py(ic._as_bytes(raw))
     for cut in range(len(raw)):
-        for impl in (ic._spans_native, ic._spans_py):
+        for impl in (_spans_native, _spans_py):
             with pytest.raises(ValueError):
                 impl(ic._as_bytes(raw[:cut]))
 
@@ -696,17 +719,17 @@ def test_int_rows_bad_offsets(rows: Callable[..., Any]) -> None:
 def test_property_split_native_matches_fallback(values: list[Any]) -> None:
     raw = _pack(values)
     fields = tuple(range(min(len(values), 8)))
-    py_offsets, py_ints = ic._split_py(ic._as_bytes(raw), fields)
+    py_offsets, py_ints = _split_py(ic._as_bytes(raw), fields)
     assert py_offsets == _expected_offsets(values)
     if not ic.HAVE_NATIVE:
         return
-    offsets, ints = ic._split_native(ic._as_bytes(raw), fields)
+    offsets, ints = _split_native(ic._as_bytes(raw), fields)
     assert offsets == py_offsets
     assert [None if a is None else a.tolist() for a in ints] == [
         None if a is None else a.tolist() for a in py_ints
     ]
     for cut in range(0, len(raw), max(1, len(raw) // 16)):
-        for impl in (ic._split_native, ic._split_py):
+        for impl in (_split_native, _split_py):
             with pytest.raises(ValueError):
                 impl(ic._as_bytes(raw[:cut]), fields)
 
@@ -740,9 +763,9 @@ def _runs(rng: np.random.Generator, n: int) -> np.ndarray:
 def test_runs_match_msgpack(seed: int, n: int) -> None:
     values = _runs(np.random.default_rng([seed, n]), n)
     raw = msgpack.packb(values.tolist())
-    for encode in (ic._encode_py, *([ic._encode_native] if ic.HAVE_NATIVE else [])):
+    for encode in (_encode_py, *([_encode_native] if ic.HAVE_NATIVE else [])):
         assert encode(values) == raw
-    for decode in (ic._decode_py, *([ic._decode_native] if ic.HAVE_NATIVE else [])):
+    for decode in (_decode_py, *([_decode_native] if ic.HAVE_NATIVE else [])):
         assert decode(memoryview(raw)).tolist() == values.tolist()
 
 
@@ -843,22 +866,22 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
     for values in cases:
         raw = msgpack.packb(values)
         buf = guarded(raw)
-        assert ic._decode_native(buf).tolist() == values
+        assert _decode_native(buf).tolist() == values
         for cut in range(len(raw)):  # truncated: an error, never a read past the end
             part = guarded(raw[:cut])
             with pytest.raises(ValueError):
-                ic._decode_native(part)
+                _decode_native(part)
         message = _pack(["x", values, [values[:2], None], {"k": values[-3:]}])
-        offsets, ints = ic._split_native(guarded(message), (1,))
+        offsets, ints = _split_native(guarded(message), (1,))
         assert ints[0] is not None and ints[0].tolist() == values
         assert offsets[-1] == len(message)
         for cut in range(0, len(message), max(1, len(message) // 50)):
             with pytest.raises(ValueError):
-                ic._split_native(guarded(message[:cut]), (1,))
+                _split_native(guarded(message[:cut]), (1,))
         rows = _pack([[[v, v] for v in values[:20]]])
-        table, _ = ic._rows_native(guarded(rows), [1], 2)
+        table, _ = _rows_native(guarded(rows), [1], 2)
         assert table.tolist() == [v for v in values[:20] for _ in range(2)]
-        assert ic._spans_native(guarded(rows)) == ic._spans_py(ic._as_bytes(rows))
+        assert _spans_native(guarded(rows)) == _spans_py(ic._as_bytes(rows))
 
 
 # --------------------------------------------------------------------------
@@ -866,12 +889,12 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
 
 LIKES = [
     pytest.param(
-        lambda v, old, raw, mk: ic._like_native(ic._as_int64(v), old, ic._as_bytes(raw), mk),
+        lambda v, old, raw, mk: _like_native(ic._as_int64(v), old, ic._as_bytes(raw), mk),
         id="native",
         marks=native_only,
     ),
     pytest.param(
-        lambda v, old, raw, mk: ic._like_py(ic._as_int64(v), old, ic._as_bytes(raw), mk),
+        lambda v, old, raw, mk: _like_py(ic._as_int64(v), old, ic._as_bytes(raw), mk),
         id="fallback",
     ),
     pytest.param(ic.encode_int_array_like, id="public"),
@@ -958,10 +981,10 @@ def test_encode_like_keeps_other_forms_where_unchanged(n: int) -> None:
     for new in _edited(rng, old):
         got = bytes(ic.encode_int_array_like(new, old, raw, marks))
         assert msgpack.unpackb(got) == new.tolist()
-        assert got == bytes(ic._like_py(new, old, memoryview(raw), None))
+        assert got == bytes(_like_py(new, old, memoryview(raw), None))
         assert got == bytes(msgpack_walk.encode_like(new, old, memoryview(raw), walk_marks))
         if ic.HAVE_NATIVE:
-            assert got == bytes(ic._like_native(new, old, memoryview(raw), marks))
+            assert got == bytes(_like_native(new, old, memoryview(raw), marks))
     same = bytes(ic.encode_int_array_like(old.copy(), old, raw, marks))
     assert same == bytes(_pack_header(n)) + raw[5:]  # every element as received
 
@@ -1062,7 +1085,7 @@ def test_encode_like_reads_stay_in_bounds(guarded: _Guarded) -> None:
             buf = guarded(raw)
             old, marks = ic._BUILT.decode_marked(buf)
             for new in _edited(rng, old):
-                got = bytes(ic._like_native(new, old, buf, marks))
+                got = bytes(_like_native(new, old, buf, marks))
                 assert msgpack.unpackb(got) == new.tolist()
 
 
@@ -1071,8 +1094,8 @@ def test_encode_like_reads_stay_in_bounds(guarded: _Guarded) -> None:
 # reply's padded ids, written from the received bytes and the pad spans)
 
 FILLS = [
-    pytest.param(lambda *a: ic._filled_native(*a), id="native", marks=native_only),
-    pytest.param(lambda *a: ic._filled_py(*a), id="fallback"),
+    pytest.param(lambda *a: _filled_native(*a), id="native", marks=native_only),
+    pytest.param(lambda *a: _filled_py(*a), id="fallback"),
     pytest.param(
         lambda old, buf, mk, *spans: ic.encode_int_array_filled(old, buf, mk, *spans),
         id="public",
@@ -1129,7 +1152,7 @@ def test_encode_filled_keeps_other_forms_outside_the_spans(n: int) -> None:
         starts, stops, fill = _spans(rng, n)
         got = bytes(ic.encode_int_array_filled(old, raw, marks, starts, stops, fill))
         assert msgpack.unpackb(got) == _filled(old, starts, stops, fill).tolist()
-        assert got == bytes(ic._filled_py(old, memoryview(raw), None, starts, stops, fill))
+        assert got == bytes(_filled_py(old, memoryview(raw), None, starts, stops, fill))
         assert got == bytes(
             msgpack_walk.encode_filled(memoryview(raw), walk_marks, starts, stops, fill)
         )
@@ -1154,7 +1177,7 @@ def test_encode_filled_refuses_spans_out_of_order_or_outside() -> None:
     ]
     for starts, stops, fill in bad:
         spans = [np.array(x, np.int64) for x in (starts, stops, fill)]
-        got = {_outcome(ic._filled_py, old, memoryview(raw), marks, *spans)}
+        got = {_outcome(_filled_py, old, memoryview(raw), marks, *spans)}
         for w in _walkers():
             got.add(_outcome(w.encode_filled, memoryview(raw), marks_of(w, raw), *spans))
         assert got == {("err", "msgpack int array: encode_filled: the spans are not sorted, "
@@ -1226,14 +1249,14 @@ def test_encode_filled_reads_stay_in_bounds(guarded: _Guarded) -> None:
             old, marks = ic._BUILT.decode_marked(buf)
             for _ in range(4):
                 spans = _spans(rng, n)
-                got = bytes(ic._filled_native(old, buf, marks, *spans))
+                got = bytes(_filled_native(old, buf, marks, *spans))
                 assert msgpack.unpackb(got) == _filled(old, *spans).tolist()
 
 
 def test_split_marks_only_from_the_compiled_walker() -> None:
     raw = msgpack.packb(list(range(200)))
     marks: list[Any] = ["stale"]
-    ic._split_py(ic._as_bytes(b"\x92\xa1x" + raw), (1, 5), None, None)
+    _split_py(ic._as_bytes(b"\x92\xa1x" + raw), (1, 5), None, None)
     ic.split_array(b"\x92\xa1x" + raw, (1, 5), None, marks)
     assert len(marks) == 2 and marks[1] is None  # element 5 is missing
     if ic.HAVE_NATIVE:

@@ -12,7 +12,18 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import load_vector, vector_names
-from mmadmit import intcodec, kernels, model, native, pbwire, planner, rules, tensorcheck, wire
+from mmadmit import (
+    intcodec,
+    kernels,
+    model,
+    msgpack_walk,
+    native,
+    pbwire,
+    planner,
+    rules,
+    tensorcheck,
+    wire,
+)
 from mmadmit.config import ServeConfig, build_config
 from mmadmit.errors import ConfigError
 from mmadmit.materializer import Materializer
@@ -66,7 +77,7 @@ def test_every_wrapping_module_registers_and_switches() -> None:
     try:
         assert not native.enabled()
         assert not any(m.HAVE_NATIVE for m in MODULES.values())
-        assert intcodec._decode_impl is intcodec._decode_py
+        assert intcodec._WALK is msgpack_walk
         assert planner._active is rules and kernels._kernels is None and pbwire._pbwire is None
         assert model._check is tensorcheck.check
     finally:

@@ -13,8 +13,8 @@ refused. Three modes:
 * ``encoded``: splicing and verbatim token arrays off (every item and token
   array encoded from the decoded model, the payload assembled from its
   element list instead of slices of the received payload);
-* ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (no C
-  extension), the shortcuts on.
+* ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (the walker
+  interpreted, no C extension), the shortcuts on.
 
 On every vector and on generated requests all three decode the same fields
 and emit the same bytes (received encodings here are canonical, so verbatim
@@ -38,7 +38,7 @@ import pytest
 import wire_oracle
 from conftest import REPO_ROOT, load_vector, vector_names
 from mmadmit import intcodec as ic
-from mmadmit import rules, wire
+from mmadmit import msgpack_walk, rules, wire
 from mmadmit.errors import Abort, AbortCode
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
@@ -74,21 +74,13 @@ def mode(name: str) -> Iterator[None]:
             )
             mp.setattr(wire, "_spliced", _spliced_by_elements)
         if name == "fallback":
-            for impl in (
-                "_split",
-                "_spans",
-                "_rows",
-                "_decode",
-                "_encode",
-                "_like",
-                "_filled",
-                "_len",
-                "_check",
-                "_items",
-                "_splice",
-            ):
-                mp.setattr(ic, f"{impl}_impl", getattr(ic, f"{impl}_py"))
-        yield
+            was = ic.HAVE_NATIVE
+            ic._use_native(False)
+        try:
+            yield
+        finally:
+            if name == "fallback":
+                ic._use_native(was)
 
 
 def _spliced_by_elements(buf: memoryview, offsets: list[int], written: tuple[Any, ...]) -> bytes:
@@ -941,8 +933,6 @@ def _items_form(items: list[Any]) -> list[Any]:
 
 
 def _walks() -> list[Any]:
-    from mmadmit import msgpack_walk
-
     walks = [msgpack_walk]
     if ic._BUILT is not None:
         walks.append(ic._BUILT)
@@ -1126,7 +1116,7 @@ def test_native_off_decodes_items_with_the_interpreted_walk(
 ) -> None:
     """With native code off the items are built by the same walk, interpreted, to the
     same request."""
-    from mmadmit import msgpack_walk, native
+    from mmadmit import native
 
     payload, aux = _fast_form_payload()
     calls: list[int] = []
@@ -1136,9 +1126,9 @@ def test_native_off_decodes_items_with_the_interpreted_walk(
         calls.append(1)
         return walk(*args)
 
+    monkeypatch.setattr(msgpack_walk, "build_items", counted)
     try:
         native.set_enabled(False)
-        monkeypatch.setattr(ic, "_items_impl", counted)
         off = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
         assert calls == [1]
     finally:

@@ -10,6 +10,23 @@ import numpy as np
 from mmadmit import native
 
 
+def on_walk(walk: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a public :mod:`mmadmit.intcodec` function) run on one build of the
+    walker: ``intcodec._BUILT`` (compiled) or ``mmadmit.msgpack_walk`` (interpreted,
+    with intcodec's msgspec shortcuts)."""
+    from mmadmit import intcodec
+
+    def run(*args: Any) -> Any:
+        was = intcodec.HAVE_NATIVE
+        intcodec._use_native(walk is intcodec._BUILT)
+        try:
+            return fn(*args)
+        finally:
+            intcodec._use_native(was)
+
+    return run
+
+
 @contextlib.contextmanager
 def native_mode(on: bool) -> Iterator[None]:
     """Every wrapped extension on (when built) or off, restored afterwards."""

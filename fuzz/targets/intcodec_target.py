@@ -2,8 +2,8 @@
 
 ``mmadmit/msgpack_walk.py`` is compiled by Cython into ``_walk_c`` (under
 ``make fuzz``: with ASan and UBSan, ``fuzz/build_sanitized.sh``); the
-interpreted side is the module run by Python, with intcodec's msgspec
-shortcuts where it takes them.
+interpreted side is the module run by Python; each side is reached through
+intcodec's public functions.
 
 The first input byte picks an entry point, the rest is its input:
 ``decode_int_array`` on the bytes or on an array built element by element from
@@ -41,7 +41,7 @@ from mmadmit.errors import AdmissionError
 from mmadmit.limits import Limits
 from mmadmit.model import Item, Tensor
 
-from ._common import outcome, same
+from ._common import on_walk, outcome, same
 from ._data import Data
 
 NAME = "intcodec"
@@ -49,8 +49,8 @@ _DTYPES = ("<i8", "<u8", "<i4", "<u4", "<i2", "<u2", "<i1", "<u1", ">i8")
 
 
 def _decode(buf: memoryview) -> None:
-    a = outcome(ic._decode_native, buf)
-    b = outcome(ic._decode_py, buf)
+    a = outcome(_decode_native, buf)
+    b = outcome(_decode_py, buf)
     same(a, b, "decode_int_array")
     # Both run one source, so a third party judges the rule itself: msgpack-python.
     try:
@@ -61,9 +61,9 @@ def _decode(buf: memoryview) -> None:
     assert (a[0] == "ok") == ints, ("decode against msgpack.unpackb", a, ref)
     if a[0] == "ok":  # round trip: a canonical re-encoding decodes to the same values
         assert a[1].tolist() == ref, "decoded values"
-        enc = ic._encode_native(a[1])
-        assert enc == ic._encode_py(a[1]) == msgpack.packb(ref), "encode of a decoded array"
-        assert np.array_equal(ic._decode_native(memoryview(enc)), a[1]), "round trip"
+        enc = _encode_native(a[1])
+        assert enc == _encode_py(a[1]) == msgpack.packb(ref), "encode of a decoded array"
+        assert np.array_equal(_decode_native(memoryview(enc)), a[1]), "round trip"
         _like(buf, a[1])
 
 
@@ -84,9 +84,9 @@ def _like(buf: memoryview, old: np.ndarray) -> None:
         flipped = old ^ (np.arange(n) % 3 == 0)  # every third element changed
         edits += [run, flipped, np.full(n, old[-1])]
     for new in edits:
-        a = outcome(ic._like_native, new, old, buf, marks)
+        a = outcome(_like_native, new, old, buf, marks)
         same(a, outcome(msgpack_walk.encode_like, new, old, buf, walk_marks), "encode_like")
-        same(a, outcome(ic._like_py, new, old, buf, None), "encode_like fallback")
+        same(a, outcome(_like_py, new, old, buf, None), "encode_like fallback")
         assert a[0] == "ok" and msgpack.unpackb(a[1]) == new.tolist(), "encode_like values"
     if n:
         shifted = marks + (n % 5) - 2  # not where elements start: refused or read alike
@@ -113,9 +113,9 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     cuts = np.sort(np.resize(raw * 31 % (n + 1), 2 * min(len(raw), 9))) if n else raw[:0]
     starts, stops = cuts[0::2].copy(), cuts[1::2].copy()
     fill = np.resize(raw * 0x0101010101 - 2**35, len(starts))
-    a = outcome(ic._filled_native, old, buf, marks, starts, stops, fill)
+    a = outcome(_filled_native, old, buf, marks, starts, stops, fill)
     same(a, outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill), "encode_filled")
-    same(a, outcome(ic._filled_py, old, buf, None, starts, stops, fill), "encode_filled fallback")
+    same(a, outcome(_filled_py, old, buf, None, starts, stops, fill), "encode_filled fallback")
     want = old.copy()
     for x, y, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
         want[x:y] = v
@@ -135,13 +135,13 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     room = need + pick % 24 if pick & 1 else (pick >> 1) % (need + 24)  # enough, or any
     start = (pick >> 6) % (room - need + 3) - 1 if pick & 1 else (pick >> 6) % (room + 3) - 1
     outs = [np.zeros(room, np.uint8) for _ in range(3)]
-    a = outcome(ic._filled_native, old, buf, marks, starts, stops, fill, outs[0], start)
+    a = outcome(_filled_native, old, buf, marks, starts, stops, fill, outs[0], start)
     b = outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill, outs[1], start)
-    c = outcome(ic._filled_py, old, buf, None, starts, stops, fill, outs[2], start)
+    c = outcome(_filled_py, old, buf, None, starts, stops, fill, outs[2], start)
     same(a, b, "encode_filled into a buffer")
     same(a, c, "encode_filled into a buffer, fallback")
     if a[0] == "ok":
-        fresh = outcome(ic._filled_native, old, buf, marks, starts, stops, fill)
+        fresh = outcome(_filled_native, old, buf, marks, starts, stops, fill)
         assert fresh[1] == a[1], "encode_filled into a buffer: other bytes"
         assert 0 <= start and start + len(a[1]) <= room, "encode_filled wrote past the room"
         assert all(bytes(o[start : start + len(a[1])]) == a[1] for o in outs), "in place"
@@ -156,14 +156,14 @@ def _encode(d: Data) -> None:
     arr = outcome(ic._as_int64, values, errors=(ValueError, TypeError))
     if arr[0] != "ok":
         return
-    same(outcome(ic._encode_native, arr[1]), outcome(ic._encode_py, arr[1]), "encode_int_array")
+    same(outcome(_encode_native, arr[1]), outcome(_encode_py, arr[1]), "encode_int_array")
 
 
 def _split(d: Data) -> None:
     fields = tuple(sorted({d.int_in(0, 30) for _ in range(d.int_in(0, 4))}))
     buf = memoryview(d.rest())
-    a = outcome(ic._split_native, buf, fields)
-    b = outcome(ic._split_py, buf, fields)
+    a = outcome(_split_native, buf, fields)
+    b = outcome(_split_py, buf, fields)
     same(a, b, f"split_array{fields}")
 
 
@@ -171,8 +171,8 @@ def _split_bounded(d: Data) -> None:
     fields = tuple(sorted({d.int_in(0, 30) for _ in range(d.int_in(1, 3))}))
     limit = d.int_in(0, 40)
     buf = memoryview(d.rest())
-    a = outcome(ic._split_native, buf, fields, limit)
-    b = outcome(ic._split_py, buf, fields, limit)
+    a = outcome(_split_native, buf, fields, limit)
+    b = outcome(_split_py, buf, fields, limit)
     same(a, b, f"split_array{fields} max_ints={limit}")
     if a[0] == "err" and a[1] == "IntArrayTooLong":  # the same element and count named
         assert a[2] == b[2], (a, b)
@@ -188,13 +188,13 @@ def _structure(d: Data) -> None:
         offsets = [p % (len(buf) + 3) - 1 for p in picks]
     else:
         try:
-            offsets, _ = ic._split_native(buf, ())
+            offsets, _ = _split_native(buf, ())
         except ValueError:
             return
     odd_a: list[int] = []
     odd_b: list[int] = []
-    a = outcome(ic._check_native, buf, offsets, skip, depth, length, odd_a)
-    b = outcome(ic._check_py, buf, offsets, skip, depth, length, odd_b)
+    a = outcome(_check_native, buf, offsets, skip, depth, length, odd_a)
+    b = outcome(_check_py, buf, offsets, skip, depth, length, odd_b)
     what = f"check_structure(depth={depth}, len={length}, skip={skip})"
     same(a, b, what)
     assert odd_a == odd_b, f"{what}: odd elements {odd_a} native, {odd_b} fallback"
@@ -203,7 +203,7 @@ def _structure(d: Data) -> None:
 def _spans(d: Data) -> None:
     index = d.int_in(-1, 5)
     buf = memoryview(d.rest())
-    same(outcome(ic._spans_native, buf), outcome(ic._spans_py, buf), "array_spans")
+    same(outcome(_spans_native, buf), outcome(_spans_py, buf), "array_spans")
     a = outcome(ic._BUILT.element_span, buf, index)
     same(a, outcome(msgpack_walk.element_span, buf, index), f"element_span({index})")
 
@@ -217,13 +217,13 @@ def _rows(d: Data) -> None:
         starts = [p % (len(buf) + 2) - 1 for p in picks]  # anywhere, -1 and past the end too
     else:
         try:
-            spans = ic._spans_native(buf)
+            spans = _spans_native(buf)
         except ValueError:
             return
         # element 3 of each item (its offsets), as wire.py takes them
         starts = [s for s in spans[4::5] if s >= 0]
-    a = outcome(ic._rows_native, buf, starts, width)
-    b = outcome(ic._rows_py, buf, starts, width)
+    a = outcome(_rows_native, buf, starts, width)
+    b = outcome(_rows_py, buf, starts, width)
     same(a, b, f"int_rows(width={width})")
 
 
@@ -261,6 +261,28 @@ from wire_oracle import decode_items as reference_items  # noqa: E402
 
 _AUX = [memoryview(bytes(range(256)) * 2), memoryview(b"\x01" * 24)]  # 512 and 24 bytes
 _ITEM_DTYPES = ("float32", "bfloat16", "int64", "uint8", "int8")
+
+
+# each public intcodec function on the compiled walker (_native) and the interpreted one (_py)
+_NATIVE, _PY = ic._BUILT, msgpack_walk
+_decode_native, _decode_py = (
+    on_walk(_NATIVE, ic.decode_int_array),
+    on_walk(_PY, ic.decode_int_array),
+)
+_encode_native, _encode_py = (
+    on_walk(_NATIVE, ic.encode_int_array),
+    on_walk(_PY, ic.encode_int_array),
+)
+_split_native, _split_py = on_walk(_NATIVE, ic.split_array), on_walk(_PY, ic.split_array)
+_check_native, _check_py = on_walk(_NATIVE, ic.check_structure), on_walk(_PY, ic.check_structure)
+_spans_native, _spans_py = on_walk(_NATIVE, ic.array_spans), on_walk(_PY, ic.array_spans)
+_rows_native, _rows_py = on_walk(_NATIVE, ic.int_rows), on_walk(_PY, ic.int_rows)
+_like_native, _like_py = (
+    on_walk(_NATIVE, ic.encode_int_array_like),
+    on_walk(_PY, ic.encode_int_array_like),
+)
+_filled_native = on_walk(_NATIVE, ic.encode_int_array_filled)
+_filled_py = on_walk(_PY, ic.encode_int_array_filled)
 
 
 def _or(d: Data, usual: object, *others: object) -> object:

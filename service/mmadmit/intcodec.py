@@ -16,14 +16,15 @@ Interpreted, the walker's loops are Python loops, far too slow for token
 arrays: on 128K ids (measured here, on a loaded 2-core machine) it takes 6 s
 to decode, 2.4 s to encode and 5.5 s to split a message around them, against
 50 ms, 21 ms and 0.18 s through ``msgspec``. So when the walker is
-interpreted, and only then, three ``msgspec`` shortcuts run, each only where
-it gives the walker's result: :func:`decode_int_array` and the int fields of
-:func:`split_array` decode through ``Decoder(list[int])``, the offsets of
-:func:`split_array` come from ``Decoder(list[msgspec.Raw])``, and whenever
-``msgspec`` refuses the walker runs and words the error;
-:func:`encode_int_array` is ``msgspec`` on ``values.tolist()``, byte-identical
-(the tests check it). :func:`check_structure`, :func:`array_spans` and
-:func:`int_rows` (headers and small arrays) are the walker's alone.
+interpreted, and only then, ``msgspec`` shortcuts run for the int-array codec,
+each only where it gives the walker's result: :func:`decode_int_array` and
+the int fields of :func:`split_array` decode through ``Decoder(list[int])``,
+the offsets of :func:`split_array` come from ``Decoder(list[msgspec.Raw])``,
+and whenever ``msgspec`` refuses the walker runs and words the error;
+:func:`encode_int_array` (and the encodes :func:`encode_int_array_like` and
+:func:`encode_int_array_filled` reduce to where the received bytes are smallest
+forms) is ``msgspec`` on ``values.tolist()``, byte-identical (the tests check
+it). Every other function is the walker's alone, through ``_WALK``.
 
 Splitting (for the wire codec): :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
@@ -119,7 +120,8 @@ def array_len(raw: Any) -> int:
     Header only; ``ValueError`` for a non-array, a cut header, or a count
     larger than the bytes that follow (every element takes one byte at least).
     """
-    return _len_impl(_as_bytes(raw))
+    count: int = _WALK.array_len(_as_bytes(raw))
+    return count
 
 
 def check_structure(
@@ -146,9 +148,10 @@ def check_structure(
     ``msgpack_walk.PLAIN_DEPTH``: the ones whose decoding can refuse them.
     The others (nil, bools, ints, floats, bins, arrays of them) always decode.
     """
-    return _check_impl(
+    breach: tuple[int, int, int] | None = _WALK.check_structure(
         _as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len, [] if odd is None else odd
     )
+    return breach
 
 
 def split_array(
@@ -255,7 +258,8 @@ def array_spans(raw: Any) -> list[int]:
     fewer than 3 elements). Offsets are relative to ``raw``. ``ValueError``
     as :func:`split_array`.
     """
-    return _spans_impl(_as_bytes(raw))
+    spans: list[int] = _WALK.array_spans(_as_bytes(raw))
+    return spans
 
 
 def element_span(raw: Any, index: int) -> tuple[int, int]:
@@ -277,7 +281,8 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
     offset, the first row and the end row of its array, ``-1, -1`` for nil.
     Raises ``ValueError`` for any other value or an offset outside ``raw``.
     """
-    return _rows_impl(_as_bytes(raw), list(starts), width)
+    table, bounds = _WALK.int_rows(_as_bytes(raw), list(starts), width)
+    return table, bounds
 
 
 # build_items' result: the items, the aux indices features and other tensors refer
@@ -289,7 +294,8 @@ def build_items(raw: Any, *args: Any) -> _Built:
     """The items of the msgpack array ``raw``, built (or refused, in words) by the
     walk of :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``),
     compiled or interpreted (the same source)."""
-    return _items_impl(_as_bytes(raw), *args)
+    built: _Built = _WALK.build_items(_as_bytes(raw), *args)
+    return built
 
 
 def splice_items(
@@ -298,7 +304,8 @@ def splice_items(
     """The msgpack array of ``items``, spliced from their received bytes where the
     model still says what they say (:func:`mmadmit.msgpack_walk.splice_items`,
     which states the rule), compiled or interpreted (the same source)."""
-    return _splice_impl(items, aux, src_type, encode_item, splice)
+    spliced: memoryview = _WALK.splice_items(items, aux, src_type, encode_item, splice)
+    return spliced
 
 
 # --------------------------------------------------------------------------
@@ -354,15 +361,15 @@ def check_int_arrays(
         if 0 <= field < len(offsets) - 1:
             b = buf[offsets[field]]
             if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-                count = _len_impl(buf[offsets[field] : offsets[field + 1]])
+                count = _WALK.array_len(buf[offsets[field] : offsets[field + 1]])
                 if count > max_ints:
                     raise IntArrayTooLong(field, count, max_ints)
 
 
 # --------------------------------------------------------------------------
-# Compiled (_X_native: the walker compiled, mmadmit._walk_c) and interpreted
-# (_X_py: the same source run by Python, with the msgspec shortcuts of the
-# module doc). Tests and the fuzz target compare each pair.
+# The int-array codec compiled (_X_native: mmadmit._walk_c) and interpreted (_X_py:
+# the same source run by Python, with the msgspec shortcuts of the module doc).
+# Tests and the fuzz target compare each pair.
 
 
 def _decode_native(buf: memoryview) -> npt.NDArray[np.int64]:
@@ -437,38 +444,6 @@ def _like_native(
 ) -> bytes | memoryview:
     assert _BUILT is not None
     return _like_walk(_BUILT, values, old, buf, marks)
-
-
-def _len_native(buf: memoryview) -> int:
-    assert _BUILT is not None
-    count: int = _BUILT.array_len(buf)
-    return count
-
-
-_Skip = tuple[int, ...]
-_Breach = tuple[int, int, int] | None
-
-
-def _check_native(
-    buf: memoryview, offsets: list[int], skip: _Skip, depth: int, length: int, odd: list[int]
-) -> _Breach:
-    assert _BUILT is not None
-    breach: _Breach = _BUILT.check_structure(buf, offsets, skip, depth, length, odd)
-    return breach
-
-
-def _spans_native(buf: memoryview) -> list[int]:
-    assert _BUILT is not None
-    spans: list[int] = _BUILT.array_spans(buf)
-    return spans
-
-
-def _rows_native(
-    buf: memoryview, starts: list[int], width: int
-) -> tuple[npt.NDArray[np.int64], list[int]]:
-    assert _BUILT is not None
-    table, bounds = _BUILT.int_rows(buf, starts, width)
-    return table, bounds
 
 
 _LIST_OF_INT_DECODER = msgspec.msgpack.Decoder(list[int])
@@ -597,51 +572,23 @@ def _split_py(
     return offsets, ints
 
 
-def _len_py(buf: memoryview) -> int:
-    count: int = msgpack_walk.array_len(buf)
-    return count
+# --------------------------------------------------------------------------
+# The walker the public functions run: compiled (mmadmit._walk_c) when it is built
+# and native code is on, else the same source interpreted (_use_native), the
+# int-array codec's five with the shortcuts above.
 
-
-def _check_py(
-    buf: memoryview, offsets: list[int], skip: _Skip, depth: int, length: int, odd: list[int]
-) -> _Breach:
-    breach: _Breach = msgpack_walk.check_structure(buf, offsets, skip, depth, length, odd)
-    return breach
-
-
-def _spans_py(buf: memoryview) -> list[int]:
-    spans: list[int] = msgpack_walk.array_spans(buf)
-    return spans
-
-
-def _rows_py(
-    buf: memoryview, starts: list[int], width: int
-) -> tuple[npt.NDArray[np.int64], list[int]]:
-    table, bounds = msgpack_walk.int_rows(buf, starts, width)
-    return table, bounds
-
-
-_WALK: Any = msgpack_walk  # the walker the public functions call (_use_native)
+_WALK: Any = msgpack_walk
 _decode_impl = _decode_py
 _encode_impl = _encode_py
 _like_impl = _like_py
 _filled_impl = _filled_py
 _split_impl = _split_py
-_spans_impl = _spans_py
-_rows_impl = _rows_py
-_len_impl = _len_py
-_check_impl = _check_py
-_items_py = msgpack_walk.build_items
-_items_impl: Any = _items_py
-_splice_py = msgpack_walk.splice_items
-_splice_impl: Any = _splice_py
 
 
 def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
-    global _decode_impl, _encode_impl, _split_impl, _spans_impl, _rows_impl, HAVE_NATIVE
-    global _len_impl, _check_impl, _items_impl, _like_impl, _filled_impl, _splice_impl, _WALK
+    global _WALK, HAVE_NATIVE, _decode_impl, _encode_impl, _like_impl, _filled_impl, _split_impl
     HAVE_NATIVE = on and _BUILT is not None
     _WALK = _BUILT if HAVE_NATIVE else msgpack_walk
     if HAVE_NATIVE:
@@ -650,25 +597,17 @@ def _use_native(on: bool) -> bool:
         _like_impl = _like_native
         _filled_impl = _filled_native
         _split_impl = _split_native
-        _spans_impl = _spans_native
-        _rows_impl = _rows_native
-        _len_impl = _len_native
-        _check_impl = _check_native
-        _items_impl = _BUILT.build_items
-        _splice_impl = _BUILT.splice_items
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
         _like_impl = _like_py
         _filled_impl = _filled_py
         _split_impl = _split_py
-        _spans_impl = _spans_py
-        _rows_impl = _rows_py
-        _len_impl = _len_py
-        _check_impl = _check_py
-        _items_impl = _items_py
-        _splice_impl = _splice_py
     return HAVE_NATIVE
 
 
 native.register(__name__, _use_native)
+
+# check_structure of each build, by the names tests/test_limits.py calls them
+_check_py = msgpack_walk.check_structure
+_check_native = getattr(_BUILT, "check_structure", None)
