@@ -62,7 +62,7 @@ from .materializer import CPU_OPS, ArrayOps, Materializer
 from .model import Item, Materialized, Modality, MultimodalInputs, Request, Tensor
 from .pool import BeforeRun, MaterializerPool
 from .profile import ModelProfile
-from .runtime import tune_process
+from .runtime import run_loop, tune_process
 from .telemetry import Exports, StatsCollector, Telemetry, disable_created_metrics
 
 logger = logging.getLogger("mmadmit.server")
@@ -558,20 +558,14 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Even
 
 
 def run(config: ServeConfig) -> int:
-    """Entry point of ``mmadmit serve``: logging, uvloop, the event loop."""
+    """Entry point of ``mmadmit serve``: logging, process tuning, the event loop."""
     configure_logging(config.log_level, config.log_format)
     # No `*_created` timestamp series beside every counter and histogram: they double
     # the exposition and Prometheus does not need them (process-wide switch).
     disable_created_metrics()
     tune_process(config.malloc_arenas)  # after the imports: what they made is frozen (GC)
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        runner: Callable[..., int] = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        return runner(serve(config))
+        return run_loop(serve(config))
     except ConfigError:
         raise
     except OSError as exc:
