@@ -310,13 +310,12 @@ class GrpcServer(GrpcPort):
         self.servicer = AdmissionServicer(
             pool, profile, telemetry, max_stream_inflight=max_stream_inflight
         )
-        stats = self.servicer.stats
         super().__init__(
             {ADMISSION_SERVICE: admission_handlers(self.servicer)},
             listen=listen,
             max_message_bytes=max_message_bytes,
             max_streams=max_streams,
-            activity=lambda: stats.requests,
+            activity=self.servicer.requests_received,
             extra_handlers=extra_handlers,
             credentials=credentials,
             security=security,

@@ -347,7 +347,7 @@ async def start_server(
             max_streams=config.max_grpc_streams,
             credentials=tls.server_credentials() if tls is not None else None,
             security=("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
-            activity=lambda: face.stats.generate_calls,
+            activity=face.calls_received,
         )
         stack.push_async_callback(port.stop, 0.0)
         handle.addresses["smg-grpc"] = await port.start()
@@ -462,7 +462,7 @@ async def shutdown(handle: ServerHandle) -> None:
     if handle.smg is not None:
         handle.smg.begin_drain()  # new Generate calls: UNAVAILABLE
     handle.pool.begin_drain()
-    await handle.pool.drain(config.drain_timeout)
+    ended = await handle.pool.drain(config.drain_timeout)
     if handle.engine is not None:
         from .engine_mode import DEAD_LINGER_S
 
@@ -482,7 +482,6 @@ async def shutdown(handle: ServerHandle) -> None:
     )
     # Not the pool's admitted: that counts the start-up's warm-up request too.
     materialized, aborted = handle.telemetry.answered()
-    ended = handle.pool.stats.shutdown_aborted
     logger.info(
         "[shutdown] done: %d request(s) answered (%d materialized, %d aborted), "
         "%d ended SHUTTING_DOWN by the drain deadline",

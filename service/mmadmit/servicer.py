@@ -627,6 +627,10 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
             scope="on this replica",
         )
 
+    def requests_received(self) -> int:
+        """Requests received so far (the port's sign of activity at shutdown)."""
+        return self.stats.requests
+
     @property
     def inflight_ids(self) -> frozenset[str]:
         """Request ids admitted through this servicer and still without an outcome."""

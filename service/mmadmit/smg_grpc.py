@@ -189,6 +189,10 @@ class SmgGrpcFace:
         self._ready_info: dict[str, Any] = {}
         self._stop_task: asyncio.Future[None] | None = None
 
+    def calls_received(self) -> int:
+        """``Generate`` calls received so far (the port's sign of activity at shutdown)."""
+        return self.stats.generate_calls
+
     def metrics(self) -> Iterator[Sample]:
         """The face's series and its link's (telemetry's ``Exports``)."""
         yield from self.stats.metrics()
