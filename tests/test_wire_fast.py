@@ -66,7 +66,7 @@ def mode(name: str) -> Iterator[None]:
     """Run the codec in one of MODES (see the module docstring)."""
     with pytest.MonkeyPatch.context() as mp:
         if name == "encoded":
-            mp.setattr(wire, "_SPLICE_ITEMS", False)
+            mp.setattr(wire, "_encode_items", wire_oracle.encode_items)
             mp.setattr(
                 wire,
                 "_int_array",

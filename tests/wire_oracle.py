@@ -1,5 +1,6 @@
-"""The reference item decoder: the oracle tests and the zmq fuzz target hold
-:func:`mmadmit.msgpack_walk.build_items` to (compiled and interpreted).
+"""The reference item decoder: the oracle tests and the fuzz targets hold
+:func:`mmadmit.msgpack_walk.build_items` to (compiled and interpreted), and the
+reference item encoder they hold ``mmadmit.msgpack_walk.splice_items`` to.
 
 It is the item decoder wire.py ran before the walker took every item: one typed
 ``msgspec`` call over ``mm_items`` (:class:`_WireItem`), then the tensors built by
@@ -22,7 +23,9 @@ from mmadmit.wire import (
     _ITEM_FIELDS,
     _NO_SIDE,
     EXT_TENSOR_DATA,
+    _array_header,
     _decode_shm,
+    _encode_item,
     _ext_hook,
     _InlineData,
     _ItemSrc,
@@ -256,3 +259,11 @@ def _field_error(exc: msgspec.ValidationError) -> str:
             of = "a key: " if where.startswith("key") else ""
             return f"{_ITEM_FIELD_NAMES[int(index)]}: {of}{head}"
     return text
+
+
+def encode_items(items: list[Item], writer: Any, drop_features: bool, aux: Any) -> msgspec.Raw:
+    """``wire._encode_items`` with no item spliced from its received bytes: the
+    mm_items array of every item encoded from the model (what the splice must
+    emit, the received encodings being canonical)."""
+    encoded = [_encode_item(item, writer, drop_features) for item in items]
+    return msgspec.Raw(_array_header(len(items)) + b"".join(encoded))

@@ -3,8 +3,9 @@
 The input is a frames container (``mmadmit_client.frames``: ``[type, payload, *aux]``),
 what ``mmadmit materialize`` replays. It runs three ways: native code on,
 native code off (the Python fallbacks), and native on with the reply's
-shortcuts off (no received item spliced, no token array re-emitted from its
-received bytes: everything encoded from the decoded model). Native and
+shortcuts off (no received item spliced, ``tests/wire_oracle.encode_items``
+instead, and no token array re-emitted from its received bytes: everything
+encoded from the decoded model). Native and
 fallback must send the same reply bytes (or the same abort code to the same
 rid); the plain encoding must reach the same outcome (the reply bytes may
 differ: a received encoding need not be canonical). No outcome may be
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +34,9 @@ from mmadmit_client.frames import MAGIC, parse_frames
 
 from ._common import native_mode
 from ._data import Data
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from wire_oracle import encode_items  # noqa: E402
 
 NAME = "zmq"
 MAX_LEN = 1 << 16
@@ -52,17 +58,17 @@ def _materializer(name: str, tight: bool = False) -> Materializer:
 
 @contextlib.contextmanager
 def _mode(name: str) -> Iterator[None]:
-    saved = wire._SPLICE_ITEMS, wire._int_array
+    saved = wire._encode_items, wire._int_array
     try:
         if name == "encoded":
-            wire._SPLICE_ITEMS = False
+            wire._encode_items = encode_items  # type: ignore[assignment]
             wire._int_array = lambda extra, values, padding=None: msgspec.Raw(
                 encode_int_array(values)
             )
         with native_mode(name != "fallback"):
             yield
     finally:
-        wire._SPLICE_ITEMS, wire._int_array = saved  # type: ignore[method-assign]
+        wire._encode_items, wire._int_array = saved  # type: ignore[method-assign]
 
 
 def _run(m: Materializer, frames: list[Any], mode: str) -> tuple[list[bytes], Abort | None]:

@@ -698,14 +698,9 @@ def _encode_items(
             aux,
             _ItemSrc,
             lambda item: _encode_item(item, writer, drop_features),
-            _SPLICE_ITEMS and not drop_features,
+            not drop_features,
         )
     )
-
-
-# Items spliced from their received bytes (tests and the zmq fuzz target turn it
-# off to compare the replies with every item encoded).
-_SPLICE_ITEMS = True
 
 
 def _encode_item(item: Item, writer: _FrameWriter, drop_feature: bool) -> bytes:
