@@ -423,26 +423,11 @@ def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: A
     return result
 
 
-def _filled_native(
-    old: npt.NDArray[np.int64],
-    buf: memoryview,
-    marks: Any,
-    starts: npt.NDArray[np.int64],
-    stops: npt.NDArray[np.int64],
-    fill: npt.NDArray[np.int64],
-    out: Any = None,
-    start: int = 0,
-) -> bytes | memoryview:
-    return _filled_walk(_BUILT, old, buf, marks, starts, stops, fill, out, start)
+def _filled_native(old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
+    return _filled_walk(_BUILT, old, buf, marks, *spans_out)
 
 
-def _like_native(
-    values: npt.NDArray[np.int64],
-    old: npt.NDArray[np.int64],
-    buf: memoryview,
-    marks: npt.NDArray[np.int64] | None,
-) -> bytes | memoryview:
-    assert _BUILT is not None
+def _like_native(values: Any, old: Any, buf: memoryview, marks: Any) -> memoryview:
     return _like_walk(_BUILT, values, old, buf, marks)
 
 
@@ -580,8 +565,8 @@ def _split_py(
 _WALK: Any = msgpack_walk
 _decode_impl = _decode_py
 _encode_impl = _encode_py
-_like_impl = _like_py
-_filled_impl = _filled_py
+_like_impl: Any = _like_py
+_filled_impl: Any = _filled_py
 _split_impl = _split_py
 
 
