@@ -2,17 +2,18 @@
 (docs/spec/WIRE.md).
 
 The codec splits every array natively (decoding the token arrays in the same
-walk) and decodes every multimodal item with one typed ``msgspec`` call (its
-one decode path); it re-encodes a received item by splicing new ``hash`` /
-``pad_value`` bytes into its received bytes, and re-emits a token array from
-its received bytes while the request still holds the very array decoded from
-them. None of that may change what is decoded, what goes out, or what is
+walk) and builds every multimodal item in one walk that words its refusals
+(held to the reference decoder of ``tests/wire_oracle.py``); it re-encodes a
+received item by splicing new ``hash`` / ``pad_value`` bytes into its received
+bytes, and re-emits a token array from its received bytes while the request
+still holds the very array decoded from them. None of that may change what is decoded, what goes out, or what is
 refused. Three modes:
 
 * ``codec``: the codec as it runs;
-* ``encoded``: splicing and verbatim token arrays off (every item and token
-  array encoded from the decoded model, the payload assembled from its
-  element list instead of slices of the received payload);
+* ``encoded``: splicing and verbatim token arrays off (every item encoded by
+  the reference encoder, every token array from the decoded model, the
+  payload assembled from its element list instead of slices of the received
+  payload);
 * ``fallback``: every ``mmadmit.intcodec`` routine in pure Python (the walker
   interpreted, no C extension), the shortcuts on.
 
