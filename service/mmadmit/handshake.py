@@ -35,48 +35,34 @@ import msgspec
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
-# The keys docs/spec/WIRE.md lists for the ready response; a missing one is logged, not refused
-# (an older scheduler may send fewer, and SMG decides what it needs).
-READY_RESPONSE_KEYS = (
-    "max_model_len",
-    "num_gpu_blocks",
-    "prefix_granularity",
-    "dp_stats_address",
-    "dtype",
-    "multimodal_encoder_dtype",
-    "vllm_version",
-    "world_size",
-    "data_parallel_size",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "decode_context_parallel_size",
-    "data_parallel_rank",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "instance_id",
-    "kv_cache_size_tokens",
-    "kv_cache_max_concurrency",
-    "kv_events_config",
-)
-_READY_INTS = (
-    "num_gpu_blocks",
-    "prefix_granularity",
-    "world_size",
-    "data_parallel_size",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "decode_context_parallel_size",
-    "data_parallel_rank",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-)
-_READY_OPT_STRS = (
-    "dp_stats_address",
-    "dtype",
-    "multimodal_encoder_dtype",
-    "vllm_version",
-    "instance_id",
-)
+# The keys docs/spec/WIRE.md lists for the ready response, each with the check it gets
+# when present (parse_ready_response): "int" a non-negative integer, "str?" nil or a
+# string, "own" a check of its own below, "any" none (SMG reads it). A missing key is
+# logged, not refused (an older scheduler may send fewer; SMG decides what it needs).
+_READY_TYPES = {
+    "max_model_len": "own",
+    "num_gpu_blocks": "int",
+    "prefix_granularity": "int",
+    "dp_stats_address": "str?",
+    "dtype": "str?",
+    "multimodal_encoder_dtype": "str?",
+    "vllm_version": "str?",
+    "world_size": "int",
+    "data_parallel_size": "int",
+    "tensor_parallel_size": "int",
+    "pipeline_parallel_size": "int",
+    "decode_context_parallel_size": "int",
+    "data_parallel_rank": "int",
+    "max_num_seqs": "int",
+    "max_num_batched_tokens": "int",
+    "instance_id": "str?",
+    "kv_cache_size_tokens": "own",
+    "kv_cache_max_concurrency": "own",
+    "kv_events_config": "any",
+}
+READY_RESPONSE_KEYS = tuple(_READY_TYPES)
+_READY_INTS = tuple(k for k, kind in _READY_TYPES.items() if kind == "int")
+_READY_OPT_STRS = tuple(k for k, kind in _READY_TYPES.items() if kind == "str?")
 
 _ENC = msgspec.msgpack.Encoder()
 
