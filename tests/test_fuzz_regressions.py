@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from conftest import forged_tensor
+from conftest import SESSION_NATIVE, forged_tensor
 from mmadmit import kernels, native, planner, wire
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import Abort, AbortCode, InvalidRequest, TooLarge
@@ -44,7 +44,7 @@ def both_ways(m: Materializer, req: Request) -> list[Materialized | Abort]:
         try:
             out.append(m.run(req))
         finally:
-            native.set_enabled(True)
+            native.set_enabled(SESSION_NATIVE)
     return out
 
 
@@ -356,6 +356,6 @@ def test_six_byte_lengths_end_admit_and_generate_as_protobuf(where: str) -> None
                         with pytest.raises(DecodeError):
                             message.FromString(rest[0])
             finally:
-                native.set_enabled(True)
+                native.set_enabled(SESSION_NATIVE)
             assert isinstance(got, pbwire.Undecodable), (message.__name__, on)
             assert got.message == str(want.value)

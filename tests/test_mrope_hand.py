@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from conftest import SESSION_NATIVE  # noqa: E402
 from hf_oracle import hf_positions, hf_rope_index  # noqa: E402
 from mmadmit import mrope, rules  # noqa: E402
 from mmadmit.errors import InvalidRequest  # noqa: E402
@@ -322,7 +323,7 @@ def _decode_delta(family: str, ids: list[int], items: list[Item]) -> int:
             req = Request("decode", np.array(ids, np.int64), mm=MultimodalInputs(items=items))
             out = m.run(req)
         finally:
-            native.set_enabled(True)
+            native.set_enabled(SESSION_NATIVE)
         assert isinstance(out, Materialized), out
         mm = out.request.mm
         assert mm is not None and mm.items == [] and mm.mrope_positions is None

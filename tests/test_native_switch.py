@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import load_vector, vector_names
+from conftest import SESSION_NATIVE, load_vector, vector_names
 from mmadmit import (
     intcodec,
     kernels,
@@ -59,7 +59,7 @@ def tripwired(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         monkeypatch.undo()
-        native.set_enabled(True)
+        native.set_enabled(SESSION_NATIVE)
 
 
 def test_config_field_flag_and_env() -> None:
@@ -80,10 +80,11 @@ def test_every_wrapping_module_registers_and_switches() -> None:
         assert intcodec._WALK is msgpack_walk
         assert planner._active is rules and kernels._kernels is None and pbwire._pbwire is None
         assert model._check is tensorcheck.check
-    finally:
         native.set_enabled(True)
-    for name, module in MODULES.items():
-        assert module.HAVE_NATIVE == native.built()[name]
+        for name, module in MODULES.items():
+            assert module.HAVE_NATIVE == native.built()[name]
+    finally:
+        native.set_enabled(SESSION_NATIVE)
 
 
 @pytest.mark.parametrize("name", vector_names())

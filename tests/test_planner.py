@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from conftest import load_vector, vector_names
+from conftest import SESSION_NATIVE, load_vector, vector_names
 from hf_oracle import FAMILIES
 from mmadmit import kernels, native, planner, wire
 from mmadmit.materializer import Materializer
@@ -38,13 +38,17 @@ def _interpreted() -> Iterator[None]:
         assert not planner.HAVE_NATIVE
         yield
     finally:
-        native.set_enabled(True)
+        native.set_enabled(SESSION_NATIVE)
 
 
 def _both(m: Materializer, req: Request) -> tuple[object, object]:
     """The outcome with rules.py compiled, then interpreted."""
-    assert planner.HAVE_NATIVE
-    a = m.run(req)
+    native.set_enabled(True)  # whatever the session's setting (MMADMIT_NATIVE)
+    try:
+        assert planner.HAVE_NATIVE
+        a = m.run(req)
+    finally:
+        native.set_enabled(SESSION_NATIVE)
     with _interpreted():
         b = m.run(req)
     return a, b

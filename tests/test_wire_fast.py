@@ -6,8 +6,8 @@ walk) and builds every multimodal item in one walk that words its refusals
 (held to the reference decoder of ``tests/wire_oracle.py``); it re-encodes a
 received item by splicing new ``hash`` / ``pad_value`` bytes into its received
 bytes, and re-emits a token array from its received bytes while the request
-still holds the very array decoded from them. None of that may change what is decoded, what goes out, or what is
-refused. Three modes:
+still holds the very array decoded from them. None of that may change what is
+decoded, what goes out, or what is refused. Three modes:
 
 * ``codec``: the codec as it runs;
 * ``encoded``: splicing and verbatim token arrays off (every item encoded by
@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 import pytest
 import wire_oracle
-from conftest import REPO_ROOT, load_vector, vector_names
+from conftest import REPO_ROOT, SESSION_NATIVE, load_vector, vector_names
 from mmadmit import intcodec as ic
 from mmadmit import msgpack_walk, rules, wire
 from mmadmit.errors import Abort, AbortCode
@@ -1132,9 +1132,10 @@ def test_native_off_decodes_items_with_the_interpreted_walk(
         native.set_enabled(False)
         off = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
         assert calls == [1]
-    finally:
         native.set_enabled(True)
-    on = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
+        on = snapshot(wire.decode_message([b"\x00", payload, *aux]).request)
+    finally:
+        native.set_enabled(SESSION_NATIVE)
     assert on == off
     assert calls == [1]
 
