@@ -110,7 +110,8 @@ deploy-validate: setup ## check the compose file and k8s manifests
 # it like crashes. fuzz-smoke: the seconds-long, sanitizer-free run of the suite.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= intcodec pbwire planner kernels zmq grpc smg
-FUZZ_ENGINE ?= auto
+# atheris (libFuzzer) needs a clang build; a gcc-only machine uses fuzz/mutator.py
+FUZZ_ENGINE ?= $(if $(shell command -v clang 2>/dev/null),auto,mutate)
 FUZZ_EXT_DIR := build/fuzz/mmadmit
 .PHONY: fuzz-build fuzz fuzz-smoke
 

@@ -1,10 +1,12 @@
 #!/bin/sh
 # The ASan runtime to LD_PRELOAD into Python for the sanitizer build: atheris'
-# (ASan + libFuzzer in one) when it is installed, else the compiler's own
-# (gcc's with FUZZ_CC=gcc).
+# (ASan + libFuzzer in one) for a clang build when it is installed, else the
+# compiler's own (gcc's for a gcc build: FUZZ_CC=gcc, or no clang installed).
 PYTHON=${1:-.venv/bin/python}
-if [ "${FUZZ_CC:-}" = gcc ]; then  # a gcc build needs gcc's runtime (and the mutate engine)
-    lib=$(gcc -print-file-name=libasan.so) && [ -f "$lib" ] && echo "$lib" && exit 0
+# The compiler fuzz/build_sanitized.sh picks: clang when installed, else gcc.
+CC=${FUZZ_CC:-$(command -v clang || echo gcc)}
+if ! "$CC" --version 2>/dev/null | grep -q clang; then  # a gcc build needs gcc's runtime
+    lib=$("$CC" -print-file-name=libasan.so) && [ -f "$lib" ] && echo "$lib" && exit 0
 fi
 lib=$("$PYTHON" -c 'import atheris, os; print(os.path.join(atheris.path(), "asan_with_fuzzer.so"))' 2>/dev/null)
 if [ -n "$lib" ] && [ -f "$lib" ]; then echo "$lib"; exit 0; fi
