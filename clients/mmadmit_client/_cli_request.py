@@ -43,8 +43,8 @@ import numpy as np
 
 from . import wire
 from ._cli_usage import UsageError
-from .dtypes import DTYPES, canonical_dtype, numpy_dtype
 from ._models import MODALITIES, Item, Materialized, Outcome, Request, ShmFeature, Tensor
+from .dtypes import DTYPES, canonical_dtype, numpy_dtype
 from .frames import MAGIC, parse_frames
 
 _UINT64_MAX = 2**64 - 1
