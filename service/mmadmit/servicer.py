@@ -7,24 +7,8 @@ and counts outcomes), encode the one outcome as an ``AdmitResponse``. No
 materialization rule lives here (docs/spec/MATERIALIZE.md: a transport only decodes,
 submits and encodes); what this module checks is only
 what the internal model cannot represent or what is specific to the gRPC
-encoding:
-
-* the gRPC ``Modality`` numbering (IMAGE=1, AUDIO=2, VIDEO=3) differs from the
-  internal one (IMAGE=1, VIDEO=2, AUDIO=3); ``MODALITY_UNSPECIFIED`` or an
-  unknown value is refused here, naming the item, because the materializer's
-  message would quote the other numbering;
-* ``PlaceholderRange{offset, length}`` becomes the inclusive ``[offset,
-  offset + length - 1]``; a zero length cannot be expressed inclusively;
-* a ``TensorData`` needs a payload and a known dtype; inline, it is built as a
-  :class:`~mmadmit.model.Tensor`, which holds exactly ``prod(shape) *
-  itemsize`` bytes within the limits; a shared-memory name must be a plain name
-  (no ``/``, ``\\``, ``..`` or NUL: it is handed on, never opened here);
-* ``content_hash``: its first 8 bytes little-endian (shorter: zero-extended);
-* ``placeholder_token_id`` is the request's placeholder override for the
-  item's modality, the gRPC form of the msgpack wire's ``im_token_id`` /
-  ``video_token_id`` (items of one modality must agree). The internal model has
-  no audio override, so an audio item's value must equal the profile's audio
-  placeholder.
+encoding (docs/spec/GRPC.md, "Translation checks"; the internal model has no
+audio placeholder override, hence the audio rule there).
 
 Copies (``pbwire.py``): ``Admit`` and ``AdmitStream`` receive what the request
 deserializer ``pbwire.parse_admit_request`` made, a plain ``AdmitRequest`` or,
@@ -33,8 +17,7 @@ large tensors stay in the received bytes (the tensors built here are views on
 them: no copy at all); the response's id fields are encoded as packed varints
 in one pass (``pbwire.packed_uint32_field``) instead of element by element.
 
-Outcomes are in band (docs/spec/GRPC.md): an abort is an ``AdmitResponse`` with an
-``AbortStatus`` and gRPC status OK on ``Admit`` and ``AdmitStream`` alike. The
+Outcomes are in band (docs/spec/GRPC.md, "AdmitResponse"). The
 per-RPC error ladder (STYLE 5): :class:`~mmadmit.errors.AdmissionError` ->
 in-band abort of its code; ``grpc.aio.AbortError`` -> re-raised untouched;
 ``CancelledError`` (the client cancelled, or its deadline passed) -> the pool
@@ -42,9 +25,8 @@ ticket is cancelled (``Ticket.outcome`` does it), the call is counted in
 ``stats.calls_cancelled`` and nothing is sent; anything else -> logged with its
 traceback and answered in band ``INTERNAL``.
 
-Non-goals: sampling parameters and the other ``GenerateRequest`` fields
-(protobuf keeps them as unknown fields and they are ignored), reading shared
-memory, transport options (``grpc_server.py``).
+Non-goals: the ``GenerateRequest`` fields the spec leaves out (protobuf keeps
+them as unknown fields), reading shared memory, transport options (``grpc_server.py``).
 """
 
 from __future__ import annotations
@@ -374,9 +356,8 @@ def attach_encode_handshakes(msg: Any, mm: MultimodalInputs | None) -> None:
     """EPD: each ``encode_bootstrap_info`` entry of ``msg`` (an ``AdmitRequest`` or
     SMG's ``GenerateRequest``: field 10, the same message) becomes the
     ``encode_handshake`` of item ``item_index`` of ``mm`` (the request's items), as
-    TokenSpeed's own gRPC servicer attaches it (docs/spec/SMG_GRPC.md). An entry
-    out of range, a second entry for one item, or entries without ``mm_inputs``
-    are :class:`InvalidRequest` naming the entry."""
+    TokenSpeed's own gRPC servicer attaches it; refusals: docs/spec/SMG_GRPC.md,
+    "One `Generate` call", step 1."""
     if not msg.HasField("encode_bootstrap_info"):
         return
     entries = msg.encode_bootstrap_info.items
@@ -716,12 +697,8 @@ class AdmissionServicer(pb_grpc.AdmissionServicer):
         reading and gRPC flow control pushes back on the client. Only this
         coroutine writes (gRPC allows one write at a time).
 
-        A message that does not parse has no request_id to answer: the requests
-        read before it are answered, then the call ends ``INVALID_ARGUMENT``. A
-        message over the size limit is refused by gRPC itself
-        (``RESOURCE_EXHAUSTED``), which ends the stream at once (answers not yet
-        delivered are lost); that is why the
-        transport's limit sits far above the per-request limits (docs/spec/GRPC.md).
+        A message that does not parse, or is over the size limit, ends the stream
+        (docs/spec/GRPC.md, "Limits and errors").
         """
         self.stats.streams += 1
         window = asyncio.Semaphore(self.max_stream_inflight)
