@@ -1,37 +1,22 @@
 """Engine mode: mmadmit as a transparent admission hop between SMG and a scheduler.
 
-In SMG's msgpack deployment the gateway binds its sockets and every engine
-connects to it with a HELLO / INIT / READY handshake (docs/spec/WIRE.md, "Engine
-mode"). :class:`EngineRelay` looks like an engine to SMG and like SMG to the
-scheduler:
+What the relay does, handshakes included, is docs/spec/WIRE.md, "Engine mode:
+between SMG and a scheduler", and its death and drain rules are
+docs/spec/CLI.md, "Engine mode and the SMG gRPC face". :class:`EngineRelay`
+looks like an engine to SMG and like SMG to the scheduler:
 
 * **downstream** (the scheduler): its :class:`~mmadmit.scheduler_link.SchedulerLink`
-  (``relay.link``) binds a handshake ROUTER at ``--engine-handshake-listen`` and,
-  on the same host with ephemeral ports, an input ROUTER and an output PULL, and
-  completes the scheduler's handshake (HELLO, INIT carrying those two
-  addresses, READY, the scheduler's ready response on the input socket);
-* **upstream** (SMG): only then (:meth:`EngineRelay.start`) it connects to
-  ``--smg-handshake`` as engine ``--engine-index`` (HELLO, INIT, READY, then the
-  scheduler's ready response presented unchanged, as its own, on SMG's input
-  socket, and a PUSH to SMG's output socket). SMG's wait for HELLO is its own
-  setting, so SMG never waits on a slow scheduler behind a HELLO already sent.
-  Either side may start first;
-  each step waits up to ``--handshake-timeout`` (a progress line every 30 s).
-  A malformed message raises :class:`~mmadmit.handshake.HandshakeError`
-  (``mmadmit serve`` exits 2), a step that never comes
-  :class:`~mmadmit.handshake.HandshakeTimeout` (exit 3).
+  (``relay.link``) binds the scheduler's sockets and completes its handshake;
+* **upstream** (SMG): only then :meth:`EngineRelay.start` connects to SMG as an
+  engine. A malformed message raises :class:`~mmadmit.handshake.HandshakeError`,
+  a step that never comes :class:`~mmadmit.handshake.HandshakeTimeout`.
 
 The relay, once both handshakes are done:
 
 * **requests**: SMG's input DEALER is the intake of a forward-mode
   :class:`~mmadmit.zmq_ingest.ZmqIngest` (:meth:`~mmadmit.zmq_ingest.ZmqIngest.adopt`)
   whose :class:`~mmadmit.zmq_output.Forward` output is the scheduler's input
-  ROUTER: every request is materialized through the shared pool and forwarded
-  as an ADD the scheduler's decoder accepts, an aborted one marked with
-  ``validation_error`` and its features removed; ABORTs go after their ADD;
-  large requests do not hold up small ones (only per-rid order is kept);
-  back-pressure from the scheduler stops intake from SMG. Messages of other
-  types (utility calls) are forwarded unchanged, in order. This is the very
+  ROUTER (with ``passthrough`` for other message types). This is the very
   code of forward mode, not a copy.
 * **outputs**: the output PULL is read by a :class:`~mmadmit.zsock.SocketReader`
   and every message goes to SMG's output PUSH through an
@@ -42,18 +27,11 @@ The relay, once both handshakes are done:
   tracked, ``stats.outputs_untracked``).
 * **death**: a socket monitor on the scheduler's input and output connections
   sees them drop; that, or ``ENGINE_CORE_DEAD`` from the scheduler, makes the
-  relay send one ``ENGINE_CORE_DEAD`` frame to SMG (after every output already
-  received) and report the scheduler gone (``mmadmit serve`` turns
-  NOT_SERVING and exits 3).
-* **drain** (SIGTERM): the pool refuses new work, so requests arriving now are
-  forwarded marked ``SHUTTING_DOWN``; :meth:`EngineRelay.drain` waits until
-  every forwarded request has a finished output (or the deadline);
-  :meth:`EngineRelay.stop` then stops intake, sends ``ENGINE_CORE_DEAD`` to SMG
-  and closes.
-
-Non-goals: the data-parallel coordinator, several schedulers per mmadmit (run
-one mmadmit per scheduler rank, ``--engine-index`` = rank), CURVE (engine-mode
-sockets are plain, as SMG and the scheduler speak them).
+  relay send its ``ENGINE_CORE_DEAD`` and report the scheduler gone.
+* **drain** (SIGTERM): the pool refuses new work (requests arriving now are
+  forwarded marked); :meth:`EngineRelay.drain` waits until every forwarded
+  request has a finished output (or the deadline); :meth:`EngineRelay.stop`
+  then stops intake, sends ``ENGINE_CORE_DEAD`` to SMG and closes.
 
 Threading: everything runs on the event loop; the handshake sockets and the
 forward/output targets are asyncio sockets, the two intakes plain sockets

@@ -12,18 +12,10 @@ handshake (:mod:`mmadmit.engine_mode` adopts an ingest for its relay, see
 :meth:`ZmqIngest.adopt`), metrics export (:meth:`ZmqIngest.metrics` declares the series of
 its counters, :class:`ZmqIngestStats`, and its output's).
 
-One intake (a bound ROUTER; peers connect DEALERs), two outputs:
-
-* :class:`~mmadmit.zmq_output.Reply` (reply mode, the default): every ADD gets
-  exactly one reply ``[status, payload, *aux]`` on the ROUTER, addressed by the
-  peer's identity. Replies may leave out of order (each waits for its own
-  outcome).
-* :class:`~mmadmit.zmq_output.Forward` (forward mode, ``--zmq-forward``):
-  senders get nothing back; every outcome leaves downstream as an ordinary ADD
-  (``[0x00, payload, *aux]``, aborts marked with ``validation_error``), ready
-  for a scheduler's msgpack receiver. ABORT messages are forwarded too, after
-  every ADD of the same peer and request id that intake saw before them.
-  Engine mode runs the same output on the scheduler's input socket.
+One intake (a bound ROUTER; peers connect DEALERs), two outputs (docs/spec/WIRE.md,
+"Reply mode (the default)" and "Forward mode"): :class:`~mmadmit.zmq_output.Reply`
+and :class:`~mmadmit.zmq_output.Forward`, which engine mode also runs on the
+scheduler's input socket.
 
 How the hard parts work:
 
@@ -46,14 +38,13 @@ How the hard parts work:
   :meth:`~mmadmit.admission.Admissions.finish`, once its message is encoded.
   The completion task has a broad guard (``INTERNAL``) and a ``finally`` that
   always releases what the output reserved for it.
-* **Per-peer request ids**: in-flight tickets are keyed by ``(identity, rid)``
-  in :class:`~mmadmit.admission.Admissions` (the bookkeeping shared with
-  gRPC: duplicates, closing, the per-peer limit, cancel, outcome counting).
-  An ADD whose key is in flight is aborted ``INVALID_REQUEST`` at once (the
-  first goes on); an ABORT cancels only its own peer's tickets.
-* **Delivery** (reply mode): the ROUTER sets ``ROUTER_MANDATORY``, so a reply to
-  a peer that is gone raises ``EHOSTUNREACH`` and one at its high-water mark
-  ``EAGAIN`` instead of vanishing. Sends are always ``NOBLOCK`` (a blocking
+* **Per-peer request ids** (docs/spec/WIRE.md, "Reply mode (the default)"): in-flight tickets are
+  keyed by ``(identity, rid)`` in :class:`~mmadmit.admission.Admissions` (the
+  bookkeeping shared with gRPC: duplicates, closing, the per-peer limit,
+  cancel, outcome counting).
+* **Delivery** (docs/spec/WIRE.md, "Reply mode (the default)"): under
+  ``ROUTER_MANDATORY`` a reply to a peer that is gone raises ``EHOSTUNREACH``
+  and one at its high-water mark ``EAGAIN``. Sends are always ``NOBLOCK`` (a blocking
   send on a mandatory ROUTER would block the event loop) and are retried with
   exponential backoff for at most ``send_timeout_s``; then the reply is
   counted ``undeliverable`` and logged (:class:`~mmadmit.zsock.RetryingSender`).
@@ -66,12 +57,10 @@ How the hard parts work:
   counted *pending* from the moment it is registered until libzmq has it; the
   receive loop stops reading while ``max_pending`` are pending, so a
   blocked downstream stops intake and upstream senders meet ZMQ's own
-  back-pressure. Nothing is dropped before it reaches libzmq.
-* **Forward ordering**: each output registers a slot under its keys
-  ``(identity, rid)``; an output waits for the previous slot of each of its
-  keys to be enqueued. So an ABORT that cancels an in-flight ADD goes
-  downstream after that ADD (marked ``CANCELLED``), and a duplicate's marked
-  ADD goes after the original.
+  back-pressure.
+* **Forward ordering** (docs/spec/WIRE.md, "Forward mode"): each output registers
+  a slot under its keys ``(identity, rid)``; an output waits for the previous
+  slot of each of its keys to be enqueued.
 * **Zero-copy**: received frames are read with ``copy=False``; the decoded
   request's tensors are views on them (:mod:`mmadmit.wire`), and the encoder
   puts those same buffer objects into the outgoing frame list, sent with
@@ -79,23 +68,18 @@ How the hard parts work:
   long as a view on it exists (the request object, then libzmq's reference
   taken by ``send(copy=False)``, released by pyzmq's garbage collector thread
   once the message is on the wire). Nothing here writes to a buffer after
-  handing it to ``send``. Frames below pyzmq's copy threshold (64 KiB) are
-  copied by pyzmq itself, which is cheaper than tracking them.
+  handing it to ``send`` (the copy threshold: docs/spec/WIRE.md, "Reply mode
+  (the default)").
 * **CURVE** (``curve=``, :mod:`mmadmit.security`): the ROUTER is a CURVE
   server, its keys set before it binds; with an allow-list folder a ZAP
   authenticator thread runs on a synchronous shadow of the context and is
   stopped before the context terminates (``term()`` would wait for its sockets
   forever). A peer refused by ZAP, or one without CURVE, never completes the
   handshake, so none of its messages reaches intake. The forward PUSH stays plain.
-* **Size limits**: the bytes of all frames of a message are summed as received;
-  above ``max_message_bytes`` the ADD is answered ``TOO_LARGE``. ``ZMQ_MAXMSGSIZE``
-  is never set: libzmq would drop the peer's connection without a reply. A
-  message of more than ``max_frames`` frames keeps only its first ones in
-  Python (:class:`~mmadmit.zsock.CutMessage`) and is answered ``TOO_LARGE``.
-  The codec decides the per-request ``limits`` before it decodes
-  (:mod:`mmadmit.wire`). A peer with ``max_peer_inflight`` requests already
-  in flight has the next one answered ``OVERLOADED``, so that one sender
-  cannot take the whole pool.
+* **Size limits** (docs/spec/WIRE.md, "Reply mode (the default)"): the bytes of all frames of a
+  message are summed as received; a message of more than ``max_frames``
+  frames keeps only its first ones in Python (:class:`~mmadmit.zsock.CutMessage`).
+  The codec decides the per-request ``limits`` (:mod:`mmadmit.wire`).
 
 Threading: everything runs on the event loop that called :meth:`ZmqIngest.start`;
 no zmq call here blocks, and materialization runs on the pool's workers (or,

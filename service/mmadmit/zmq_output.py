@@ -5,20 +5,15 @@ counts each outcome once (:mod:`mmadmit.admission`); what happens to an
 outcome after that is the one thing reply mode and forward mode do
 differently, and it lives here:
 
-* :class:`Reply` (docs/spec/WIRE.md reply mode): the outcome goes back on the intake
-  ROUTER, addressed by the sender's identity, as ``[status, payload, *aux]``;
-  ABORT messages only cancel. Sends are ``NOBLOCK`` on a ``ROUTER_MANDATORY``
-  socket, retried with backoff for ``send_timeout_s``, then counted
-  ``undeliverable`` (:class:`~mmadmit.zsock.RetryingSender`).
-* :class:`Forward` (forward mode, and engine mode's relay): the outcome goes
-  downstream as an ordinary ADD ``[0x00, payload, *aux]`` (an abort marked
-  with ``validation_error``, its features removed) on a PUSH connected to
-  ``--zmq-forward``, or on a socket someone else connected (engine mode gives
-  the scheduler's input ROUTER and its identity as ``prefix``). ABORT messages
-  are forwarded too, after every output of the same peer and request id.
-  Outputs go through one FIFO (:class:`~mmadmit.zsock.OrderedSender`) whose
-  pending bound pauses intake (back-pressure); per-key slots keep an ABORT
-  after its ADD and a duplicate's marked ADD after the original.
+* :class:`Reply` (docs/spec/WIRE.md, "Reply mode (the default)"): on the intake
+  ROUTER. Sends are ``NOBLOCK``, retried with backoff for ``send_timeout_s``,
+  then counted ``undeliverable`` (:class:`~mmadmit.zsock.RetryingSender`).
+* :class:`Forward` (docs/spec/WIRE.md, "Forward mode"; engine mode's relay
+  too): on a PUSH connected to ``--zmq-forward``, or on a socket someone else
+  connected (engine mode gives the scheduler's input ROUTER and its identity
+  as ``prefix``). Outputs go through one FIFO
+  (:class:`~mmadmit.zsock.OrderedSender`) whose pending bound pauses intake
+  (back-pressure); per-key slots keep the spec's order.
 
 The contract an ingest relies on (:class:`Output`): :meth:`Output.frames`
 encodes an outcome for this strategy, :meth:`Output.emit_now` sends one decided
@@ -278,9 +273,8 @@ class Forward(Output):
     :meth:`bind` on and closes it. ``max_pending`` bounds outputs not yet handed
     to libzmq (default: the ingest's, twice the pool's ``max_inflight``);
     ``on_forward(rid)`` is told of every ADD output registered; with
-    ``passthrough`` a message whose type byte is neither ADD nor ABORT (a
-    utility call of a newer frontend) is forwarded unchanged, in order, instead
-    of being answered as malformed.
+    ``passthrough`` a message of another type byte is forwarded unchanged
+    (docs/spec/WIRE.md, "Engine mode: between SMG and a scheduler", step 3).
     """
 
     mode = "forward"
