@@ -34,9 +34,8 @@ _U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
 
 
 class _Output(msgspec.Struct, array_like=True, gc=False):
-    """TokenSpeed's ``BatchTokenIDOutSlim`` (14 elements: the tag, eight per-rid
-    columns, ``engine_index``, four load counters; SMG's decoder reads the same
-    and skips anything after). Read leniently: a missing trailing element takes
+    """TokenSpeed's ``BatchTokenIDOutSlim`` (docs/spec/WIRE.md, "Abort output as a
+    frontend sees it (reference)"). Read leniently: a missing trailing element takes
     its default, the load counters are checked by hand. Every value that goes
     into a protobuf field is typed for it here (token ids and counts uint32,
     logprobs floats), so msgspec checks them while decoding, in C; an output

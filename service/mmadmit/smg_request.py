@@ -23,10 +23,8 @@ from .pbwire import StrippedRequest, ids_of, message_and_payloads, parse_request
 from .profile import ModelProfile
 from .servicer import attach_encode_handshakes, items_from_proto
 
-# TokenSpeed's SamplingParams on the msgpack wire: an untagged positional array
-# (docs/spec/WIRE.md). The defaults are what SMG 1.13's own msgpack encoder sends for a
-# request that sets nothing (captured from the real gateway): already normalized,
-# top_k "all" as 1 << 30, n 1, no stop strings.
+# TokenSpeed's SamplingParams on the msgpack wire (docs/spec/WIRE.md), with the defaults
+# of docs/spec/SMG_GRPC.md, "One `Generate` call", step 1 (captured from the real gateway).
 _SAMPLING_FIELDS = (
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
@@ -85,10 +83,7 @@ def _struct_value(value: struct_pb2.Value) -> Any:
 
 def sampling_array(params: ts.SamplingParams) -> list[Any]:
     """The msgpack ``SamplingParams`` array for ``params``, normalized as SMG's own
-    msgpack encoder sends it: ``top_k`` of 0 or less is "all" (``1 << 30``), stop
-    strings go in ``stop_strs`` with ``stop_str_max_len`` their longest byte
-    length (an over-estimate of their token count, which the scheduler's stop
-    check tolerates; mmadmit holds no tokenizer), ``is_normalized`` set."""
+    msgpack encoder sends it (docs/spec/SMG_GRPC.md, "One `Generate` call", step 1)."""
     values = dict(_SAMPLING_DEFAULTS)
     for name in _OPTIONAL_SCALARS:
         if params.HasField(name):
