@@ -3,27 +3,18 @@ messages only.
 
 Scope: building and validating the handshake messages mmadmit exchanges when
 it stands between SMG and a scheduler (:mod:`mmadmit.engine_mode`), and the
-``ENGINE_CORE_DEAD`` sentinel. No sockets here. Every handshake message is a
-msgpack **map** with named keys:
-
-* HELLO and READY (engine -> frontend, on the handshake DEALER):
-  ``{status, local, headless, parallel_config_hash}``;
-* INIT (frontend -> engine, the last frame of the reply):
-  ``{addresses: {inputs, outputs, coordinator_input, coordinator_output,
-  frontend_stats_publish_address}, parallel_config}``; unknown keys ignored;
-* the engine's *ready response* (engine -> frontend, the first message on the
-  input DEALER): ``{max_model_len, num_gpu_blocks, ...}``. mmadmit validates the
-  scheduler's and presents the very bytes upstream as its own.
+``ENGINE_CORE_DEAD`` sentinel. No sockets here. The messages, their keys and the
+checks made on the scheduler's ready response are docs/spec/WIRE.md, "Engine
+mode: between SMG and a scheduler".
 
 A message that does not fit raises :class:`HandshakeError`, which names the
 step and the field (``"INIT from SMG: addresses.inputs: must be a non-empty
-array of strings"``); ``mmadmit serve`` turns it into exit status 2, because a
-peer speaking another protocol is a deployment problem a restart cannot fix.
+array of strings"``); exit status 2, because a peer speaking another protocol
+is a deployment problem a restart cannot fix.
 
-Non-goals: the data-parallel coordinator (``coordinator_*`` are passed as nil
-to the scheduler and ignored from SMG), ``parallel_config`` negotiation (the
-scheduler gets an empty map: its handshake completes before SMG's INIT exists,
-see :mod:`mmadmit.engine_mode`).
+Non-goals: the data-parallel coordinator, ``parallel_config`` negotiation (the
+scheduler's handshake completes before SMG's INIT exists, see
+:mod:`mmadmit.engine_mode`).
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 # The keys docs/spec/WIRE.md lists for the ready response, each with the check it gets
 # when present (parse_ready_response): "int" a non-negative integer, "str?" nil or a
-# string, "own" a check of its own below, "any" none (SMG reads it). A missing key is
-# logged, not refused (an older scheduler may send fewer; SMG decides what it needs).
+# string, "own" a check of its own below, "any" none (SMG reads it).
 _READY_TYPES = {
     "max_model_len": "own",
     "num_gpu_blocks": "int",
@@ -206,11 +196,8 @@ def parse_init(data: Any, step: str = "INIT from SMG") -> Init:
 
 
 def parse_ready_response(data: Any, step: str = "ready response from the scheduler") -> list[str]:
-    """Validate the scheduler's ready response; return the docs/spec/WIRE.md keys it lacks.
-
-    Required: a map whose ``max_model_len`` is a positive integer. Every other
-    key docs/spec/WIRE.md names is type-checked when present; keys it does not name pass.
-    """
+    """Validate the scheduler's ready response; return the docs/spec/WIRE.md keys it lacks
+    (the check: docs/spec/WIRE.md, "Engine mode: between SMG and a scheduler", step 2)."""
     msg = decode_map(data, step)
     mml = msg.get("max_model_len")
     if not isinstance(mml, int) or isinstance(mml, bool) or mml <= 0:
