@@ -36,12 +36,10 @@ the structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
 iteratively: no depth limit, no recursion. Errors are ``ValueError`` with the
 same text compiled and interpreted.
 
-Format: exactly one msgpack array (fixarray, array16 or array32) whose
-elements are ints in any msgpack int encoding; values must fit int64 (a uint64
-above ``2**63 - 1`` is refused). Encoding writes the smallest array header
-and the smallest form of each int, byte for byte what ``msgpack.packb`` writes
-for the same list. Non-goals: nested arrays, nil elements, arrays of more than
-``2**32 - 1`` elements.
+Format: exactly one msgpack array (fixarray, array16 or array32), as
+docs/spec/WIRE.md, "Encoding rules" states for token-id arrays (int64 values,
+smallest forms written). Non-goals: nested arrays, nil elements, arrays of
+more than ``2**32 - 1`` elements.
 """
 
 from __future__ import annotations

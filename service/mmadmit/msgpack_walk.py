@@ -1548,18 +1548,16 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
 # --------------------------------------------------------------------------
 # Multimodal items: one walk that builds them and words every refusal.
 #
-# build_items takes every legal MultimodalDataItem (docs/spec/WIRE.md): an array
-# of at least one element, [modality, hash, pad_value, offsets, feature,
-# feature_shm, model_specific_data, encoded, encoded_deepstack,
-# encode_handshake, ...], a shorter one leaving the rest at their defaults. The
-# common form (ints, nils, tensors ``[str, [int, ...], int | ext 3]``) is read
-# straight from the bytes. Any other value of an element (a flag among the side
-# values, a feature_shm map, an encode_handshake map, encoded data, a newer
-# peer's trailing fields, a tensor of another form) is decoded once by the
-# caller's ``value`` (every ext code but 3 refused) and, for a tensor, built by
-# its ``loose_tensor``, which words what is wrong with it. A refusal is an
-# InvalidRequest (Tensor's TooLarge for a limit) naming the item and its field,
-# a type in msgspec's words ("item 1: hash: Expected `int | null`, got `str`").
+# build_items takes every legal MultimodalDataItem (docs/spec/WIRE.md,
+# "MultimodalDataItem (untagged)"; at least one element). The common form (ints,
+# nils, tensors ``[str, [int, ...], int | ext 3]``) is read straight from the bytes.
+# Any other value of an element (a flag among the side values, a feature_shm map,
+# an encode_handshake map, encoded data, a newer peer's trailing fields, a tensor
+# of another form) is decoded once by the caller's ``value`` (every ext code but 3
+# refused) and, for a tensor, built by its ``loose_tensor``, which words what is
+# wrong with it. A refusal is an InvalidRequest (Tensor's TooLarge for a limit)
+# naming the item and its field, a type in msgspec's words ("item 1: hash:
+# Expected `int | null`, got `str`").
 # tests/wire_oracle.py holds the reference these builds are compared with.
 
 _ITEM_ELEMS = cython.declare(ssize, 10)

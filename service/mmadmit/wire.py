@@ -10,8 +10,7 @@ How it stays fast and loses nothing:
   which decodes the token-id arrays (``input_ids``, ``input_ids_unpadded``)
   into int64 numpy arrays on the way, never through per-token Python ints.
   Elements mmadmit does not interpret keep their raw bytes and are re-emitted
-  verbatim, so fields of a newer peer survive a round trip, and shorter arrays
-  simply leave trailing fields at their default.
+  verbatim (docs/spec/WIRE.md, "Encoding rules": longer and shorter arrays).
 * A token array the request still holds as the very object decoded from the
   wire is re-emitted from its received bytes instead of being re-encoded
   (``input_ids`` of a text request or a passthrough, ``input_ids_unpadded``
@@ -41,8 +40,7 @@ How it stays fast and loses nothing:
   received frames are kept alive by the request referencing them; a buffer
   given to the transport for sending is never written afterwards.
 * Every element that is not a token array is decoded by a decoder whose
-  ext hook refuses every extension type but 3 (tensor data): pickle (1) and
-  cloudpickle (2) are never accepted anywhere in a message.
+  ext hook refuses every extension type but 3 (docs/spec/WIRE.md, "Encoding rules").
 * Limits (:mod:`mmadmit.limits`) are decided before the decode they guard:
   the payload's length from its header, each token array's length from its
   header before its int64 buffer exists, every other element's container
