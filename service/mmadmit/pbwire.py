@@ -664,13 +664,10 @@ class _Count:
 def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedRequest | None:
     """Count an ``AdmitRequest``'s wire bytes against ``limits``, before any parse.
 
-    Counted, each added over every occurrence: ``input_ids`` and
-    ``input_ids_unpadded`` (``max_tokens``), items (``max_items``), placeholders
-    per item (``max_tokens``), map entries per item and the other fields of
-    each message walked (``max_msgpack_len``). The first breach is a :class:`RefusedRequest` naming
-    the request id when it came before it in the bytes (a frontend writes
-    field 1 first). None within the limits, and for bytes the walk does not
-    understand (protobuf then refuses them with its own error).
+    What is counted (``max_tokens``, ``max_items``, ``max_msgpack_len``) and whom
+    the refusal names: docs/spec/GRPC.md, "Limits and errors". The first breach
+    is a :class:`RefusedRequest`. None within the limits, and for bytes the walk
+    does not understand (protobuf then refuses them with its own error).
 
     Packed fields are counted by numpy over their bytes; the walk visits each
     field once and stops at the first breach, so it is bounded by the limits,
