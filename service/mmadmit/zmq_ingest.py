@@ -419,7 +419,8 @@ class ZmqIngest:
         """Answer what still arrives, finish outputs within ``linger_s``, close sockets.
 
         Idempotent; concurrent callers wait for the same shutdown. Every message
-        that reaches the socket before it closes gets its one outcome. Steps:
+        that reaches the socket before it closes gets its one outcome, and one sent
+        after it is not answered (docs/spec/CLI.md, "Shutdown"). Steps:
 
         1. new ADDs are answered ``SHUTTING_DOWN``; the reader keeps reading;
         2. wait up to ``linger_s`` for completion and reply tasks (after
@@ -433,9 +434,6 @@ class ZmqIngest:
         5. close the sockets with a linger of what is left of ``linger_s``, at
            least :data:`CLOSE_LINGER_MIN_S` (replies handed to libzmq leave),
            terminate an owned context.
-
-        A message a peer sends after the close stays in the peer's queue: ZMQ
-        delivers it to whichever server binds the address next.
         """
         if self._stop_task is None:
             self._stop_task = asyncio.ensure_future(self._stop(max(0.0, linger_s)))
