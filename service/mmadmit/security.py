@@ -3,19 +3,16 @@
 Scope: read and check the operator's files once at start-up, and hand the
 transports what they need (docs/spec/CLI.md, ``--grpc-tls-*`` and ``--zmq-curve-*``):
 
-* **gRPC TLS**: a PEM certificate chain and its private key (both or neither),
-  optionally a PEM CA bundle that client certificates must chain to (mutual
-  TLS: a client without a certificate, or with one from another CA, fails the
-  handshake). :meth:`GrpcTls.server_credentials` gives the
+* **gRPC TLS**: a PEM certificate chain and its private key, optionally a PEM
+  CA bundle for mutual TLS. :meth:`GrpcTls.server_credentials` gives the
   ``grpc.ssl_server_credentials`` that :class:`~mmadmit.grpc_server.GrpcServer`
   binds with ``add_secure_port``.
 * **ZMQ CURVE** on the ``--zmq-listen`` ROUTER: the server's key file in pyzmq's
   ``zmq.auth`` certificate format (``zmq.auth.create_certificates`` writes
   ``NAME.key`` and ``NAME.key_secret``; the server needs the secret one), and
-  optionally a folder of allowed client public keys (``*.key``). With the
-  folder, a ZAP authenticator (:class:`CurveAuthenticator`) refuses every other
-  key; without it, any client that knows the server's public key connects
-  (CURVE still encrypts, and a client without CURVE never gets through).
+  optionally a folder of allowed client public keys (``*.key``), which a ZAP
+  authenticator (:class:`CurveAuthenticator`) enforces (a client without CURVE
+  never gets through).
 
 Every problem is a :class:`~mmadmit.errors.ConfigError` naming the flag and the
 file, raised when :func:`mmadmit.config.build_config` loads them once to check
@@ -26,9 +23,9 @@ module only reads and checks the files, from any object with the five settings
 (:class:`SecuritySettings`), and imports nothing of the configuration.
 
 Non-goals: certificate reloading (restart to rotate; a Kubernetes rollout does
-this), encrypted private keys (gRPC takes none), and engine mode's sockets,
-which stay plain because SMG and the scheduler speak them so. Nothing here is
-reached from a request: only operator flags name files.
+this), encrypted private keys (gRPC takes none), and engine mode's sockets
+(plain: docs/spec/WIRE.md, "Engine mode: between SMG and a scheduler"). Nothing
+here is reached from a request: only operator flags name files.
 """
 
 from __future__ import annotations
