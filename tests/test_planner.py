@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import SESSION_NATIVE, load_vector, vector_names
 from hf_oracle import FAMILIES
-from mmadmit import kernels, native, planner, wire
+from mmadmit import native, planner, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import ModelProfile, load_profile
@@ -359,32 +359,28 @@ def test_huge_grid_values_refused_alike() -> None:
         assert not isinstance(a, Materialized) and str(int(grid.max())) in str(a), a
 
 
-def test_first_outside_native_equals_numpy() -> None:
+def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
+    """Rule 1's vocabulary check (a min and a max; located only on failure) names
+    the first id outside [0, vocab), whatever precedes or follows it."""
+    profile = load_profile("qwen3_5")
+    m = Materializer(profile)
+    vocab = profile.vocab_size
     rng = np.random.default_rng(3)
-    for _ in range(300):
-        n = int(rng.integers(0, 3000))
+    for _ in range(200):
+        n = int(rng.integers(1, 3000))
         ids = rng.integers(0, 1000, n).astype(np.int64)
-        if n and rng.random() < 0.7:
-            ids[int(rng.integers(0, n))] = int(rng.choice([-1, 1000, 5000, -(2**62)]))
-        bad = (ids < 0) | (ids >= 1000)
-        want = int(np.argmax(bad)) if bad.any() else -1
-        assert kernels.first_outside(ids, 0, 1000) == want
-        assert kernels.first_outside(ids[::-1].copy(), 0, 1000) == (
-            int(np.argmax(bad[::-1])) if bad.any() else -1
-        )
-
-
-def test_first_outside_at_any_bounds() -> None:
-    """Bounds anywhere in int64, an empty range (lo >= hi) included: the native pass
-    compares unsigned differences, which wrap."""
-    rng = np.random.default_rng(4)
-    edges = [-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 2, 2**63 - 1]
-    for _ in range(400):
-        n = int(rng.integers(1, 100))
-        ids = np.array([int(x) for x in rng.choice(edges + [-3, 3], n)], np.int64)
-        lo, hi = (int(x) for x in rng.choice(edges + [-3, 3], 2))
-        bad = [i for i, x in enumerate(ids.tolist()) if x < lo or x >= hi]
-        assert kernels.first_outside(ids, lo, hi) == (bad[0] if bad else -1), (lo, hi)
+        bad_at = sorted({int(x) for x in rng.integers(0, n, int(rng.integers(0, 3)))})
+        for i in bad_at:
+            ids[i] = int(rng.choice([-1, vocab, vocab + 5000, -(2**62), 2**63 - 1]))
+        got = m.run(Request(rid="v", input_ids=ids))
+        if not bad_at:
+            assert isinstance(got, Materialized), got
+            continue
+        assert not isinstance(got, Materialized)
+        i = bad_at[0]
+        assert f"input_ids[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})" in str(
+            got
+        ), got
 
 
 def test_new_items_are_copies_and_inputs_untouched() -> None:

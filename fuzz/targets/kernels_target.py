@@ -3,8 +3,7 @@
 ``mrope_fill`` gets run plans that are mostly well formed (sorted, disjoint,
 inside the prompt) with fields replaced by boundary values; ``spans_check`` and
 ``spans_fill`` get spans likewise (spans_fill also in any order, overlapping, in
-place or into another buffer, against a loop); ``first_outside`` gets ids (a view on a
-longer buffer half the time) and any int64 bounds, against numpy. Whether a
+place or into another buffer, against a loop). Whether a
 plan or span set is inside the kernel's contract is decided here, in exact
 Python integers (:func:`plan_ok`, :func:`spans_ok`): inside, native and numpy
 must give identical arrays and delta; outside, the native kernel must refuse it
@@ -159,27 +158,11 @@ def _spans(d: Data) -> None:
             assert np.array_equal(kernels.fill_spans(ids, a_, z_, v_), want_fill), "numpy fill"
 
 
-def _first_outside(d: Data) -> None:
-    n = d.int_in(0, 80)
-    buf = np.array([d.wild_int() % 2**64 - 2**63 if d.flag(8) else d.int_in(-2, 40)
-                    for _ in range(n + 4)], np.int64)  # fmt: skip
-    ids = buf[:n] if d.flag() else buf[:n].copy()  # a view on a longer buffer, or not
-    lo = d.wild_int() % 2**64 - 2**63 if d.flag(10) else d.int_in(-1, 3)
-    hi = d.wild_int() % 2**64 - 2**63 if d.flag(10) else d.int_in(0, 40)
-    got = kernels._BUILT.first_outside(ids, lo, hi)
-    with native_mode(False):
-        want = kernels.first_outside(ids, lo, hi)
-    assert got == want, f"first_outside {got} != numpy {want} ({lo}, {hi})"
-
-
 def one(data: bytes) -> None:
     if kernels._BUILT is None:
         return  # nothing native to compare
     d = Data(data)
-    which = d.u8() % 4
-    if which in (1, 2):
+    if d.u8() % 3:
         _mrope(d)
-    elif which == 0:
-        _spans(d)
     else:
-        _first_outside(d)
+        _spans(d)

@@ -338,54 +338,6 @@ kernels_spans_fill(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* Whether some p[i] (i < n) lies outside [lo, hi) (lo < hi): one pass whose only
-   carried dependence is an OR (x - lo, unsigned, is below hi - lo exactly when x is
-   inside), so that its vectors do not wait on each other as a running min and max
-   do (a compare and a blend of latency each step, measured 3x slower). */
-MM_VECTORIZE static int
-any_outside(const int64_t *p, Py_ssize_t n, int64_t lo, int64_t hi)
-{
-    const uint64_t base = (uint64_t)lo, range = (uint64_t)hi - (uint64_t)lo;
-    uint64_t bad = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        bad |= (uint64_t)p[i] - base >= range;
-    }
-    return bad != 0;
-}
-
-/* first_outside(ids, lo, hi) -> index of the first id outside [lo, hi), or -1 */
-static PyObject *
-kernels_first_outside(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "first_outside(ids, lo, hi)");
-        return NULL;
-    }
-    int64_t lo = PyLong_AsLongLong(args[1]), hi = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_buffer b;
-    if (get_buf(args[0], &b, 0, "ids") < 0) {
-        return NULL;
-    }
-    const int64_t *p = b.buf;
-    Py_ssize_t n = b.len / 8, bad = -1;
-    MM_BEGIN_ALLOW_THREADS_IF(n >= MM_GIL_MIN_ELEMENTS)
-    /* one vectorized pass; locate only on failure (every id is outside an empty range) */
-    if (n > 0 && (lo >= hi || any_outside(p, n, lo, hi))) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (p[i] < lo || p[i] >= hi) {
-                bad = i;
-                break;
-            }
-        }
-    }
-    MM_END_ALLOW_THREADS_IF
-    PyBuffer_Release(&b);
-    return PyLong_FromSsize_t(bad);
-}
-
 static PyMethodDef kernels_methods[] = {
     {"mrope_fill", (PyCFunction)(void (*)(void))kernels_mrope_fill, METH_FASTCALL,
      "mrope_fill(out, start, frames, rows, cols, t_off, t_index) -> delta"},
@@ -393,8 +345,6 @@ static PyMethodDef kernels_methods[] = {
      "spans_check(ids, start, stop, expected) -> first bad span or -1"},
     {"spans_fill", (PyCFunction)(void (*)(void))kernels_spans_fill, METH_FASTCALL,
      "spans_fill(out, ids, start, stop, value) -> None"},
-    {"first_outside", (PyCFunction)(void (*)(void))kernels_first_outside, METH_FASTCALL,
-     "first_outside(ids, lo, hi) -> first index outside [lo, hi) or -1"},
     {NULL, NULL, 0, NULL},
 };
 

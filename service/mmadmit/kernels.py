@@ -74,15 +74,6 @@ def first_mismatch(
     return int(np.argmax(bad)) if bad.any() else -1
 
 
-def first_outside(ids: np.ndarray, lo: int, hi: int) -> int:
-    """Index of the first id outside ``[lo, hi)``, -1 when none (one pass)."""
-    if _kernels is not None:
-        return int(_kernels.first_outside(_i64(ids), lo, hi))
-    if not len(ids) or (int(ids.min()) >= lo and int(ids.max()) < hi):
-        return -1
-    return int(np.argmax((ids < lo) | (ids >= hi)))
-
-
 # Below this many spans, filling slices one by one beats building per-token arrays.
 _SLICE_FILL_MAX_SPANS = 128
 

@@ -299,8 +299,8 @@ class Materializer:
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
-        i = kernels.first_outside(ids, 0, vocab)
-        if i >= 0:
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            i = int(np.argmax((ids < 0) | (ids >= vocab)))  # located only on failure
             raise InvalidRequest(
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )
