@@ -55,8 +55,6 @@ _encode_native, _encode_py = (
 _split_native, _split_py = on_walk(ic._BUILT, ic.split_array), on_walk(msgpack_walk, ic.split_array)
 _spans_native, _spans_py = on_walk(ic._BUILT, ic.array_spans), on_walk(msgpack_walk, ic.array_spans)
 _rows_native, _rows_py = on_walk(ic._BUILT, ic.int_rows), on_walk(msgpack_walk, ic.int_rows)
-_like_native = on_walk(ic._BUILT, ic.encode_int_array_like)
-_like_py = on_walk(msgpack_walk, ic.encode_int_array_like)
 _filled_native = on_walk(ic._BUILT, ic.encode_int_array_filled)
 _filled_py = on_walk(msgpack_walk, ic.encode_int_array_filled)
 
@@ -885,21 +883,7 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
 
 
 # --------------------------------------------------------------------------
-# Encoding like a received array: encode_int_array_like (the reply's padded ids)
-
-LIKES = [
-    pytest.param(
-        lambda v, old, raw, mk: _like_native(ic._as_int64(v), old, ic._as_bytes(raw), mk),
-        id="native",
-        marks=native_only,
-    ),
-    pytest.param(
-        lambda v, old, raw, mk: _like_py(ic._as_int64(v), old, ic._as_bytes(raw), mk),
-        id="fallback",
-    ),
-    pytest.param(ic.encode_int_array_like, id="public"),
-]
-Like = Callable[[Any, np.ndarray, Any, Any], Any]
+# Received arrays in other forms than encoders write, for the filled encoding below
 
 
 def _received(raw: bytes) -> tuple[np.ndarray, Any]:
@@ -908,46 +892,6 @@ def _received(raw: bytes) -> tuple[np.ndarray, Any]:
     _, ints = ic.split_array(b"\x92\xa1x" + raw, (1,), None, marks)
     assert ints[0] is not None and len(marks) == 1
     return ints[0], marks[0]
-
-
-def _edited(rng: np.random.Generator, old: np.ndarray) -> list[np.ndarray]:
-    """Copies of ``old``: unchanged, wholly replaced, pad runs over spans (what the
-    materializer does), scattered values, the first and the last element."""
-    n = len(old)
-    out = [old.copy(), _random_ids(rng, n) if n else old.copy()]
-    padded = old.copy()
-    for _ in range(int(rng.integers(1, 6))):
-        a = int(rng.integers(0, n + 1))
-        b = int(rng.integers(a, min(n, a + int(rng.choice([1, 7, 8, 9, 64, 500]))) + 1))
-        padded[a:b] = int(rng.choice(EDGE_VALUES + [2**30 + 17]))
-    out.append(padded)
-    if n:
-        scattered = old.copy()
-        at = rng.integers(0, n, size=max(1, n // 10))
-        scattered[at] = _random_ids(rng, len(at))
-        out.append(scattered)
-        ends = old.copy()
-        ends[[0, -1]] = old[[0, -1]] ^ 1
-        out.append(ends)
-    return out
-
-
-@pytest.mark.parametrize("like", LIKES)
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 128, 1000, 70000])
-def test_encode_like_is_encode_when_received_smallest(like: Like, n: int) -> None:
-    rng = np.random.default_rng([7, n])
-    values = _runs(rng, n)
-    raw = msgpack.packb(values.tolist())
-    old, marks = _received(raw)
-    for new in _edited(rng, old):
-        expected = msgpack.packb(new.tolist())
-        assert bytes(like(new, old, raw, marks)) == expected
-        assert bytes(like(new, old, raw, None)) == expected  # marks read again
-    # another length: the whole array encoded (the public entry point decides)
-    shorter = values[:-1]
-    assert bytes(ic.encode_int_array_like(shorter, old, raw, marks)) == msgpack.packb(
-        shorter.tolist()
-    )
 
 
 def _wide(values: np.ndarray, rng: np.random.Generator) -> bytes:
@@ -964,31 +908,6 @@ def _wide(values: np.ndarray, rng: np.random.Generator) -> bytes:
     return bytes(out)
 
 
-@pytest.mark.parametrize("n", [0, 1, 8, 9, 64, 65, 200, 3000])
-def test_encode_like_keeps_other_forms_where_unchanged(n: int) -> None:
-    """Bytes no encoder writes: the same values always, the unchanged stretches as
-    received, and compiled, interpreted and fallback give the same bytes."""
-    from mmadmit import msgpack_walk
-
-    rng = np.random.default_rng([8, n])
-    values = _runs(rng, n)
-    raw = _wide(values, rng)
-    old, marks = _received(raw)
-    walk_old, walk_marks = msgpack_walk.decode_marked(memoryview(raw))
-    assert np.array_equal(walk_old, old)
-    if marks is not None:  # the compiled split's marks are the walker's
-        assert np.array_equal(marks, walk_marks)
-    for new in _edited(rng, old):
-        got = bytes(ic.encode_int_array_like(new, old, raw, marks))
-        assert msgpack.unpackb(got) == new.tolist()
-        assert got == bytes(_like_py(new, old, memoryview(raw), None))
-        assert got == bytes(msgpack_walk.encode_like(new, old, memoryview(raw), walk_marks))
-        if ic.HAVE_NATIVE:
-            assert got == bytes(_like_native(new, old, memoryview(raw), marks))
-    same = bytes(ic.encode_int_array_like(old.copy(), old, raw, marks))
-    assert same == bytes(_pack_header(n)) + raw[5:]  # every element as received
-
-
 def _pack_header(n: int) -> bytes:
     return msgpack.packb([0] * n)[: len(msgpack.packb([0] * n)) - n]
 
@@ -999,94 +918,11 @@ def _walkers() -> list[Any]:
     return [msgpack_walk, *([ic._BUILT] if ic.HAVE_NATIVE else [])]
 
 
-def test_encode_like_refuses_what_does_not_belong() -> None:
-    """Marks, bytes and arrays that were not decoded together: ValueError (compiled
-    and interpreted alike), never a read outside the bytes."""
-    rng = np.random.default_rng(9)
-    values = _runs(rng, 300)
-    raw = _wide(values, rng)
-    for walk in _walkers():
-        old, marks = walk.decode_marked(memoryview(raw))
-        new = old.copy()
-        new[100:140] = 5
-        good = bytes(walk.encode_like(new, old, memoryview(raw), marks))
-        assert msgpack.unpackb(good) == new.tolist()
-        bad_marks = [marks[:-1], marks + 10**9, marks - 10**9, np.zeros(len(marks) + 1, np.int64)]
-        for bad in bad_marks:
-            with pytest.raises(ValueError, match="encode_like"):
-                walk.encode_like(new, old, memoryview(raw), bad)
-        with pytest.raises(ValueError):  # bytes of another length
-            walk.encode_like(new, old, memoryview(raw[:-9]), marks)
-        with pytest.raises(ValueError):
-            walk.encode_like(new[:-1], old, memoryview(raw), marks)
-        # marks into the middle of an element: refused or read as other ints, the
-        # two builds alike (checked below), never out of bounds
-        shifted = marks.copy()
-        shifted[1:] += 1
-        got = [_outcome(w.encode_like, new, old, memoryview(raw), shifted) for w in _walkers()]
-        assert all(g == got[0] for g in got)
-
-
-def test_encode_like_never_copies_more_than_the_ints_can_take() -> None:
-    """A mark far ahead of where its element starts would make a stretch of 22
-    unchanged ids a copy of most of the array: refused, in both builds (the
-    output is sized for 9 bytes an id)."""
-    values = np.full(300, 151655, np.int64)
-    values[::7] = 3
-    raw = msgpack.packb(values.tolist())
-    for walk in _walkers():
-        old, marks = walk.decode_marked(memoryview(raw))
-        new = old.copy()
-        new[40] = 1  # encoded with the seven after it; copied again from id 48 ...
-        new[70:] = 7  # ... to id 69: a stretch across mark 1 (id 64)
-        assert msgpack.unpackb(bytes(walk.encode_like(new, old, memoryview(raw), marks))) == (
-            new.tolist()
-        )
-        lying = marks.copy()
-        lying[1] = len(raw) - 3 - 60  # element 64 "starts" 60 bytes before the end
-        with pytest.raises(ValueError, match="encode_like"):
-            walk.encode_like(new, old, memoryview(raw), lying)
-
-
-def test_encode_like_any_marks_same_outcome_both_builds() -> None:
-    """Marks of any values, in any order: bytes or a refusal, the same compiled and
-    interpreted, never a read or write out of bounds (the fuzz target's
-    sanitizers check that part)."""
-    rng = np.random.default_rng(12)
-    values = _runs(rng, 400)
-    raw = _wide(values, rng)
-    old, marks = _walkers()[0].decode_marked(memoryview(raw))
-    refused = 0
-    for _ in range(300):
-        lying = rng.integers(-3, len(raw) + 3, size=len(marks))
-        if rng.random() < 0.5:
-            lying = np.sort(lying)
-        new = old.copy()
-        new[rng.integers(0, len(new), size=int(rng.integers(1, 40)))] = 5
-        got = [_outcome(w.encode_like, new, old, memoryview(raw), lying) for w in _walkers()]
-        assert all(g == got[0] for g in got)
-        refused += got[0][0] == "err"
-    assert refused > 100
-
-
 def _outcome(f: Callable[..., Any], *args: Any) -> Any:
     try:
         return ("ok", bytes(f(*args)))
     except ValueError as exc:
         return ("err", str(exc))
-
-
-@native_only
-def test_encode_like_reads_stay_in_bounds(guarded: _Guarded) -> None:
-    rng = np.random.default_rng(10)
-    for n in (1, 8, 63, 64, 65, 130):
-        values = _runs(rng, n)
-        for raw in (msgpack.packb(values.tolist()), _wide(values, rng)):
-            buf = guarded(raw)
-            old, marks = ic._BUILT.decode_marked(buf)
-            for new in _edited(rng, old):
-                got = bytes(_like_native(new, old, buf, marks))
-                assert msgpack.unpackb(got) == new.tolist()
 
 
 # --------------------------------------------------------------------------

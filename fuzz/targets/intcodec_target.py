@@ -8,9 +8,9 @@ intcodec's public functions.
 The first input byte picks an entry point, the rest is its input:
 ``decode_int_array`` on the bytes or on an array built element by element from
 them (every int form, boundary values; results and error messages must
-match; then ``encode_like`` on edited copies of the decoded array, the
-compiled walker against the interpreted one and the fallback, and
-``encode_filled`` with spans and marks taken from the bytes), ``encode_int_array``
+match; then ``decode_marked``'s marks, and ``encode_filled`` with spans and
+marks taken from the bytes, the compiled walker against the interpreted one
+and the fallback), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 (or offsets chosen freely) with chosen limits, ``array_spans`` (and
@@ -64,42 +64,17 @@ def _decode(buf: memoryview) -> None:
         enc = _encode_native(a[1])
         assert enc == _encode_py(a[1]) == msgpack.packb(ref), "encode of a decoded array"
         assert np.array_equal(_decode_native(memoryview(enc)), a[1]), "round trip"
-        _like(buf, a[1])
+        _marked(buf, a[1])
 
 
-def _like(buf: memoryview, old: np.ndarray) -> None:
-    """``encode_like`` on a decoded array (the bytes in any int form): edited copies
-    give the same bytes compiled, interpreted and by the fallback, holding the
-    edited values; marks shifted into other elements, the same outcome both builds."""
+def _marked(buf: memoryview, old: np.ndarray) -> None:
+    """``decode_marked`` compiled and interpreted: the decoded array and its marks
+    (where every 64th element starts) alike; then :func:`_filled` with them."""
     assert ic._BUILT is not None
     got, marks = ic._BUILT.decode_marked(buf)
     walk_got, walk_marks = msgpack_walk.decode_marked(buf)
     assert np.array_equal(got, old) and np.array_equal(walk_got, old), "decode_marked"
     assert np.array_equal(marks, walk_marks), "marks"
-    n = len(old)
-    edits = [old.copy()]
-    if n:
-        run = old.copy()
-        run[n // 3 : n // 3 + 9] = 7
-        flipped = old ^ (np.arange(n) % 3 == 0)  # every third element changed
-        edits += [run, flipped, np.full(n, old[-1])]
-    for new in edits:
-        a = outcome(_like_native, new, old, buf, marks)
-        same(a, outcome(msgpack_walk.encode_like, new, old, buf, walk_marks), "encode_like")
-        same(a, outcome(_like_py, new, old, buf, None), "encode_like fallback")
-        assert a[0] == "ok" and msgpack.unpackb(a[1]) == new.tolist(), "encode_like values"
-    if n:
-        shifted = marks + (n % 5) - 2  # not where elements start: refused or read alike
-        a = outcome(ic._BUILT.encode_like, edits[-1], old, buf, shifted)
-        b = outcome(msgpack_walk.encode_like, edits[-1], old, buf, shifted)
-        same(a, b, "encode_like, shifted marks")
-        # marks of any value in any order (from the bytes themselves), against an
-        # edit that leaves short unchanged stretches between changed ids
-        lying = np.resize(np.frombuffer(bytes(buf), np.uint8).astype(np.int64) * 7 - 5, len(marks))
-        sparse = old ^ (np.arange(n) % 5 == 0)
-        a = outcome(ic._BUILT.encode_like, sparse, old, buf, lying)
-        b = outcome(msgpack_walk.encode_like, sparse, old, buf, lying)
-        same(a, b, "encode_like, marks of any value")
     _filled(buf, old, marks)
 
 
@@ -277,10 +252,6 @@ _split_native, _split_py = on_walk(_NATIVE, ic.split_array), on_walk(_PY, ic.spl
 _check_native, _check_py = on_walk(_NATIVE, ic.check_structure), on_walk(_PY, ic.check_structure)
 _spans_native, _spans_py = on_walk(_NATIVE, ic.array_spans), on_walk(_PY, ic.array_spans)
 _rows_native, _rows_py = on_walk(_NATIVE, ic.int_rows), on_walk(_PY, ic.int_rows)
-_like_native, _like_py = (
-    on_walk(_NATIVE, ic.encode_int_array_like),
-    on_walk(_PY, ic.encode_int_array_like),
-)
 _filled_native = on_walk(_NATIVE, ic.encode_int_array_filled)
 _filled_py = on_walk(_PY, ic.encode_int_array_filled)
 

@@ -21,10 +21,9 @@ each only where it gives the walker's result: :func:`decode_int_array` and
 the int fields of :func:`split_array` decode through ``Decoder(list[int])``,
 the offsets of :func:`split_array` come from ``Decoder(list[msgspec.Raw])``,
 and whenever ``msgspec`` refuses the walker runs and words the error;
-:func:`encode_int_array` (and the encodes :func:`encode_int_array_like` and
-:func:`encode_int_array_filled` reduce to where the received bytes are smallest
-forms) is ``msgspec`` on ``values.tolist()``, byte-identical (the tests check
-it). Every other function is the walker's alone, through ``_WALK``.
+:func:`encode_int_array` (and :func:`encode_int_array_filled` where the
+received bytes are smallest forms) is ``msgspec`` on ``values.tolist()``,
+byte-identical (the tests check it). Every other function is the walker's alone, through ``_WALK``.
 
 Splitting (for the wire codec): :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
@@ -71,7 +70,6 @@ __all__ = [
     "element_span",
     "encode_int_array",
     "encode_int_array_filled",
-    "encode_int_array_like",
     "encoded_bound",
     "int_rows",
     "offsets_of",
@@ -174,7 +172,7 @@ def split_array(
     (decided from its header: nothing is allocated for it).
 
     With ``marks`` (a list), its contents become one entry per ``int_fields``
-    entry: that array's marks for :func:`encode_int_array_like`, or None (the
+    entry: that array's marks for :func:`encode_int_array_filled`, or None (the
     array was not decoded, or not by the compiled walker).
     """
     if len(int_fields) > 8 or len(set(int_fields)) != len(int_fields):
@@ -185,27 +183,6 @@ def split_array(
     result = _split_impl(_as_bytes(raw), tuple(int_fields), max_ints, got)
     marks[:] = got
     return result
-
-
-def encode_int_array_like(
-    values: Any, old: npt.NDArray[np.int64], raw: Any, marks: npt.NDArray[np.int64] | None
-) -> bytes | memoryview:
-    """:func:`encode_int_array` of ``values``, reusing the bytes of an array received.
-
-    ``old`` was decoded from ``raw`` (one msgpack array of ints: an element
-    :func:`split_array` decoded, with its ``marks``, or None). Where ``values``
-    equals ``old``, stretches of it are ``raw``'s own bytes, copied, not
-    encoded again (the token ids the materializer left as they were), the
-    rest each int's smallest form. Byte-identical to :func:`encode_int_array`
-    whenever ``raw`` holds smallest forms, as every msgpack encoder writes;
-    the same values always. A ``values`` of another length than ``old`` is
-    encoded whole. Errors as :func:`encode_int_array`, and ``ValueError`` when
-    ``old``, ``raw`` and ``marks`` do not belong together.
-    """
-    v = _as_int64(values)
-    if old.dtype != np.int64 or old.shape != v.shape:
-        return _encode_impl(v)
-    return _like_impl(v, old, _as_bytes(raw), marks)
 
 
 def encode_int_array_filled(
@@ -223,8 +200,9 @@ def encode_int_array_filled(
     that byte buffer from ``start``, as :func:`mmadmit.msgpack_walk.encode_filled`
     says).
 
-    ``old``, ``raw`` and ``marks`` as for :func:`encode_int_array_like`. The
-    spans say what changed, so no int array is read: the elements outside
+    ``old`` was decoded from ``raw`` (one msgpack array of ints: an element
+    :func:`split_array` decoded, with its ``marks``, or None). The spans say
+    what changed, so no int array is read: the elements outside
     them are ``raw``'s bytes, copied, each span its value's smallest form
     repeated (the padded ids: the received ids with the pad runs written).
     Byte-identical to :func:`encode_int_array` of the filled array whenever
@@ -394,21 +372,6 @@ def _split_native(
     return offsets, ints
 
 
-def _like_walk(
-    walk: Any,
-    values: npt.NDArray[np.int64],
-    old: npt.NDArray[np.int64],
-    buf: memoryview,
-    marks: npt.NDArray[np.int64] | None,
-) -> memoryview:
-    """``walk.encode_like`` (one build of the walker); marks None (the array was not
-    decoded by the compiled split): read again, with its marks."""
-    if marks is None:
-        _, marks = walk.decode_marked(buf)
-    result: memoryview = walk.encode_like(values, old, buf, marks)
-    return result
-
-
 def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
     """``walk.encode_filled`` (one build of the walker), after the checks that
     ``old`` is the array ``buf`` holds (its length; marks None: read again);
@@ -423,10 +386,6 @@ def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: A
 
 def _filled_native(old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
     return _filled_walk(_BUILT, old, buf, marks, *spans_out)
-
-
-def _like_native(values: Any, old: Any, buf: memoryview, marks: Any) -> memoryview:
-    return _like_walk(_BUILT, values, old, buf, marks)
 
 
 _LIST_OF_INT_DECODER = msgspec.msgpack.Decoder(list[int])
@@ -462,23 +421,6 @@ def _encode_py(values: npt.NDArray[np.int64]) -> bytes | memoryview:
     return _ENCODER.encode(values.tolist())
 
 
-_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
-
-def _like_py(
-    values: npt.NDArray[np.int64],
-    old: npt.NDArray[np.int64],
-    buf: memoryview,
-    marks: npt.NDArray[np.int64] | None,
-) -> bytes | memoryview:
-    # Where the received bytes are smallest forms (what msgpack encoders write),
-    # the walker's result is the plain encoding; otherwise the walker runs
-    # (interpreted: a Python loop, for bytes no known encoder writes).
-    if buf == _encode_py(old):
-        return _encode_py(values)
-    return _like_walk(msgpack_walk, values, old, buf, marks)
-
-
 def _filled_py(
     old: npt.NDArray[np.int64],
     buf: memoryview,
@@ -489,9 +431,10 @@ def _filled_py(
     out: Any = None,
     start: int = 0,
 ) -> bytes | memoryview:
-    # As _like_py: where the received bytes are smallest forms, the walker's
-    # result is the plain encoding of the filled array (the spans checked as
-    # the walker does, with its message); otherwise the walker runs.
+    # Where the received bytes are smallest forms (what msgpack encoders write),
+    # the walker's result is the plain encoding of the filled array (the spans
+    # checked as the walker does, with its message); otherwise the walker runs
+    # (interpreted: a Python loop, for bytes no known encoder writes).
     n = len(old)
     if buf == _encode_py(old):
         if marks is not None and len(marks) != (n + 63) >> 6:
@@ -522,6 +465,9 @@ def _filled_py(
         view[start : start + len(encoded)] = encoded
         return view[start : start + len(encoded)]
     return _filled_walk(msgpack_walk, old, buf, marks, starts, stops, fill, out, start)
+
+
+_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def _split_py(
@@ -563,7 +509,6 @@ def _split_py(
 _WALK: Any = msgpack_walk
 _decode_impl = _decode_py
 _encode_impl = _encode_py
-_like_impl: Any = _like_py
 _filled_impl: Any = _filled_py
 _split_impl = _split_py
 
@@ -571,19 +516,17 @@ _split_impl = _split_py
 def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
-    global _WALK, HAVE_NATIVE, _decode_impl, _encode_impl, _like_impl, _filled_impl, _split_impl
+    global _WALK, HAVE_NATIVE, _decode_impl, _encode_impl, _filled_impl, _split_impl
     HAVE_NATIVE = on and _BUILT is not None
     _WALK = _BUILT if HAVE_NATIVE else msgpack_walk
     if HAVE_NATIVE:
         _decode_impl = _decode_native
         _encode_impl = _encode_native
-        _like_impl = _like_native
         _filled_impl = _filled_native
         _split_impl = _split_native
     else:
         _decode_impl = _decode_py
         _encode_impl = _encode_py
-        _like_impl = _like_py
         _filled_impl = _filled_py
         _split_impl = _split_py
     return HAVE_NATIVE

@@ -13,12 +13,10 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
 
 * :func:`array_len`, :func:`decode`, :func:`encode`: one msgpack array of ints
   <-> a 1-D ``int64`` array (errors prefixed ``msgpack int array:``);
-  :func:`decode_marked` and :func:`encode_like`: the same with marks (where
-  every 64th element starts), so that an array made from a received one (the
-  padded ids) is the received bytes where it is unchanged, copied, and only
-  its changed stretches are encoded; :func:`encode_filled`: the same when
-  what changed is known (spans set to one value each, the pad runs), from
-  the bytes and the spans alone.
+  :func:`decode_marked`: the same with marks (where every 64th element
+  starts), so that :func:`encode_filled` writes an array made from a received
+  one by setting spans to one value each (the padded ids: the pad runs) from
+  the bytes and the spans alone, the received bytes copied where unchanged.
 * :func:`build_items` and :func:`splice_items`: a request's multimodal items
   built from their received bytes (every legal item; refusals worded), and
   the reply's items array written back from those
@@ -72,7 +70,6 @@ __all__ = [
     "element_span",
     "encode",
     "encode_filled",
-    "encode_like",
     "int_rows",
     "range_message",
     "splice_items",
@@ -113,7 +110,7 @@ _GIL_MIN = cython.declare(ssize, 1 << 16)  # int loops this long run without the
 _INT = "msgpack int array: "
 _NO_MARKS = np.empty(0, dtype=np.int64)  # _ints without marks
 _LONG_RUN = cython.declare(ssize, 32)  # encode: a run this long is copied, not rewritten
-_MARK_SHIFT = cython.declare(cython.int, 6)  # encode_like's marks: where every 64th element starts
+_MARK_SHIFT = cython.declare(cython.int, 6)  # marks: where every 64th element starts
 
 # Int-array decode outcomes (_ints) and split errors (_split_error).
 _OK = cython.declare(cython.int, 0)
@@ -389,7 +386,7 @@ def _ints(
     the uint64 value for _E_RANGE)`` for the first bad element. Bytes past the
     array are not looked at (the 8-wide loop reads, never uses, up to 8 bytes
     past its end, within ``end``). ``mk`` (may be empty) gets the marks of
-    :func:`encode_like`: ``mk[k]`` is where element ``64 * k`` starts, counted
+    :func:`encode_filled`: ``mk[k]`` is where element ``64 * k`` starts, counted
     from ``pos``, for each ``k`` it has room for."""
     i: ssize = 0
     base: ssize = pos
@@ -522,7 +519,7 @@ def decode(p: cython.const[u8][::1]) -> np.ndarray:
 
 
 def decode_marked(p: cython.const[u8][::1]) -> tuple:
-    """:func:`decode`, and the array's marks for :func:`encode_like`."""
+    """:func:`decode`, and the array's marks for :func:`encode_filled`."""
     return _decode(p, True)
 
 
@@ -696,20 +693,10 @@ def _same_until(v: cython.const[i64][::1], old: cython.const[i64][::1], i: ssize
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_ints(
-    o: u8[::1],
-    at: ssize,
-    v: cython.const[i64][::1],
-    old: cython.const[i64][::1],
-    i: ssize,
-    stop: cython.bint,
-) -> tuple[ssize, ssize]:
-    """Write ``v``'s values from index ``i`` at ``o[at]`` (9 writable bytes a value):
-    ``(end offset, end index)``. To the end of ``v``; with ``stop``, only until
-    eight values (checked every eight) are equal to ``old``'s at their index,
-    or, in the last seven, one is."""
+def _write_ints(o: u8[::1], at: ssize, v: cython.const[i64][::1]) -> ssize:
+    """Write ``v``'s values at ``o[at]`` (9 writable bytes a value); the end offset."""
     n: ssize = v.shape[0]
-    lo: ssize = i  # the values before it may have been written otherwise
+    i: ssize = 0
     t: cython.uint
     payload: u64
     size: ssize
@@ -717,11 +704,9 @@ def _write_ints(
     _k: ssize
     r: ssize
     while n - i >= 8:
-        if stop and _differ8(v, old, i) == 0:
-            return at, i
         # every 8 values, a look for a run of one value (8 more equal to the
         # previous one): its encoding written again while it lasts
-        if i > lo and v[i] == v[i - 1]:
+        if i > 0 and v[i] == v[i - 1]:
             x = v[i - 1]
             # the run's end: the first r with v[r] != v[r - 1], i.e. where v from 1
             # on first differs from v itself
@@ -746,10 +731,10 @@ def _write_ints(
         at = _put(o, at, v[i + 6])
         at = _put(o, at, v[i + 7])
         i += 8
-    while i < n and not (stop and v[i] == old[i]):
+    while i < n:
         at = _put(o, at, v[i])
         i += 1
-    return at, i
+    return at
 
 
 @cython.cfunc
@@ -788,9 +773,9 @@ def encode(v: cython.const[i64][::1]) -> memoryview:
     at: ssize = _put_header(o, n)
     if n >= _GIL_MIN:
         with cython.nogil:
-            at, _ = _write_ints(o, at, v, v, 0, False)
+            at = _write_ints(o, at, v)
     else:
-        at, _ = _write_ints(o, at, v, v, 0, False)
+        at = _write_ints(o, at, v)
     # A view of the used part: no copy (the C encoder shrank a bytes in place; a
     # Cython module cannot, and copying into one cost 15 us of 46 at 128K ids).
     # Callers hand it to msgspec.Raw or compare it with bytes; both take a view.
@@ -873,77 +858,6 @@ def _copy_received(
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_like(
-    o: u8[::1],
-    at: ssize,
-    v: cython.const[i64][::1],
-    old: cython.const[i64][::1],
-    p: cython.const[u8][::1],
-    h: ssize,
-    mk: cython.const[i64][::1],
-) -> ssize:
-    """:func:`encode_like`'s elements from ``o[at]``: the end offset, or -1 if ``p``
-    (its elements from ``p[h]``) and ``mk`` are not those of ``old``."""
-    n: ssize = v.shape[0]
-    i: ssize = 0
-    j: ssize
-    ci: ssize = 0  # the cursor: element ci starts at p[cpos]; it only moves forward
-    cpos: ssize = h
-    while i < n:
-        j = _same_until(v, old, i)
-        if j > i:  # elements i..j-1 unchanged: their received bytes
-            at, ci, cpos = _copy_received(o, at, p, h, mk, ci, cpos, i, j)
-            if at < 0:
-                return -1
-            i = j
-        if i < n:  # changed: encoded until unchanged again
-            at, i = _write_ints(o, at, v, old, i, True)
-    return at
-
-
-def encode_like(
-    v: cython.const[i64][::1],
-    old: cython.const[i64][::1],
-    raw: cython.const[u8][::1],
-    marks: cython.const[i64][::1],
-) -> memoryview:
-    """:func:`encode` of ``v`` reusing the bytes of an array decoded before.
-
-    ``old`` was decoded from ``raw`` (one msgpack int array, as :func:`split`
-    reads it) with ``marks`` (:func:`split`'s, where every 64th element
-    starts). Stretches of ``v`` equal to ``old`` are ``raw``'s bytes for
-    them, copied; every other element is its smallest form (so is an
-    unchanged one the encoder takes along with changed ones: inside a block
-    of eight it writes whole, or a run of one value). That is what
-    :func:`encode` writes whenever ``raw`` holds smallest forms (what msgpack
-    encoders write), and always the same values. A long stretch of ids the
-    materializer left unchanged is one copy, not a re-encode: only the pad
-    runs are written. ValueError if the four do not belong together
-    (lengths, marks, the bytes at the marks)."""
-    n: ssize = v.shape[0]
-    count: ssize
-    h: ssize
-    count, h = _int_header(raw)
-    if old.shape[0] != n or count != n or marks.shape[0] != _marks_len(n):
-        raise ValueError(f"{_INT}encode_like: the arrays, bytes and marks do not match")
-    buf = np.empty(encoded_bound(n), dtype=np.uint8)
-    o: u8[::1] = buf
-    at: ssize = _put_header(o, n)
-    if n >= _GIL_MIN:
-        with cython.nogil:
-            at = _write_like(o, at, v, old, raw, h, marks)
-    else:
-        at = _write_like(o, at, v, old, raw, h, marks)
-    if at < 0:
-        raise ValueError(f"{_INT}encode_like: the bytes are not those of the old array")
-    return memoryview(buf)[:at]
-
-
-@cython.cfunc
-@cython.nogil
-@cython.exceptval(check=False)
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def _write_filled(
     o: u8[::1],
     at: ssize,
@@ -996,7 +910,7 @@ def encode_filled(
     start: ssize = 0,
 ) -> memoryview:
     """:func:`encode` of the array decoded from ``raw`` (with ``marks``, see
-    :func:`encode_like`) with ``[starts[k], stops[k])`` set to ``fill[k]``,
+    :func:`decode_marked`) with ``[starts[k], stops[k])`` set to ``fill[k]``,
     written from the bytes alone: the elements outside the spans are ``raw``'s
     bytes for them, copied, each span its value's smallest form repeated. No
     int array is read or compared; the spans (sorted, disjoint, inside the
@@ -1261,7 +1175,7 @@ def split(
     false the int fields are only checked against ``max_ints`` (``ints`` all
     None: the interpreted caller decodes them faster, see intcodec). With
     ``marks`` (a list as long as ``int_fields``), each decoded array's
-    :func:`encode_like` marks are put at its index.
+    :func:`encode_filled` marks are put at its index.
     """
     n: ssize = p.shape[0]
     count: ssize = _top(p)

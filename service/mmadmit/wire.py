@@ -16,11 +16,9 @@ How it stays fast and loses nothing:
   (``input_ids`` of a text request or a passthrough, ``input_ids_unpadded``
   = the received ``input_ids`` after substitution). mmadmit never writes a
   decoded array in place (the materializer substitutes into a copy); code that
-  changes token ids must assign a new array, which is then encoded, reusing
-  the received bytes of the array of its length where it is unchanged
-  (:func:`~mmadmit.intcodec.encode_int_array_like`). The padded ids the
-  materializer made are written from its :class:`~mmadmit.model.Padding`
-  instead (:func:`~mmadmit.intcodec.encode_int_array_filled`): the received
+  changes token ids must assign a new array, which is then encoded. The padded
+  ids the materializer made are written from its :class:`~mmadmit.model.Padding`
+  (:func:`~mmadmit.intcodec.encode_int_array_filled`): the received
   ``input_ids`` bytes with only the pad runs written, neither array read.
 * One decode path per message kind, whatever its size: an ADD's payload is
   always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
@@ -91,7 +89,6 @@ from .intcodec import (
     element_span,
     encode_int_array,
     encode_int_array_filled,
-    encode_int_array_like,
     encoded_bound,
     int_rows,
     splice_items,
@@ -785,21 +782,17 @@ class _Filled:
 def _int_array(
     extra: WireExtra, values: np.ndarray, padding: Padding | None = None
 ) -> msgspec.Raw | _Filled:
-    """The received bytes of ``values`` if it is an array decoded from them; else
-    encoded, reusing the bytes of the received array it was made from: with
+    """The received bytes of ``values`` if it is an array decoded from them; with
     ``padding`` (the materializer's, ``values`` its result), the unpadded ids'
     bytes and the pad spans, no array read (a :class:`_Filled`, written where it
-    goes); otherwise the first received array of its length, compared with it
-    (the padded ids keep the unpadded ones' text)."""
+    goes); else encoded (an array the materializer made otherwise: none does
+    today)."""
     made = padding if padding is not None and padding.result is values else None
     for decoded, raw, marks in extra.ints:
         if decoded is values:
             return raw
         if made is not None and decoded is made.unpadded:
             return _Filled(made, raw, marks)
-    for decoded, raw, marks in extra.ints:
-        if len(decoded) == len(values):
-            return msgspec.Raw(encode_int_array_like(values, decoded, raw, marks))
     return msgspec.Raw(encode_int_array(values))
 
 
