@@ -49,7 +49,6 @@ compiled, slicing interpreted); and the imports at the top.
 from __future__ import annotations
 
 import cython
-import msgspec
 import numpy as np
 from msgspec.structs import astuple
 
@@ -2107,8 +2106,6 @@ def splice_items(
 
     Items and their sources are msgspec Structs, read as ``astuple`` gives their
     fields (one call each instead of an attribute lookup per field)."""
-    if not cython.compiled:
-        return _splice_interpreted(items, aux, src_type, encode_item, splice)
     n: ssize = len(items)
     parts: list = [None] * n  # the received bytes of a spliced item, or its encoding
     table = np.zeros((n, 9), dtype=np.int64)
@@ -2200,53 +2197,3 @@ def splice_items(
         _copy(o, at, q, tv[i, 2], tv[i, 3] - tv[i, 2])
         at += tv[i, 3] - tv[i, 2]
     return memoryview(out)[:at]
-
-
-def _splice_interpreted(
-    items: list, aux: list, src_type: object, encode_item: object, splice: cython.bint
-) -> memoryview:
-    """:func:`splice_items` interpreted: the same rule (:func:`_may_splice`,
-    :func:`_int_ok`), the bytes joined from slices (numpy element writes and
-    the int forms computed in Python would cost ~15 us an item)."""
-    n: ssize = len(items)
-    head = np.empty(5, dtype=np.uint8)
-    pieces: list = [head[: _put_header(head, n)].tobytes()]
-    sx: tuple = _indexes(src_type, _SRC_READ) if splice else ()
-    item_type: object = None
-    ix: tuple = ()
-    for i in range(n):
-        item = items[i]
-        if splice:
-            if type(item) is not item_type:
-                item_type = type(item)
-                ix = _indexes(item_type, _ITEM_READ)
-            it = astuple(item)
-            src = it[ix[0]]
-            if type(src) is src_type:
-                st = astuple(src)
-                h, pad = it[ix[4]], it[ix[5]]
-                if (
-                    _may_splice(it, st, aux, ix[1], ix[2], ix[3], sx[0], sx[1], sx[2], sx[3], sx[4])
-                    and _int_ok(h)
-                    and _int_ok(pad)
-                ):
-                    buf, start, off1, off3, end = (
-                        st[sx[5]],
-                        st[sx[6]],
-                        st[sx[7]],
-                        st[sx[8]],
-                        st[sx[9]],
-                    )
-                    if not 0 <= start <= off1 <= off3 <= end:
-                        raise ValueError(f"splice_items: item {i}'s source is not in order")
-                    if end > len(buf):
-                        raise ValueError(f"splice_items: item {i}'s source ends past its bytes")
-                    pieces += (buf[start:off1], _ENCODE_INT(h), _ENCODE_INT(pad), buf[off3:end])
-                    continue
-        pieces.append(encode_item(item))
-    return memoryview(b"".join(pieces))
-
-
-# msgpack's smallest form of an int or None: the interpreted splice's (the compiled
-# one writes _form's, the same bytes: tests/test_wire_fast.py compares them)
-_ENCODE_INT = msgspec.msgpack.Encoder().encode
