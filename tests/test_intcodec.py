@@ -6,10 +6,12 @@ intcodec's msgspec shortcuts) and msgpack-python agree byte for byte on
 encoding and value for value on decoding; both raise ``ValueError`` with the
 *same* message for each malformed input (split errors included).
 
-The "native" cases skip when the extension is not built (a machine without a
-compiler or Cython at install time: ``pip install -e .`` then installs the
-pure module only); the fallback cases always run. ``mmadmit.intcodec.HAVE_NATIVE`` says which one
-the public functions use.
+The "native" cases skip when the extension is not built (``intcodec._BUILT`` is
+None: a machine without a compiler or Cython at install time, ``pip install -e .``
+then installs the pure module only), not when native code is switched off
+(``MMADMIT_NATIVE=0``): they run the compiled walker all the same, with native
+switched on for the case; the fallback cases always run.
+``mmadmit.intcodec.HAVE_NATIVE`` says which one the public functions use.
 
 Run with: python -m pytest tests/test_intcodec.py -q
 """
@@ -17,18 +19,19 @@ Run with: python -m pytest tests/test_intcodec.py -q
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
 import msgspec
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, SESSION_NATIVE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mmadmit import intcodec as ic
-from mmadmit import msgpack_walk
+from mmadmit import msgpack_walk, native
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -59,20 +62,56 @@ _filled_native = on_walk(ic._BUILT, ic.encode_int_array_filled)
 _filled_py = on_walk(msgpack_walk, ic.encode_int_array_filled)
 
 native_only = pytest.mark.skipif(
-    not ic.HAVE_NATIVE,
+    ic._BUILT is None,
     reason="mmadmit._walk_c not built (no C compiler or Cython at install time); fallback only",
 )
+
+
+@contextmanager
+def _native(on: bool) -> Iterator[None]:
+    """Native switched ``on`` or off, whatever the session's setting
+    (``MMADMIT_NATIVE``); the session's setting restored afterwards."""
+    native.set_enabled(on)
+    try:
+        assert ic.HAVE_NATIVE is (on and ic._BUILT is not None)
+        yield
+    finally:
+        native.set_enabled(SESSION_NATIVE)
+
+
+_NATIVE_PARAMS: list[Callable[..., Any]] = []
+
+
+def _native_param(fn: Callable[..., Any]) -> Any:
+    """A "native" case: skipped only where the walker is not built, run with native
+    switched on (``_compiled_native_params``)."""
+    _NATIVE_PARAMS.append(fn)
+    return pytest.param(fn, id="native", marks=native_only)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_native_params(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A case with a "native" param runs entirely with native switched on (``_native``),
+    so that what the public functions hand it (marks) comes from the compiled walker."""
+    callspec = getattr(request.node, "callspec", None)
+    values = list(callspec.params.values()) if callspec is not None else []
+    if any(v is fn for v in values for fn in _NATIVE_PARAMS):
+        with _native(True):
+            yield
+    else:
+        yield
+
 
 Decoder = Callable[[Any], np.ndarray]
 Encoder = Callable[[Any], bytes]
 
 DECODERS = [
-    pytest.param(lambda raw: _decode_native(ic._as_bytes(raw)), id="native", marks=native_only),
+    _native_param(lambda raw: _decode_native(ic._as_bytes(raw))),
     pytest.param(lambda raw: _decode_py(ic._as_bytes(raw)), id="fallback"),
     pytest.param(ic.decode_int_array, id="public"),
 ]
 ENCODERS = [
-    pytest.param(lambda v: _encode_native(ic._as_int64(v)), id="native", marks=native_only),
+    _native_param(lambda v: _encode_native(ic._as_int64(v))),
     pytest.param(lambda v: _encode_py(ic._as_int64(v)), id="fallback"),
     pytest.param(ic.encode_int_array, id="public"),
 ]
@@ -407,7 +446,7 @@ def test_property_round_trip(values: list[int]) -> None:
     arr = np.array(values, dtype=np.int64)
     raw = msgpack.packb(values)
     impls: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = [(_encode_py, _decode_py)]
-    if ic.HAVE_NATIVE:
+    if ic._BUILT is not None:
         impls.append((_encode_native, _decode_native))
     for encode, decode in impls:
         assert encode(arr) == raw
@@ -422,15 +461,15 @@ def test_property_round_trip(values: list[int]) -> None:
 # (texts differ: the wire codec wraps them).
 
 SPLITTERS = [
-    pytest.param(_split_native, id="native", marks=native_only),
+    _native_param(_split_native),
     pytest.param(_split_py, id="fallback"),
 ]
 SPANNERS = [
-    pytest.param(_spans_native, id="native", marks=native_only),
+    _native_param(_spans_native),
     pytest.param(_spans_py, id="fallback"),
 ]
 ROWERS = [
-    pytest.param(_rows_native, id="native", marks=native_only),
+    _native_param(_rows_native),
     pytest.param(_rows_py, id="fallback"),
 ]
 
@@ -719,7 +758,7 @@ def test_property_split_native_matches_fallback(values: list[Any]) -> None:
     fields = tuple(range(min(len(values), 8)))
     py_offsets, py_ints = _split_py(ic._as_bytes(raw), fields)
     assert py_offsets == _expected_offsets(values)
-    if not ic.HAVE_NATIVE:
+    if ic._BUILT is None:
         return
     offsets, ints = _split_native(ic._as_bytes(raw), fields)
     assert offsets == py_offsets
@@ -761,9 +800,9 @@ def _runs(rng: np.random.Generator, n: int) -> np.ndarray:
 def test_runs_match_msgpack(seed: int, n: int) -> None:
     values = _runs(np.random.default_rng([seed, n]), n)
     raw = msgpack.packb(values.tolist())
-    for encode in (_encode_py, *([_encode_native] if ic.HAVE_NATIVE else [])):
+    for encode in (_encode_py, *([_encode_native] if ic._BUILT is not None else [])):
         assert encode(values) == raw
-    for decode in (_decode_py, *([_decode_native] if ic.HAVE_NATIVE else [])):
+    for decode in (_decode_py, *([_decode_native] if ic._BUILT is not None else [])):
         assert decode(memoryview(raw)).tolist() == values.tolist()
 
 
@@ -915,7 +954,7 @@ def _pack_header(n: int) -> bytes:
 def _walkers() -> list[Any]:
     from mmadmit import msgpack_walk
 
-    return [msgpack_walk, *([ic._BUILT] if ic.HAVE_NATIVE else [])]
+    return [msgpack_walk, *([ic._BUILT] if ic._BUILT is not None else [])]
 
 
 def _outcome(f: Callable[..., Any], *args: Any) -> Any:
@@ -930,7 +969,7 @@ def _outcome(f: Callable[..., Any], *args: Any) -> Any:
 # reply's padded ids, written from the received bytes and the pad spans)
 
 FILLS = [
-    pytest.param(lambda *a: _filled_native(*a), id="native", marks=native_only),
+    _native_param(lambda *a: _filled_native(*a)),
     pytest.param(lambda *a: _filled_py(*a), id="fallback"),
     pytest.param(
         lambda old, buf, mk, *spans: ic.encode_int_array_filled(old, buf, mk, *spans),
@@ -1091,17 +1130,20 @@ def test_encode_filled_reads_stay_in_bounds(guarded: _Guarded) -> None:
 
 def test_split_marks_only_from_the_compiled_walker() -> None:
     raw = msgpack.packb(list(range(200)))
-    marks: list[Any] = ["stale"]
     _split_py(ic._as_bytes(b"\x92\xa1x" + raw), (1, 5), None, None)
-    ic.split_array(b"\x92\xa1x" + raw, (1, 5), None, marks)
-    assert len(marks) == 2 and marks[1] is None  # element 5 is missing
-    if ic.HAVE_NATIVE:
-        from mmadmit import msgpack_walk
+    for on in (True, False):  # the public function with native on (compiled, where built), off
+        marks: list[Any] = ["stale"]
+        with _native(on):
+            ic.split_array(b"\x92\xa1x" + raw, (1, 5), None, marks)
+            compiled_walker = ic.HAVE_NATIVE
+        assert len(marks) == 2 and marks[1] is None  # element 5 is missing
+        if compiled_walker:
+            from mmadmit import msgpack_walk
 
-        _, expected = msgpack_walk.decode_marked(memoryview(raw))
-        assert np.array_equal(marks[0], expected) and len(expected) == 4  # 200 ids: 4 marks
-    else:
-        assert marks[0] is None
+            _, expected = msgpack_walk.decode_marked(memoryview(raw))
+            assert np.array_equal(marks[0], expected) and len(expected) == 4  # 200 ids: 4 marks
+        else:
+            assert marks[0] is None
 
 
 @pytest.mark.parametrize("seed", range(4))

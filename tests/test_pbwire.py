@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import REPO_ROOT, generate_request, load_vector, vector_names
+from conftest import REPO_ROOT, SESSION_NATIVE, generate_request, load_vector, vector_names
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-from mmadmit import pbwire, smg_request
+from mmadmit import native, pbwire, smg_request
 from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
@@ -51,18 +52,34 @@ if str(REPO_ROOT) not in sys.path:
 from fuzz.targets.pbwire_target import check_parse, check_take  # noqa: E402  (the targets' properties)
 
 IMPLS = ["native", "python"]
+NOT_BUILT = "mmadmit._pbwire is not built (no C compiler at install time): the fallback only"
+
+
+@contextmanager
+def _compiled() -> Iterator[None]:
+    """Native switched on (the C extension runs), whatever the session's setting
+    (``MMADMIT_NATIVE``); the session's setting restored afterwards."""
+    native.set_enabled(True)
+    try:
+        assert pbwire.HAVE_NATIVE
+        yield
+    finally:
+        native.set_enabled(SESSION_NATIVE)
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run a test against the C extension, then against the fallback."""
+    """Run a test against the C extension (native switched on for it, also under
+    ``MMADMIT_NATIVE=0``), then against the fallback."""
     if request.param == "native":
-        if not pbwire.HAVE_NATIVE:
-            pytest.skip("mmadmit._pbwire is not built")
+        if pbwire._BUILT is None:
+            pytest.skip(NOT_BUILT)
+        with _compiled():
+            yield request.param
     else:
         monkeypatch.setattr(pbwire, "_pbwire", None)
         monkeypatch.setattr(pbwire, "HAVE_NATIVE", False)
-    yield request.param
+        yield request.param
 
 
 def _varint(value: int) -> bytes:
@@ -138,7 +155,7 @@ def test_packed_uint32_out_of_range_is_protobufs_error(impl: str, values: list[i
     assert str(got.value).startswith("Value out of range: ")
 
 
-def test_packed_uint32_refuses_other_dtypes() -> None:
+def test_packed_uint32_refuses_other_dtypes(impl: str) -> None:
     with pytest.raises(TypeError):
         pbwire.packed_uint32_field(1, np.arange(3, dtype=np.int32))
     with pytest.raises(TypeError):
@@ -635,7 +652,7 @@ def test_invalid_utf8_fails_with_protobufs_error(impl: str) -> None:
     _same_outcome(data, pbwire.STRIP_MIN_BYTES)
 
 
-def test_min_bytes_must_be_positive() -> None:
+def test_min_bytes_must_be_positive(impl: str) -> None:
     with pytest.raises(ValueError):
         pbwire.strip_inline_payloads(b"", 0)
 
@@ -690,9 +707,10 @@ def test_take_ids_equals_fromstring(impl: str, label: str) -> None:
     ids=range(11),
 )
 def test_take_ids_declines_what_it_does_not_take_exactly(data: bytes) -> None:
-    if not pbwire.HAVE_NATIVE:
-        pytest.skip("mmadmit._pbwire is not built")
-    assert pbwire.take_ids(data, True) is None
+    if pbwire._BUILT is None:
+        pytest.skip(NOT_BUILT)
+    with _compiled():
+        assert pbwire.take_ids(data, True) is None
 
 
 def test_take_ids_truncations_and_bit_flips(impl: str) -> None:
