@@ -43,6 +43,7 @@ from mmadmit.model import Materialized
 from mmadmit.profile import load_profile
 from mmadmit.servicer import _packed_ids, encode_response, request_from_proto
 from mmadmit_client.proto import admission_pb2 as pb
+from pbwire_oracle import strip as _oracle_strip
 from response_oracle import response_from_outcome
 from smg_grpc_proto import tokenspeed_scheduler_pb2 as ts
 from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from_vector
@@ -65,6 +66,16 @@ def _compiled() -> Iterator[None]:
         yield
     finally:
         native.set_enabled(SESSION_NATIVE)
+
+
+@pytest.fixture
+def stripping() -> Iterator[None]:
+    """The C extension on (it strips; without it nothing is stripped and upb parses
+    the whole message: ``test_without_the_extension_nothing_is_stripped``)."""
+    if pbwire._BUILT is None:
+        pytest.skip(NOT_BUILT)
+    with _compiled():
+        yield
 
 
 @pytest.fixture(params=IMPLS)
@@ -345,9 +356,9 @@ def check_strip(data: bytes, min_bytes: int = 1) -> int:
     """
     ref = pb.AdmitRequest.FromString(data)
     results = []
-    impls: list[Any] = [pbwire._strip_py]
-    if pbwire._pbwire is not None:
-        impls.append(lambda d, m: pbwire._pbwire.strip_inline(d, m, pbwire._NONCE))
+    impls: list[Any] = [_oracle_strip]  # the reference; production strips in C only
+    if pbwire._BUILT is not None:
+        impls.append(lambda d, m: pbwire._BUILT.strip_inline(d, m, pbwire._NONCE))
     for strip in impls:
         got = strip(data, min_bytes)
         if got is None:
@@ -521,7 +532,7 @@ def test_strip_equals_fromstring(impl: str, label: str, min_bytes: int) -> None:
         assert stripped >= 2
 
 
-def test_large_request_strips_every_large_payload(impl: str) -> None:
+def test_large_request_strips_every_large_payload(stripping: None) -> None:
     data = _large_request().SerializeToString()
     small, payloads = pbwire.strip_inline_payloads(data) or (b"", [])
     # two features, one large side tensor, the positions; not the 3-value ones
@@ -530,7 +541,9 @@ def test_large_request_strips_every_large_payload(impl: str) -> None:
     assert len((pbwire.strip_inline_payloads(nested) or (b"", []))[1]) == 4
 
 
-def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: ModuleType) -> None:
+def test_generate_request_with_every_scheduler_field(
+    stripping: None, compat_pb2: ModuleType
+) -> None:
     """A frontend's GenerateRequest (fields 3 to 8, 10 to 12 set) with large tensors."""
     c = compat_pb2
     gen = generate_request(c, list(range(4000)), encode_item=2)
@@ -561,7 +574,7 @@ def test_generate_request_with_every_scheduler_field(impl: str, compat_pb2: Modu
     assert (entry.item_index, entry.bootstrap_room) == (2, 9)
 
 
-def test_map_entry_with_other_fields_is_kept_whole(impl: str) -> None:
+def test_map_entry_with_other_fields_is_kept_whole(stripping: None) -> None:
     """upb keeps such an entry as an unknown field of the item; its bytes must not change."""
     value = tensor_data(_big_feature()).SerializeToString()
     for extra in (_field(3, 0, b"\x01"), _field(1, 0, b"\x01"), _field(2, 5, b"abcd")):
@@ -644,7 +657,7 @@ def test_random_bytes_and_bit_flips(impl: str) -> None:
         _same_outcome(bytes(flipped), 1)
 
 
-def test_invalid_utf8_fails_with_protobufs_error(impl: str) -> None:
+def test_invalid_utf8_fails_with_protobufs_error(stripping: None) -> None:
     data = _large_request().SerializeToString() + _field(1, 2, b"\xff\xfe")
     with pytest.raises(DecodeError):
         pb.AdmitRequest.FromString(data)
@@ -884,7 +897,7 @@ def test_strip_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> N
     if upb_takes:
         assert check_strip(data, pbwire.STRIP_MIN_BYTES) == 3
     else:
-        assert pbwire._strip_py(data, pbwire.STRIP_MIN_BYTES) is None
+        assert _oracle_strip(data, pbwire.STRIP_MIN_BYTES) is None
         if pbwire._BUILT is not None:
             assert pbwire._BUILT.strip_inline(data, pbwire.STRIP_MIN_BYTES, pbwire._NONCE) is None
         assert pbwire.strip_inline_payloads(data) is None
@@ -925,7 +938,7 @@ def test_five_byte_keys_upb_refuses_are_declined(impl: str, key: bytes) -> None:
     big = _strip_wide("", 1)
     for data in (big + key + b"\x00", _field(9, 2, _field(1, 2, key + b"\x00")) + big):
         assert not _parses(pb.AdmitRequest, data)
-        assert pbwire._strip_py(data, pbwire.STRIP_MIN_BYTES) is None
+        assert _oracle_strip(data, pbwire.STRIP_MIN_BYTES) is None
         assert pbwire.strip_inline_payloads(data) is None
         _same_outcome(data, pbwire.STRIP_MIN_BYTES)
 
@@ -967,7 +980,7 @@ def test_wide_lengths_end_admit_and_generate_as_protobuf(native_mode: Any, n: in
 # ------------------------------------------------------------------------------ zero copy
 
 
-def test_large_feature_is_a_view_on_the_received_bytes(impl: str) -> None:
+def test_large_feature_is_a_view_on_the_received_bytes(stripping: None) -> None:
     profile = load_profile(str(MODEL_CONFIG["qwen3_5"]))
     assert profile.image_token_id is not None
     ids = np.arange(100, 120, dtype=np.int64)
@@ -1004,7 +1017,7 @@ def test_small_message_is_parsed_plainly(impl: str) -> None:
     assert isinstance(parsed, pb.AdmitRequest) and parsed == pb.AdmitRequest.FromString(data)
 
 
-def test_client_inline_is_never_a_marker(impl: str) -> None:
+def test_client_inline_is_never_a_marker(stripping: None) -> None:
     foreign = bytes(16) + (0).to_bytes(4, "little")  # marker-sized, another nonce
     assert pbwire.resolve_inline(foreign, [memoryview(b"x")]).tobytes() == foreign
     ours_out_of_range = pbwire._NONCE + (5).to_bytes(4, "little")
@@ -1024,3 +1037,17 @@ def test_client_inline_is_never_a_marker(impl: str) -> None:
     assert isinstance(parsed, pbwire.StrippedRequest) and len(parsed.payloads) == 1
     odd = parsed.msg.mm_inputs.items[0].model_specific_tensors["odd"]
     assert parsed.inline(odd).tobytes() == foreign
+
+
+def test_without_the_extension_nothing_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native off (or not built): no strip and no ids taken; upb parses the whole
+    message, to what the C walks give once their markers and ids are put back."""
+    data = _large_request().SerializeToString()
+    monkeypatch.setattr(pbwire, "_pbwire", None)
+    monkeypatch.setattr(pbwire, "HAVE_NATIVE", False)
+    assert pbwire.strip_inline_payloads(data) is None
+    assert pbwire.take_ids(data, True) is None
+    parsed = pbwire.parse_admit_request(data, take_min_bytes=1)
+    assert type(parsed) is pb.AdmitRequest
+    _same(parsed, pb.AdmitRequest.FromString(data))
+    assert _oracle_strip(data, pbwire.STRIP_MIN_BYTES) is not None  # there was something to strip

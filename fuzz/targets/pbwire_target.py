@@ -1,7 +1,8 @@
-"""The protobuf shortcuts (``_pbwire.c``) against the Python fallback and protobuf.
+"""The protobuf shortcuts (``_pbwire.c``) against their Python references and protobuf.
 
-First byte even: ``strip_inline_payloads`` on the rest (a would-be
-``AdmitRequest``) with a small strip threshold, so short inputs exercise it;
+First byte even: ``strip_inline`` on the rest (a would-be ``AdmitRequest``)
+with a small strip threshold, so short inputs exercise it, against the tests'
+reference walk (``tests/pbwire_oracle.py``; production strips in C only);
 the stripped bytes and payloads must be identical, and held to protobuf
 (:func:`check_strip`): when it strips, the stripped message parses exactly
 when the rest does, to the same message once the markers are resolved. 1 mod
@@ -17,6 +18,8 @@ it returns are the parsed ones.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,9 @@ from mmadmit_client.proto import admission_pb2 as pb
 from ._common import outcome, same
 from ._data import Data
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from pbwire_oracle import strip as oracle_strip  # noqa: E402  (the tests' reference)
+
 NAME = "pbwire"
 
 
@@ -36,7 +42,7 @@ def _strip(d: Data) -> None:
     min_bytes = d.int_in(1, 64)
     data = d.rest()
     a = outcome(pbwire._BUILT.strip_inline, data, min_bytes, pbwire._NONCE)
-    b = outcome(pbwire._strip_py, data, min_bytes)
+    b = outcome(oracle_strip, data, min_bytes)
     same(a, b, f"strip_inline(min_bytes={min_bytes})")
     if a[0] == "ok" and a[1] is not None:
         check_strip(data, *a[1])

@@ -463,9 +463,9 @@ class ServeConfig:
         default=True,
         metadata={
             "parse": _bool,
-            "help": "run the extensions this project builds on request bytes (on), or "
-            "their Python sources only (off: no extension of this project parses request "
-            "bytes; msgspec's and protobuf's own C decoders still do)",
+            "help": "run the extensions this project builds on request bytes (on), or not "
+            "(off: their Python sources run, or msgspec's and protobuf's own C decoders do "
+            "the work; no extension of this project parses request bytes)",
         },
     )
 

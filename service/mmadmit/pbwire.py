@@ -57,9 +57,13 @@ wins): only the bytes of an ``inline`` value change, so upb applies its own
 rules to the stripped message, and each marker names exactly the bytes it
 replaced.
 
-Two implementations of each function with the same results: the optional C
-extension ``mmadmit._pbwire`` and the Python/numpy fallback here
-(``HAVE_NATIVE`` says which one runs; :mod:`mmadmit.native` switches it).
+The walks are the optional C extension ``mmadmit._pbwire`` (``HAVE_NATIVE``
+says whether it runs; :mod:`mmadmit.native` switches it). Without it nothing
+is stripped and no ids are taken: upb parses the whole message, which
+measured faster than the same walk in Python (``tests/pbwire_oracle.py``,
+the tests' reference of the strip). :func:`packed_uint32_field` has a numpy
+twin for native off, and the limits' pre-parse count (:func:`check_admit_limits`)
+decides in Python what the C walk cannot pass, wording every refusal.
 """
 
 from __future__ import annotations
@@ -358,18 +362,16 @@ def strip_inline_payloads(
     """``data`` (an ``AdmitRequest``) with its inline payloads of ``min_bytes`` or more
     replaced by markers, and those payloads (views on ``data``).
 
-    ``None`` when there is nothing to strip or when the walker does not
-    understand the bytes, which includes every key and length upb refuses (the
-    caller then parses ``data`` as it is).
+    ``None`` when there is nothing to strip, when the native extension is not
+    active, or when the walker does not understand the bytes, which includes
+    every key and length upb refuses (the caller then parses ``data`` as it is).
     """
     if min_bytes < 1:
         raise ValueError("strip_inline_payloads: min_bytes must be positive")
-    if _pbwire is not None:
-        result: tuple[bytes, list[memoryview]] | None = _pbwire.strip_inline(
-            data, min_bytes, _NONCE
-        )
-        return result
-    return _strip_py(data, min_bytes)
+    if _pbwire is None:
+        return None
+    result: tuple[bytes, list[memoryview]] | None = _pbwire.strip_inline(data, min_bytes, _NONCE)
+    return result
 
 
 class _Bail(Exception):
@@ -408,107 +410,6 @@ def _key(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int]:
     if number == 0 or number > 0x1FFFFFFF:
         raise _Bail
     return number, key & 7, pos
-
-
-# Message kinds walked, and for each: field number -> kind of its contents.
-_ADMIT, _MM, _ITEM, _ENTRY, _MROPE, _TENSOR, _INLINE = range(7)
-_SCHEMA: dict[int, dict[int, int]] = {
-    _ADMIT: {9: _MM, 101: _MROPE},
-    _MM: {1: _ITEM},
-    _ITEM: {3: _TENSOR, 4: _ENTRY},
-    _ENTRY: {2: _TENSOR},
-    _MROPE: {1: _TENSOR},
-    _TENSOR: {3: _INLINE},
-}
-
-
-class _Walk:
-    __slots__ = ("buf", "view", "min_bytes", "payloads")
-
-    def __init__(self, buf: bytes, min_bytes: int) -> None:
-        self.buf = buf
-        self.view = memoryview(buf)
-        self.min_bytes = min_bytes
-        self.payloads: list[memoryview] = []
-
-    def varint(self, pos: int, end: int) -> tuple[int, int]:
-        return _varint(self.buf, pos, end)
-
-    def message(self, start: int, end: int, kind: int) -> tuple[list[Any], int] | None:
-        """The new contents of the message ``buf[start:end]`` (chunks, size), None if unchanged."""
-        schema = _SCHEMA[kind]
-        first_payload = len(self.payloads)
-        plain = True  # a map entry of key (1) and value (2) only
-        chunks: list[Any] | None = None
-        size = 0
-        kept_from = start  # start of the unchanged bytes not yet in chunks
-        pos = start
-        while pos < end:
-            field_start = pos
-            number, wire_type, pos = _key(self.buf, pos, end)
-            tag_end = pos
-            if number > 2 or wire_type != 2:
-                plain = False
-            if wire_type == 0:
-                _, pos = self.varint(pos, end)
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            elif wire_type == 2:
-                length, data_start = _varint(self.buf, pos, end, _SHORT_MAX)
-                pos = data_start + length
-                if pos > end:
-                    raise _Bail
-                sub = schema.get(number)
-                if sub is None:
-                    continue
-                if sub == _INLINE:
-                    if length < self.min_bytes:
-                        continue
-                    marker = _NONCE + len(self.payloads).to_bytes(4, "little")
-                    self.payloads.append(self.view[data_start:pos])
-                    new: list[Any] = [marker]
-                    new_size = len(marker)
-                else:
-                    got = self.message(data_start, pos, sub)
-                    if got is None:
-                        continue
-                    new, new_size = got
-                if chunks is None:
-                    chunks = []
-                head = self.view[kept_from:field_start]
-                length_bytes = encode_varint(new_size)
-                tag = self.view[field_start:tag_end]
-                chunks += [head, tag, length_bytes, *new]
-                size += len(head) + len(tag) + len(length_bytes) + new_size
-                kept_from = pos
-                continue
-            else:
-                raise _Bail  # groups (3, 4) and the reserved wire types
-            if pos > end:
-                raise _Bail
-        if chunks is None:
-            return None
-        if kind == _ENTRY and not plain:
-            # upb keeps a map entry with any other field whole, as an unknown field of the
-            # item: its bytes must stay as they are.
-            del self.payloads[first_payload:]
-            return None
-        tail = self.view[kept_from:end]
-        chunks.append(tail)
-        return chunks, size + len(tail)
-
-
-def _strip_py(data: bytes, min_bytes: int) -> tuple[bytes, list[memoryview]] | None:
-    walk = _Walk(data, min_bytes)
-    try:
-        got = walk.message(0, len(data), _ADMIT)
-    except _Bail:
-        return None
-    if got is None:
-        return None
-    return b"".join(got[0]), walk.payloads
 
 
 # ------------------------------------------------------------------- limits, pre-parse
