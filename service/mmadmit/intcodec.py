@@ -155,16 +155,17 @@ def split_array(
     int_fields: tuple[int, ...] = (),
     max_ints: int | None = None,
     marks: list[Any] | None = None,
-) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+) -> tuple[list[int], list[npt.NDArray[np.int64] | str | None]]:
     """Element boundaries of one msgpack array, int arrays decoded on the way.
 
     ``raw`` holds exactly one msgpack array of ``n`` elements. Returns
     ``(offsets, ints)``: ``offsets`` has ``n + 1`` entries, element ``i`` being
     ``raw[offsets[i]:offsets[i + 1]]`` (``offsets[0]`` is the header length,
     ``offsets[n] == len(raw)``). ``ints[k]`` is element ``int_fields[k]``
-    decoded as by :func:`decode_int_array` (a new writable int64 array), or
-    ``None`` when that element is missing or is not an array of int64-range
-    ints (decode it with :func:`decode_int_array` for the precise error).
+    decoded as by :func:`decode_int_array` (a new writable int64 array),
+    ``None`` when that element is missing, or the message
+    :func:`decode_int_array` raises for its bytes when it is not an array of
+    int64-range ints (the walk words it as it goes: nothing is decoded twice).
     At most 8 distinct ``int_fields``. Raises ``ValueError`` for input that is
     not one well-formed msgpack array (not an array, truncated, the byte
     ``0xc1``, trailing bytes), and :class:`IntArrayTooLong` for an
@@ -365,7 +366,7 @@ def _split_native(
     int_fields: tuple[int, ...],
     max_ints: int | None = None,
     marks: list[Any] | None = None,
-) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+) -> tuple[list[int], list[npt.NDArray[np.int64] | str | None]]:
     assert _BUILT is not None
     bound = -1 if max_ints is None else max_ints
     offsets, ints = _BUILT.split(buf, int_fields, bound, True, marks)
@@ -475,12 +476,12 @@ def _split_py(
     int_fields: tuple[int, ...],
     max_ints: int | None = None,
     marks: list[Any] | None = None,
-) -> tuple[list[int], list[npt.NDArray[np.int64] | None]]:
+) -> tuple[list[int], list[npt.NDArray[np.int64] | str | None]]:
     # msgspec finds the offsets where it accepts the message (the msgpack format
     # leaves it no other reading, and it accepts no message the walker
     # refuses); the walker does where it does not, and words the error. Then
-    # msgspec decodes the int fields, None where it refuses (as the walker's
-    # own decode says).
+    # msgspec decodes the int fields; where it refuses, the walker's decode
+    # words why (as the compiled split does).
     try:
         offsets = offsets_of(len(buf), _RAW_LIST_DECODER.decode(buf))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
@@ -489,14 +490,19 @@ def _split_py(
     else:
         if max_ints is not None:  # as the walk would, in element order, from the headers
             check_int_arrays(buf, offsets, int_fields, max_ints)
-    ints: list[npt.NDArray[np.int64] | None] = []
+    ints: list[npt.NDArray[np.int64] | str | None] = []
     for field in int_fields:
-        value = None
+        value: npt.NDArray[np.int64] | str | None = None
         if 0 <= field < len(offsets) - 1:
             elem = buf[offsets[field] : offsets[field + 1]]
             b = elem[0]
             if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
                 value = _ints_by_msgspec(elem)
+            if value is None:
+                try:
+                    value = msgpack_walk.decode(elem)
+                except ValueError as exc:
+                    value = str(exc)
         ints.append(value)
     return offsets, ints
 

@@ -268,9 +268,7 @@ def _int_header(p: cython.const[u8][::1]) -> tuple[ssize, ssize]:
         raise ValueError(f"{_INT}truncated input: empty buffer")
     count, h = _array_head(p, n, 0)
     if count == -1:
-        raise ValueError(
-            f"{_INT}expected an array header, got {_type_name(p[0])} (type byte 0x{p[0]:02x})"
-        )
+        raise ValueError(_not_an_array(p[0]))
     if count == -2:
         raise ValueError(
             f"{_INT}truncated input: array header (type byte 0x{p[0]:02x}) "
@@ -479,6 +477,11 @@ def _decode_ints(
     else:
         r = _ints(p, end, pos, count, out, o, mk)
     return r
+
+
+def _not_an_array(b: cython.int) -> str:
+    """The error of an int array whose header is type byte ``b``, not an array's."""
+    return f"{_INT}expected an array header, got {_type_name(b)} (type byte 0x{b:02x})"
 
 
 def _int_error(p: cython.const[u8][::1], kind: cython.int, i: ssize, pos: ssize, value: u64) -> str:
@@ -1167,12 +1170,14 @@ def split(
 
     ``(offsets, ints)``: ``n + 1`` offsets (element ``i`` is
     ``p[offsets[i]:offsets[i + 1]]``) and, per ``int_fields`` entry, that
-    element as a new int64 array, or None when it is missing or not an array
-    of int64-range ints. :class:`IntArrayTooLong` for an ``int_fields``
+    element as a new int64 array, None when it is missing, or, when it is not
+    an array of int64-range ints, why not (the message :func:`decode` gives
+    for its bytes). :class:`IntArrayTooLong` for an ``int_fields``
     element declaring more than ``max_ints`` (``-1``: no bound) elements,
-    from its header; ValueError for a malformed message. With ``decode``
-    false the int fields are only checked against ``max_ints`` (``ints`` all
-    None: the interpreted caller decodes them faster, see intcodec). With
+    from its header; ValueError for a malformed message (that error, not the
+    int field's, when both are wrong). With ``decode`` false the int fields
+    are only checked against ``max_ints`` (``ints`` all None: the interpreted
+    caller decodes them faster, see intcodec). With
     ``marks`` (a list as long as ``int_fields``), each decoded array's
     :func:`encode_filled` marks are put at its index.
     """
@@ -1184,6 +1189,7 @@ def split(
     i: ssize
     k: ssize
     m: ssize
+    h: ssize
     kind: cython.int
     at: ssize
     end: ssize
@@ -1198,18 +1204,24 @@ def split(
             m = _array_at(p, n, pos, i)
             if 0 <= max_ints < m:
                 raise IntArrayTooLong(i, m, max_ints)
-            if m >= 0 and decode:
+            if m < 0 and decode:
+                ints[k] = _not_an_array(p[pos])
+            elif decode:
                 arr = np.empty(m, dtype=np.int64)
                 out = arr
                 mka = _NO_MARKS if marks is None else np.empty(_marks_len(m), dtype=np.int64)
                 mk = mka
-                kind, at, end, value = _decode_ints(p, n, pos + _head_len(p, pos), m, out, 0, mk)
+                h = _head_len(p, pos)
+                kind, at, end, value = _decode_ints(p, n, pos + h, m, out, 0, mk)
                 if kind == _OK:
                     ints[k] = arr
                     if marks is not None:
                         marks[k] = mka
                     pos = end
                     continue
+                # worded as decode words the element's own bytes (a cut element makes
+                # the walk below fail first)
+                ints[k] = _int_error(p[pos:], kind, at, end - pos, value)
         pos = _skip(p, n, pos, 1, i)
     if pos != n:
         raise _trailing(p, pos)

@@ -85,7 +85,6 @@ from .intcodec import (
     array_len,
     build_items,
     check_structure,
-    decode_int_array,
     element_span,
     encode_int_array,
     encode_int_array_filled,
@@ -181,13 +180,12 @@ def _split_view(
     limits: Limits | None = None,
     odd: list[int] | None = None,
     marks: list[Any] | None = None,
-) -> tuple[list[msgspec.Raw], list[np.ndarray | None], list[int]]:
+) -> tuple[list[msgspec.Raw], list[np.ndarray | str | None], list[int]]:
     """The elements of the payload array in ``buf`` (views), the int arrays asked for
     and the elements' offsets (element ``i`` is ``buf[offsets[i]:offsets[i + 1]]``).
 
     One walk (:func:`mmadmit.intcodec.split_array`), whatever the payload's
-    size; an int array it did not decode is None (the caller decodes it, for
-    the precise error).
+    size; an int array it could not decode is the message saying why.
 
     With ``limits``: the array's own length (its header, before the split),
     each ``int_fields`` array's length (``max_tokens``, from its header) and
@@ -519,11 +517,11 @@ def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
     )
 
 
-def _ids(raw: msgspec.Raw, what: str) -> np.ndarray:
-    try:
-        return decode_int_array(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"{what} must be an array of integers ({exc})") from exc
+def _ids(got: np.ndarray | str | None, what: str) -> np.ndarray:
+    """An int field of the split: the array, or the refusal it words."""
+    if isinstance(got, np.ndarray):
+        return got
+    raise InvalidRequest(f"{what} must be an array of integers ({got})")
 
 
 _STR = msgspec.msgpack.Decoder(str)
@@ -571,16 +569,12 @@ def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT
                 _value(elems[i], f"element {i}")  # no pickle / unknown ext anywhere
         if len(elems) <= F_INPUT_IDS:
             raise InvalidRequest("the payload has no input_ids")
-        # decoded by the split; None: not an int array, decoded again for the error
-        input_ids = ints[0]
-        if input_ids is None:
-            input_ids = _ids(elems[F_INPUT_IDS], "input_ids")
+        # decoded by the split, or why not in its words
+        input_ids = _ids(ints[0], "input_ids")
         decoded = [(input_ids, elems[F_INPUT_IDS], marks[0])]
         unpadded = None
         if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
-            unpadded = ints[1]
-            if unpadded is None:
-                unpadded = _ids(elems[F_UNPADDED], "input_ids_unpadded")
+            unpadded = _ids(ints[1], "input_ids_unpadded")
             decoded.append((unpadded, elems[F_UNPADDED], marks[1]))
         mm = None
         if len(elems) > F_MM and not _is_nil(elems[F_MM]):
