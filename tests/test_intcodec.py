@@ -739,6 +739,32 @@ def test_int_rows_bad_offsets(rows: Callable[..., Any]) -> None:
         rows(ic._as_bytes(raw[:-1]), [1], 2)  # truncated
 
 
+@pytest.mark.parametrize("rows", ROWERS)
+def test_int_rows_names_the_first_start_it_refuses(rows: Callable[..., Any]) -> None:
+    """The refusal names the first start, in the order given, whose value is refused,
+    whichever check (a header, or a row) refuses it: each is refused alone with
+    the same message."""
+    good, bad_row, bad_head = [[1, 2]], [[1, 2], [3]], "x"
+    for values in (
+        [good, bad_row, good, bad_head],  # a row before a header
+        [good, bad_head, bad_row],  # a header before a row
+        [bad_row, bad_row],
+        [good, None, bad_head],
+    ):
+        raw = _pack(values)
+        starts = _expected_offsets(values)[:-1]
+        first = next(i for i, v in enumerate(values) if v in (bad_row, bad_head))
+        with pytest.raises(ic.RowsError) as exc:
+            rows(ic._as_bytes(raw), starts, 2)
+        assert exc.value.index == first, values
+        with pytest.raises(ValueError) as alone:
+            rows(ic._as_bytes(raw), [starts[first]], 2)
+        assert str(exc.value) == str(alone.value)
+    with pytest.raises(ic.RowsError) as outside:
+        rows(ic._as_bytes(_pack([good])), [1, 99], 2)
+    assert outside.value.index == 1 and "outside" in str(outside.value)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

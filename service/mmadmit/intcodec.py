@@ -51,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmadmit import msgpack_walk, native
-from mmadmit.msgpack_walk import IntArrayTooLong
+from mmadmit.msgpack_walk import IntArrayTooLong, RowsError
 
 try:
     from mmadmit import _walk_c as _BUILT  # type: ignore[attr-defined]
@@ -61,6 +61,7 @@ except ImportError:  # not built (no compiler or no Cython at install time)
 __all__ = [
     "HAVE_NATIVE",
     "IntArrayTooLong",
+    "RowsError",
     "array_len",
     "array_spans",
     "build_items",
@@ -256,7 +257,9 @@ def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.in
     Returns ``(table, bounds)``: ``table`` a new 1-D int64 array holding every
     row in order (reshape it to ``(-1, width)``), ``bounds`` two ints per
     offset, the first row and the end row of its array, ``-1, -1`` for nil.
-    Raises ``ValueError`` for any other value or an offset outside ``raw``.
+    Raises :class:`RowsError` (a ``ValueError``) for any other value or an
+    offset outside ``raw``, its ``index`` the first such offset in ``starts``'
+    order.
     """
     table, bounds = _WALK.int_rows(_as_bytes(raw), list(starts), width)
     return table, bounds

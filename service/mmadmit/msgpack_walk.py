@@ -60,6 +60,7 @@ __all__ = [
     "MAX_ARRAY_COUNT",
     "MAX_DEPTH",
     "IntArrayTooLong",
+    "RowsError",
     "array_len",
     "array_spans",
     "build_items",
@@ -77,7 +78,7 @@ __all__ = [
 
 if cython.compiled:
     # One class for both builds: intcodec and wire catch the pure module's.
-    from mmadmit.msgpack_walk import IntArrayTooLong  # type: ignore[attr-defined]
+    from mmadmit.msgpack_walk import IntArrayTooLong, RowsError  # type: ignore[attr-defined]
 else:
 
     class IntArrayTooLong(ValueError):  # type: ignore[no-redef]
@@ -87,6 +88,14 @@ else:
         def __init__(self, element: int, count: int, limit: int) -> None:
             super().__init__(f"element {element}: an array of {count} elements, limit {limit}")
             self.element, self.count, self.limit = element, count, limit
+
+    class RowsError(ValueError):  # type: ignore[no-redef]
+        """:func:`int_rows` refuses the value at ``starts[index]``: the first start, in
+        ``starts``' order, whose value it refuses."""
+
+        def __init__(self, message: str, index: int) -> None:
+            super().__init__(message)
+            self.index = index
 
 
 if cython.compiled:
@@ -1407,36 +1416,44 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
     """The arrays of ``width``-int rows (or nil) at ``starts`` in ``p``, in one table.
 
     ``(table, bounds)``: a new 1-D int64 array of every row in order, and per
-    start its first and end row (``-1, -1`` for nil). ValueError for any other
-    value, a start outside ``p`` or a width outside 1..15."""
+    start its first and end row (``-1, -1`` for nil). :class:`RowsError` for
+    any other value or a start outside ``p``, naming the first such start in
+    ``starts``' order; ValueError for a width outside 1..15."""
     if not 1 <= width <= 15:
         raise ValueError("int_rows: width must be 1..15")
     n: ssize = p.shape[0]
     bounds: list = []
     at_of: list = []
     total: ssize = 0
+    bad: ssize = -1  # the first start whose header pass 1 refuses
+    bad_message: str = ""
+    k: ssize = 0
     at: ssize
     rows: ssize
     r: ssize
     pos: ssize
     o: ssize
     kind: cython.int
-    bad: ssize
     value: u64
     cells: ssize
     h: ssize
-    # pass 1: the row count of each array (headers only)
+    # pass 1: the row count of each array (headers only), up to the first refused;
+    # the rows before it are checked by pass 2 first (a start before it may be wrong
+    # in its rows)
     for item in starts:
         at = item
         if at < 0 or at >= n:
-            raise ValueError(f"int_rows: start {at} outside the input")
+            bad, bad_message = len(at_of), f"int_rows: start {at} outside the input"
+            break
+        rows = -1 if p[at] == 0xC0 else _array_head(p, n, at)[0]
+        if p[at] != 0xC0 and (rows < 0 or rows > n - at - _head_len(p, at)):
+            bad = len(at_of)
+            bad_message = f"int_rows: the value at offset {at} is not an array of rows"
+            break
         at_of.append(at)
         if p[at] == 0xC0:
             bounds += [-1, -1]
             continue
-        rows, _ = _array_head(p, n, at)
-        if rows < 0 or rows > n - at - _head_len(p, at):
-            raise ValueError(f"int_rows: the value at offset {at} is not an array of rows")
         bounds += [total, total + rows]
         total += rows
     table = np.empty(total * width, dtype=np.int64)
@@ -1444,8 +1461,8 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
     nomk: i64[::1] = _NO_MARKS
     o = 0
     # pass 2: every row, checked and decoded
-    for item in at_of:
-        at = item
+    for k in range(len(at_of)):
+        at = at_of[k]
         if p[at] == 0xC0:
             continue
         rows, _ = _array_head(p, n, at)
@@ -1457,16 +1474,21 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
             if pos < n:
                 cells, h = _array_head(p, n, pos)
             if cells != width or cells > n - pos - h:
-                raise ValueError(
-                    f"int_rows: row {r} of the array at offset {at} is not an array of {width} ints"
+                raise RowsError(
+                    f"int_rows: row {r} of the array at offset {at} is not an array of "
+                    f"{width} ints",
+                    k,
                 )
-            kind, bad, pos, value = _ints(p, n, pos + h, width, out, o, nomk)
+            kind, _, pos, value = _ints(p, n, pos + h, width, out, o, nomk)
             if kind != _OK:
-                raise ValueError(
+                raise RowsError(
                     f"int_rows: row {r} of the array at offset {at} is not an array "
-                    f"of {width} int64 values"
+                    f"of {width} int64 values",
+                    k,
                 )
             o += width
+    if bad >= 0:
+        raise RowsError(bad_message, bad)
     return table, bounds
 
 

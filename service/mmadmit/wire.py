@@ -82,6 +82,7 @@ from mmadmit_client.wire import (
 from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
 from .intcodec import (
     IntArrayTooLong,
+    RowsError,
     array_len,
     build_items,
     check_structure,
@@ -464,31 +465,20 @@ def _set_offsets(
 ) -> None:
     """The offsets of ``with_offsets`` (of ``items``), whose element 3 is at ``starts``:
     every item's [start, end] rows decoded in one table, each item given its slice
-    (a view); None where element 3 is nil."""
+    (a view); None where element 3 is nil. A refusal names the first item, in
+    order, whose offsets the walk refuses (:class:`~mmadmit.intcodec.RowsError`)."""
     if with_offsets:
         try:
             flat, bounds = int_rows(view, starts, 2)
-        except ValueError as exc:
-            raise _offsets_error(view, with_offsets, items, exc) from exc
+        except RowsError as exc:
+            raise InvalidRequest(
+                f"item {items.index(with_offsets[exc.index])}: offsets must be nil or an "
+                f"array of [start, end] pairs of int64 ({exc})"
+            ) from exc
         table = flat.reshape(-1, 2)
         for item, a, b in zip(with_offsets, bounds[0::2], bounds[1::2], strict=True):
             if a >= 0:  # nil: None
                 item.offsets = table[a:b]
-
-
-def _offsets_error(
-    view: memoryview, with_offsets: list[Item], items: list[Item], exc: ValueError
-) -> InvalidRequest:
-    """Word why :func:`mmadmit.intcodec.int_rows` refused the items' offsets."""
-    for item in with_offsets:
-        try:
-            int_rows(view, [item.extra.off3], 2)
-        except ValueError as one:
-            return InvalidRequest(
-                f"item {items.index(item)}: offsets must be nil or an array of "
-                f"[start, end] pairs of int64 ({one})"
-            )
-    return InvalidRequest(f"mm_items: offsets ({exc})")  # pragma: no cover - found above
 
 
 def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
