@@ -74,6 +74,7 @@ bench: setup ## every benchmark in bench/ (medians next to their baselines)
 	$(PY) bench/bench_engine.py
 	$(PY) bench/bench_smg_grpc.py
 	$(PY) bench/bench_inline.py
+	$(PY) bench/bench_fast_paths.py
 
 protos: setup ## regenerate the protobuf modules from protos/
 	$(PY) scripts/gen_protos.py

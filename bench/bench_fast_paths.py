@@ -1,0 +1,217 @@
+"""Does each fast path still earn its keep? End to end in process, with and without it.
+
+A fast path stays only where it makes a named workload at least 10% faster end
+to end (issue 35); this bench measures each one kept, against what would run
+without it, in the same process and in interleaved rounds (medians; the
+ratio is "without / with", so 1.10 or more keeps it):
+
+* the C kernels of ``_kernels`` (M-RoPE positions, the placeholder-span check,
+  the pad fill), each against its numpy twin, and
+* splicing the reply's items from their received bytes (``splice_items``)
+  against encoding every item,
+
+on a ZMQ ADD's decode + materialize + encode (``workloads.staged``: Qwen3.5 and
+Qwen3-Omni at 8K, 32K and 128K tokens, hashes supplied); and
+
+* the protobuf walks of ``_pbwire`` (strip the large inline tensors, take the
+  ids, count the limits, write the packed ids) against their absence or their
+  numpy twin (what runs with ``--native off``),
+
+on gRPC ``Admit`` (``bench_grpc``'s 1K tokens + one 2.4 MB image) and SMG's
+``Generate`` (``bench_smg_grpc``'s workloads), parse + translate + materialize
++ encode.
+
+Run: python bench/bench_fast_paths.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_grpc  # noqa: E402
+import bench_smg_grpc  # noqa: E402
+import workloads  # noqa: E402
+from mmadmit import kernels, pbwire, wire  # noqa: E402
+from mmadmit.config import build_config  # noqa: E402
+from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
+from mmadmit.servicer import encode_response, request_from_proto  # noqa: E402
+from mmadmit.smg_request import parse_generate, request_from_generate  # noqa: E402
+
+KEEP = 1.10  # "without / with" at or above this on some workload: the fast path stays
+FAMILIES = ("qwen3_5", "qwen3_omni_moe")
+TOKENS = (8192, 32768, 131072)
+
+
+@contextmanager
+def _numpy_kernel(name: str) -> Iterator[None]:
+    """``kernels.<name>`` with the C extension off for its calls only."""
+    real = getattr(kernels, name)
+
+    def numpy_only(*args: Any, **kw: Any) -> Any:
+        saved = kernels._kernels
+        kernels._kernels = None
+        try:
+            return real(*args, **kw)
+        finally:
+            kernels._kernels = saved
+
+    setattr(kernels, name, numpy_only)
+    try:
+        yield
+    finally:
+        setattr(kernels, name, real)
+
+
+@contextmanager
+def _no_splice() -> Iterator[None]:
+    real = wire.splice_items
+
+    def encode_every_item(items: Any, aux: Any, src: Any, enc: Any, splice: bool = True) -> Any:
+        return real(items, aux, src, enc, False)
+
+    wire.splice_items = encode_every_item
+    try:
+        yield
+    finally:
+        wire.splice_items = real
+
+
+@contextmanager
+def _no_pbwire() -> Iterator[None]:
+    saved = pbwire._pbwire
+    pbwire._pbwire = None
+    try:
+        yield
+    finally:
+        pbwire._pbwire = saved
+
+
+@contextmanager
+def _as_is() -> Iterator[None]:
+    yield
+
+
+def zmq_cases() -> dict[str, Callable[[], None]]:
+    cases: dict[str, Callable[[], None]] = {}
+    for family in FAMILIES:
+        for tokens in TOKENS:
+            limits, materializer, frames = workloads.staged(family, tokens)
+
+            def run(limits: Any = limits, m: Materializer = materializer, f: Any = frames) -> None:
+                msg = wire.decode_message(f, limits)
+                assert msg.request is not None
+                wire.encode_materialized(m.run(msg.request, CPU_OPS))  # type: ignore[arg-type]
+
+            cases[f"ZMQ {family} {tokens // 1024}K"] = run
+    return cases
+
+
+def grpc_cases() -> dict[str, Callable[[], None]]:
+    config = build_config({"model": "qwen2_5_vl", "device": "cpu"})
+    profile, limits = config.load_profile(), config.limits
+    materializer = Materializer(profile, limits)
+    body, _ = bench_grpc.workload("qwen2_5_vl")
+    admit = body + bench_grpc._rid_field("r1")
+
+    def admit_run() -> None:
+        req = pbwire.parse_admit_request(admit, limits=limits)
+        out = materializer.run(request_from_proto(req, profile, limits), CPU_OPS)
+        encode_response("r1", out, echo_features=False)
+
+    cases: dict[str, Callable[[], None]] = {"gRPC Admit 1K + image (2.4 MB)": admit_run}
+    smg_config = bench_smg_grpc.serve_config()
+    smg_profile = smg_config.load_profile()
+    smg_materializer = Materializer(smg_profile, smg_config.limits)
+    for name, base in bench_smg_grpc.build_workloads(smg_profile).items():
+        data = bench_smg_grpc.serialized(base, "r1")
+
+        def generate_run(data: bytes = data) -> None:
+            parsed = parse_generate(data, smg_config.limits)
+            req = request_from_generate(parsed, smg_profile, smg_config.limits)
+            out = smg_materializer.run(req, CPU_OPS)
+            assert out.request is not None  # type: ignore[union-attr]
+            wire.encode_request(out.request)  # type: ignore[union-attr]
+
+        cases[f"SMG Generate {name}"] = generate_run
+    return cases
+
+
+def median_us(run: Callable[[], None], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def measure(
+    paths: dict[str, Callable[[], Any]],
+    cases: dict[str, Callable[[], None]],
+    rounds: int,
+    per: int,
+) -> dict[tuple[str, str, str], list[float]]:
+    """For each fast path and case: medians with it ("with") and without it, rounds
+    alternating which side runs first."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for r in range(rounds):
+        for path, without in paths.items():
+            sides = [("with", _as_is), ("without", without)]
+            for side, ctx in sides if r % 2 == 0 else sides[::-1]:
+                with ctx():
+                    for case, run in cases.items():
+                        n = max(3, per // 3) if "128K" in case else per
+                        out.setdefault((path, case, side), []).append(median_us(run, n))
+    return out
+
+
+def report(results: dict[tuple[str, str, str], list[float]]) -> None:
+    print("| fast path | workload | with us | without us | without / with | kept |")
+    print("|---|---|---:|---:|---:|---|")
+    best: dict[str, float] = {}
+    for path, case, side in results:
+        if side != "with":
+            continue
+        a = statistics.median(results[(path, case, "with")])
+        b = statistics.median(results[(path, case, "without")])
+        best[path] = max(best.get(path, 0.0), b / a)
+        print(f"| {path} | {case} | {a:.0f} | {b:.0f} | {b / a:.2f} | |")
+    for path, ratio in best.items():
+        verdict = "yes" if ratio >= KEEP else "NO: remove it"
+        print(f"| {path} | best of its workloads | | | {ratio:.2f} | {verdict} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per", type=int, default=20, help="runs per median (a third at 128K)")
+    args = ap.parse_args()
+    print(f"command: python bench/bench_fast_paths.py --rounds {args.rounds} --per {args.per}")
+    if kernels._BUILT is None or pbwire._BUILT is None:
+        print("the C extensions are not built: nothing to compare")
+        return 1
+    gc.disable()  # the collector's pauses are noise here, not the paths' cost
+    zmq_paths: dict[str, Callable[[], Any]] = {
+        "_kernels.mrope_fill (positions)": lambda: _numpy_kernel("positions"),
+        "_kernels.spans_check (the span check)": lambda: _numpy_kernel("first_mismatch"),
+        "_kernels.spans_fill (the pad fill)": lambda: _numpy_kernel("fill_spans"),
+        "splice_items (items from their bytes)": _no_splice,
+    }
+    results = measure(zmq_paths, zmq_cases(), args.rounds, args.per)
+    results |= measure({"_pbwire (every walk)": _no_pbwire}, grpc_cases(), args.rounds, args.per)
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
