@@ -30,7 +30,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_grpc  # noqa: E402
 import bench_smg_grpc  # noqa: E402
 import workloads  # noqa: E402
+from bench_materialize import median_ms  # noqa: E402
 from mmadmit import kernels, pbwire, wire  # noqa: E402
 from mmadmit.config import build_config  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
@@ -146,15 +146,6 @@ def grpc_cases() -> dict[str, Callable[[], None]]:
     return cases
 
 
-def median_us(run: Callable[[], None], n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def measure(
     paths: dict[str, Callable[[], Any]],
     cases: dict[str, Callable[[], None]],
@@ -171,7 +162,7 @@ def measure(
                 with ctx():
                     for case, run in cases.items():
                         n = max(3, per // 3) if "128K" in case else per
-                        out.setdefault((path, case, side), []).append(median_us(run, n))
+                        out.setdefault((path, case, side), []).append(median_ms(run, n) * 1e3)
     return out
 
 
