@@ -1445,15 +1445,16 @@ def int_rows(p: cython.const[u8][::1], starts: list, width: ssize) -> tuple:
         if at < 0 or at >= n:
             bad, bad_message = len(at_of), f"int_rows: start {at} outside the input"
             break
-        rows = -1 if p[at] == 0xC0 else _array_head(p, n, at)[0]
-        if p[at] != 0xC0 and (rows < 0 or rows > n - at - _head_len(p, at)):
+        if p[at] == 0xC0:
+            at_of.append(at)
+            bounds += [-1, -1]
+            continue
+        rows, _ = _array_head(p, n, at)
+        if rows < 0 or rows > n - at - _head_len(p, at):
             bad = len(at_of)
             bad_message = f"int_rows: the value at offset {at} is not an array of rows"
             break
         at_of.append(at)
-        if p[at] == 0xC0:
-            bounds += [-1, -1]
-            continue
         bounds += [total, total + rows]
         total += rows
     table = np.empty(total * width, dtype=np.int64)
