@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -214,6 +214,19 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"mmadmit native extensions: {'on' if SESSION_NATIVE else 'off (MMADMIT_NATIVE)'}"
 
 
+@contextlib.contextmanager
+def native_as(on: bool) -> Iterator[None]:
+    """Native code switched ``on`` (or off) whatever the session's setting
+    (``MMADMIT_NATIVE``); the session's setting restored afterwards, also on failure."""
+    from mmadmit import native
+
+    native.set_enabled(on)
+    try:
+        yield
+    finally:
+        native.set_enabled(SESSION_NATIVE)
+
+
 @pytest.fixture(params=["native", "fallback"])
 def native_mode(request: pytest.FixtureRequest) -> Any:
     """Run a test twice: C extensions on, then Python fallbacks only (``--native off``).
@@ -228,11 +241,8 @@ def native_mode(request: pytest.FixtureRequest) -> Any:
     on = request.param == "native"
     if on and not any(native.built().values()):
         pytest.skip("no C extension is built: the fallback run covers it")
-    native.set_enabled(on)
-    try:
+    with native_as(on):
         yield on
-    finally:
-        native.set_enabled(SESSION_NATIVE)
 
 
 def free_port() -> int:

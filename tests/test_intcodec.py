@@ -27,11 +27,11 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, SESSION_NATIVE
+from conftest import REPO_ROOT, native_as
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mmadmit import intcodec as ic
-from mmadmit import msgpack_walk, native
+from mmadmit import msgpack_walk
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -71,12 +71,9 @@ native_only = pytest.mark.skipif(
 def _native(on: bool) -> Iterator[None]:
     """Native switched ``on`` or off, whatever the session's setting
     (``MMADMIT_NATIVE``); the session's setting restored afterwards."""
-    native.set_enabled(on)
-    try:
+    with native_as(on):
         assert ic.HAVE_NATIVE is (on and ic._BUILT is not None)
         yield
-    finally:
-        native.set_enabled(SESSION_NATIVE)
 
 
 _NATIVE_PARAMS: list[Callable[..., Any]] = []

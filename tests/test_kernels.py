@@ -13,9 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import SESSION_NATIVE
+from conftest import native_as
 from mmadmit import kernels, mrope
-from mmadmit import native as native_switch
 from mmadmit.mrope import RunPlan
 
 # skipped only where the extension is not built, not where native code is switched
@@ -28,12 +27,9 @@ native = pytest.mark.skipif(
 @pytest.fixture
 def compiled() -> Iterator[None]:
     """Native switched on for the case, whatever the session's setting; restored after."""
-    native_switch.set_enabled(True)
-    try:
+    with native_as(True):
         assert kernels.HAVE_NATIVE
         yield
-    finally:
-        native_switch.set_enabled(SESSION_NATIVE)
 
 
 @pytest.fixture

@@ -33,10 +33,16 @@ from typing import Any
 import numpy as np
 import pytest
 from client_helpers import build_item, build_request, tensor_data
-from conftest import REPO_ROOT, SESSION_NATIVE, generate_request, load_vector, vector_names
+from conftest import (
+    REPO_ROOT,
+    generate_request,
+    load_vector,
+    native_as,
+    vector_names,
+)
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-from mmadmit import native, pbwire, smg_request
+from mmadmit import pbwire, smg_request
 from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
@@ -60,12 +66,9 @@ NOT_BUILT = "mmadmit._pbwire is not built (no C compiler at install time): the f
 def _compiled() -> Iterator[None]:
     """Native switched on (the C extension runs), whatever the session's setting
     (``MMADMIT_NATIVE``); the session's setting restored afterwards."""
-    native.set_enabled(True)
-    try:
+    with native_as(True):
         assert pbwire.HAVE_NATIVE
         yield
-    finally:
-        native.set_enabled(SESSION_NATIVE)
 
 
 @pytest.fixture

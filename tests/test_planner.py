@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from conftest import SESSION_NATIVE, load_vector, vector_names
+from conftest import load_vector, native_as, vector_names
 from hf_oracle import FAMILIES
-from mmadmit import native, planner, wire
+from mmadmit import planner, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import ModelProfile, load_profile
@@ -33,22 +33,16 @@ pytestmark = pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c
 
 @contextmanager
 def _interpreted() -> Iterator[None]:
-    native.set_enabled(False)
-    try:
+    with native_as(False):
         assert not planner.HAVE_NATIVE
         yield
-    finally:
-        native.set_enabled(SESSION_NATIVE)
 
 
 def _both(m: Materializer, req: Request) -> tuple[object, object]:
     """The outcome with rules.py compiled, then interpreted."""
-    native.set_enabled(True)  # whatever the session's setting (MMADMIT_NATIVE)
-    try:
+    with native_as(True):  # whatever the session's setting (MMADMIT_NATIVE)
         assert planner.HAVE_NATIVE
         a = m.run(req)
-    finally:
-        native.set_enabled(SESSION_NATIVE)
     with _interpreted():
         b = m.run(req)
     return a, b
