@@ -518,7 +518,7 @@ async def test_watchdog_recovers_a_lost_wake_up(
     loop, fd = svc.ingest._res.reader
     intake = svc.ingest._res.intake
     assert intake is not None
-    await until(lambda: not svc.ingest._read_scheduled)  # the start-up read is done
+    await until(lambda: not intake.read_scheduled)  # the start-up read is done
     # Deaf for a moment, the watchdog too: a 50 ms watchdog could otherwise read the
     # message before the test sees it waiting (a flake seen once).
     intake.disarm_watchdog()
@@ -526,12 +526,12 @@ async def test_watchdog_recovers_a_lost_wake_up(
     sock = dealer(zctx, svc.endpoint)
     await sock.send_multipart(frames_of(v, "lost"), copy=False)
     await until(lambda: bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN))  # signal consumed
-    loop.add_reader(fd, svc.ingest._on_readable)
+    loop.add_reader(fd, intake.on_readable)
     intake.arm_watchdog()
     if watchdog_s is None:
         assert await silent(sock, 0.3)  # the lost wake-up is real
         assert svc.ingest.stats.received == 0
-        svc.ingest._schedule_read()  # release it, so teardown has nothing pending
+        intake.schedule_read()  # release it, so teardown has nothing pending
         assert as_outcome(await recv(sock)).materialized
         assert svc.ingest.stats.watchdog_reads == 0
     else:

@@ -504,19 +504,6 @@ class ZmqIngest:
 
     # ------------------------------------------------------------------ intake
 
-    # The reader's state, named as before it moved to zsock (tests poke at it).
-    @property
-    def _read_scheduled(self) -> bool:
-        return self._intake is not None and self._intake.read_scheduled
-
-    def _schedule_read(self) -> None:
-        if self._intake is not None:
-            self._intake.schedule_read()
-
-    def _on_readable(self) -> None:
-        if self._intake is not None:
-            self._intake.on_readable()
-
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         """One message off the intake, with its outcome path guaranteed."""
         peer = self._peer
