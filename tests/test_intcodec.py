@@ -56,7 +56,6 @@ _encode_native, _encode_py = (
     on_walk(msgpack_walk, ic.encode_int_array),
 )
 _split_native, _split_py = on_walk(ic._BUILT, ic.split_array), on_walk(msgpack_walk, ic.split_array)
-_spans_native, _spans_py = on_walk(ic._BUILT, ic.array_spans), on_walk(msgpack_walk, ic.array_spans)
 _rows_native, _rows_py = on_walk(ic._BUILT, ic.int_rows), on_walk(msgpack_walk, ic.int_rows)
 _filled_native = on_walk(ic._BUILT, ic.encode_int_array_filled)
 _filled_py = on_walk(msgpack_walk, ic.encode_int_array_filled)
@@ -424,7 +423,7 @@ def test_one_walker_source() -> None:
     one IntArrayTooLong class for both."""
     from mmadmit import msgpack_walk
 
-    public = {"array_len", "array_spans", "check_structure", "decode", "element_span", "encode",
+    public = {"array_len", "check_structure", "decode", "element_span", "encode",
               "int_rows", "build_items", "splice_items"}  # fmt: skip
     assert public | {"split"} <= set(dir(msgpack_walk))
     if ic._BUILT is not None:
@@ -451,7 +450,7 @@ def test_property_round_trip(values: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------
-# Splitting: split_array / array_spans / int_rows, native vs fallback
+# Splitting: split_array / int_rows, native vs fallback
 #
 # For every valid input both implementations return the very same offsets,
 # spans, rows and int arrays; for every malformed one both raise ValueError
@@ -460,10 +459,6 @@ def test_property_round_trip(values: list[int]) -> None:
 SPLITTERS = [
     _native_param(_split_native),
     pytest.param(_split_py, id="fallback"),
-]
-SPANNERS = [
-    _native_param(_spans_native),
-    pytest.param(_spans_py, id="fallback"),
 ]
 ROWERS = [
     _native_param(_rows_native),
@@ -631,35 +626,6 @@ def _items_payload() -> tuple[bytes, list[Any]]:
          None, None, "trailing", {"x": [1]}],
     ]  # fmt: skip
     return _pack(items), items
-
-
-@pytest.mark.parametrize("spans", SPANNERS)
-def test_array_spans(spans: Callable[..., Any]) -> None:
-    raw, items = _items_payload()
-    out = spans(ic._as_bytes(raw))
-    assert len(out) == 5 * len(items)
-    for i, item in enumerate(items):
-        start, end, count, off1, off3 = out[5 * i : 5 * i + 5]
-        assert msgpack.unpackb(raw[start:end]) == item
-        if not isinstance(item, list):
-            assert (count, off1, off3) == (-1, -1, -1)
-            continue
-        assert count == len(item)
-        if count < 3:
-            assert (off1, off3) == (-1, -1)
-            continue
-        sub = _expected_offsets(item)
-        assert (off1, off3) == (start + sub[1], start + sub[3])
-
-
-@native_only
-def test_array_spans_native_matches_fallback() -> None:
-    raw, _ = _items_payload()
-    assert _spans_native(ic._as_bytes(raw)) == _spans_py(ic._as_bytes(raw))
-    for cut in range(len(raw)):
-        for impl in (_spans_native, _spans_py):
-            with pytest.raises(ValueError):
-                impl(ic._as_bytes(raw[:cut]))
 
 
 def test_element_span_both_builds() -> None:
@@ -946,7 +912,6 @@ def test_native_reads_stay_in_bounds(guarded: _Guarded) -> None:
         rows = _pack([[[v, v] for v in values[:20]]])
         table, _ = _rows_native(guarded(rows), [1], 2)
         assert table.tolist() == [v for v in values[:20] for _ in range(2)]
-        assert _spans_native(guarded(rows)) == _spans_py(ic._as_bytes(rows))
 
 
 # --------------------------------------------------------------------------

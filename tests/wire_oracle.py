@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import msgspec
 from mmadmit.errors import AdmissionError, InvalidRequest
-from mmadmit.intcodec import array_spans
 from mmadmit.model import Item
 from mmadmit.tensorcheck import TensorName
 from mmadmit.wire import (
@@ -121,10 +121,47 @@ def _side_value(raw: msgspec.Raw, idx: int, key: str, reader: _TensorReader) -> 
     return value
 
 
+def item_spans(view: memoryview) -> list[int]:
+    """5 ints per element of the msgpack array in ``view``: its start and end, its
+    element count (-1: not an array), where its elements 1 and 3 start (-1 both
+    for fewer than 3 elements). msgpack-python's ``Unpacker`` reads the bytes
+    (``tell()`` after each header and skip), independent of the walker it checks.
+    ``ValueError`` for anything but one well-formed array."""
+    data = bytes(view)
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    spans: list[int] = []
+    try:
+        for _ in range(unpacker.read_array_header()):
+            start, at1, at3 = unpacker.tell(), -1, -1
+            if start >= len(data):
+                raise ValueError(f"msgpack: truncated input: element missing at offset {start}")
+            b = data[start]
+            if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+                count = unpacker.read_array_header()
+                for k in range(count):
+                    if k == 1 and count >= 3:
+                        at1 = unpacker.tell()
+                    if k == 3:
+                        at3 = unpacker.tell()
+                    unpacker.skip()
+                if count == 3:  # element 3 would start where the item ends
+                    at3 = unpacker.tell()
+            else:
+                count = -1
+                unpacker.skip()
+            spans += [start, unpacker.tell(), count, at1, at3]
+    except msgpack.UnpackException as exc:
+        raise ValueError(f"msgpack: {type(exc).__name__}: {exc}") from exc
+    if unpacker.tell() != len(data):
+        raise ValueError(f"msgpack: trailing bytes after the array (at offset {unpacker.tell()})")
+    return spans
+
+
 def decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
     """The reference item decode (one typed ``msgspec`` call, see :class:`_WireItem`)."""
     try:
-        spans = array_spans(view)
+        spans = item_spans(view)
     except ValueError as exc:
         raise InvalidRequest(f"mm_items must be a msgpack array ({exc})") from exc
     try:

@@ -13,9 +13,9 @@ marks taken from the bytes, the compiled walker against the interpreted one
 and the fallback), ``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
-(or offsets chosen freely) with chosen limits, ``array_spans`` (and
-``element_span`` of a chosen element) and ``int_rows``
-at offsets taken from the spans (or chosen freely), and ``build_items`` on
+(or offsets chosen freely) with chosen limits, ``element_span`` of a
+chosen element, ``int_rows`` at offsets taken from the split (or chosen
+freely), and ``build_items`` on
 the bytes or on an items array built item by item from them. Results, error
 types and error texts must all match (one source words every error); what
 ``build_items`` builds must be what the reference item decoder
@@ -175,10 +175,9 @@ def _structure(d: Data) -> None:
     assert odd_a == odd_b, f"{what}: odd elements {odd_a} native, {odd_b} fallback"
 
 
-def _spans(d: Data) -> None:
+def _element_span(d: Data) -> None:
     index = d.int_in(-1, 5)
     buf = memoryview(d.rest())
-    same(outcome(_spans_native, buf), outcome(_spans_py, buf), "array_spans")
     a = outcome(ic._BUILT.element_span, buf, index)
     same(a, outcome(msgpack_walk.element_span, buf, index), f"element_span({index})")
 
@@ -192,10 +191,10 @@ def _rows(d: Data) -> None:
         starts = [p % (len(buf) + 2) - 1 for p in picks]  # anywhere, -1 and past the end too
     else:
         try:
-            spans = _spans_native(buf)
+            spans = item_spans(buf)
         except ValueError:
             return
-        # element 3 of each item (its offsets), as wire.py takes them
+        # element 3 of each item (its offsets), where build_items finds them
         starts = [s for s in spans[4::5] if s >= 0]
     a = outcome(_rows_native, buf, starts, width)
     b = outcome(_rows_py, buf, starts, width)
@@ -233,6 +232,7 @@ def _structured(d: Data) -> bytes:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from wire_oracle import decode_items as reference_items  # noqa: E402
+from wire_oracle import item_spans  # noqa: E402
 
 _AUX = [memoryview(bytes(range(256)) * 2), memoryview(b"\x01" * 24)]  # 512 and 24 bytes
 _ITEM_DTYPES = ("float32", "bfloat16", "int64", "uint8", "int8")
@@ -250,7 +250,6 @@ _encode_native, _encode_py = (
 )
 _split_native, _split_py = on_walk(_NATIVE, ic.split_array), on_walk(_PY, ic.split_array)
 _check_native, _check_py = on_walk(_NATIVE, ic.check_structure), on_walk(_PY, ic.check_structure)
-_spans_native, _spans_py = on_walk(_NATIVE, ic.array_spans), on_walk(_PY, ic.array_spans)
 _rows_native, _rows_py = on_walk(_NATIVE, ic.int_rows), on_walk(_PY, ic.int_rows)
 _filled_native = on_walk(_NATIVE, ic.encode_int_array_filled)
 _filled_py = on_walk(_PY, ic.encode_int_array_filled)
@@ -427,6 +426,6 @@ def one(data: bytes) -> None:
     elif op == 2:
         _split(d)
     elif op == 3:
-        _spans(d)
+        _element_span(d)
     else:
         _rows(d)

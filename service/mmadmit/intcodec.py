@@ -28,9 +28,9 @@ byte-identical (the tests check it). Every other function is the walker's alone,
 Splitting (for the wire codec): :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
 elements (token ids) into int64 arrays in the same pass, so a 128K-id payload
-is read once; :func:`array_spans` gives the element spans of an array of
-arrays (multimodal items), and :func:`int_rows` decodes arrays of int rows
-at given offsets (their offset pairs) into one int64 table. The walk checks
+is read once; :func:`build_items` builds the multimodal items from their
+bytes, and :func:`int_rows` decodes arrays of int rows at given offsets
+(their offset pairs) into one int64 table. The walk checks
 the structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
 iteratively: no depth limit, no recursion. Errors are ``ValueError`` with the
 same text compiled and interpreted.
@@ -63,7 +63,6 @@ __all__ = [
     "IntArrayTooLong",
     "RowsError",
     "array_len",
-    "array_spans",
     "build_items",
     "check_int_arrays",
     "check_structure",
@@ -225,19 +224,6 @@ def encoded_bound(n: int) -> int:
     :func:`encode_int_array_filled` needs of the room in ``out``)."""
     bound: int = msgpack_walk.encoded_bound(n)
     return bound
-
-
-def array_spans(raw: Any) -> list[int]:
-    """Spans of the elements of one msgpack array, and of their first elements.
-
-    Returns 5 ints per element of the array in ``raw``: its start and end
-    offsets, its element count (``-1`` if it is not an array), and the offsets
-    where its element 1 and its element 3 start (``-1`` both when it has
-    fewer than 3 elements). Offsets are relative to ``raw``. ``ValueError``
-    as :func:`split_array`.
-    """
-    spans: list[int] = _WALK.array_spans(_as_bytes(raw))
-    return spans
 
 
 def element_span(raw: Any, index: int) -> tuple[int, int]:

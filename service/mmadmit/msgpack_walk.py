@@ -21,7 +21,7 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   built from their received bytes (every legal item; refusals worded), and
   the reply's items array written back from those
   bytes with only hash and pad_value written again.
-* :func:`split`, :func:`array_spans`, :func:`element_span`, :func:`int_rows`,
+* :func:`split`, :func:`element_span`, :func:`int_rows`,
   :func:`check_structure`: walks over one whole msgpack message that check
   its structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
   iteratively (no recursion: any nesting depth costs no stack), every read
@@ -62,7 +62,6 @@ __all__ = [
     "IntArrayTooLong",
     "RowsError",
     "array_len",
-    "array_spans",
     "build_items",
     "check_structure",
     "decode",
@@ -968,7 +967,7 @@ def encode_filled(
 
 
 # --------------------------------------------------------------------------
-# Structure walks: split, array_spans, check_structure, int_rows.
+# Structure walks: split, check_structure, int_rows.
 #
 # One counter holds the values still to be skipped (an array header adds its
 # count, a map header twice its count). Every length is checked against the
@@ -1253,40 +1252,6 @@ def element_span(p: cython.const[u8][::1], index: ssize) -> tuple:
     if pos != n:
         raise _trailing(p, pos)
     return start, end
-
-
-def array_spans(p: cython.const[u8][::1]) -> list:
-    """5 ints per element of the array filling ``p``: its start and end, its
-    element count (-1: not an array), where its elements 1 and 3 start (-1
-    both: fewer than 3 elements). ValueError as :func:`split`."""
-    n: ssize = p.shape[0]
-    count: ssize = _top(p)
-    pos: ssize = _head_len(p, 0)
-    out: list = []
-    i: ssize
-    m: ssize
-    start: ssize
-    at1: ssize
-    at3: ssize
-    for i in range(count):
-        start, at1, at3 = pos, -1, -1
-        m = _array_at(p, n, pos, i)
-        if m < 0:
-            pos = _skip(p, n, pos, 1, i)
-        else:
-            pos += _head_len(p, pos)
-            if m >= 3:
-                pos = _skip(p, n, pos, 1, i)
-                at1 = pos
-                pos = _skip(p, n, pos, 2, i)
-                at3 = pos
-                pos = _skip(p, n, pos, m - 3, i)
-            else:
-                pos = _skip(p, n, pos, m, i)
-        out += [start, pos, m, at1, at3]
-    if pos != n:
-        raise _trailing(p, pos)
-    return out
 
 
 @cython.cfunc
@@ -1802,8 +1767,9 @@ def build_items(
     aux indices the features and side tensors of the common form refer to;
     where each item's element 3 starts (-1: it has none; the offsets are the
     caller's, :func:`int_rows`). ``value(bytes, what)`` decodes any other
-    element, ``shm(value, what)`` makes a feature_shm. Elements 1 and 3 start
-    where :func:`array_spans` says (-1 both for fewer than 3 elements)."""
+    element, ``shm(value, what)`` makes a feature_shm. The source's elements 1
+    and 3 start where those elements of the item start (-1 both for an item of
+    fewer than 3 elements)."""
     env: tuple = (aux, limits, tensor, item, source, no_side, value, loose_tensor, shm)
     n: ssize = p.shape[0]
     count: ssize
