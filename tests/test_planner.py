@@ -354,8 +354,9 @@ def test_huge_grid_values_refused_alike() -> None:
 
 
 def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
-    """Rule 1's vocabulary check (a min and a max; located only on failure) names
-    the first id outside [0, vocab), whatever precedes or follows it."""
+    """Rule 1's vocabulary check (one max over the ids read as uint64; located only
+    on failure) names the first id outside [0, vocab), whatever precedes or follows
+    it; vocab - 1 and 0 are inside, every negative id (INT64_MIN too) outside."""
     profile = load_profile("qwen3_5")
     m = Materializer(profile)
     vocab = profile.vocab_size
@@ -363,9 +364,10 @@ def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
     for _ in range(200):
         n = int(rng.integers(1, 3000))
         ids = rng.integers(0, 1000, n).astype(np.int64)
+        ids[int(rng.integers(0, n))] = int(rng.choice([0, vocab - 1]))
         bad_at = sorted({int(x) for x in rng.integers(0, n, int(rng.integers(0, 3)))})
         for i in bad_at:
-            ids[i] = int(rng.choice([-1, vocab, vocab + 5000, -(2**62), 2**63 - 1]))
+            ids[i] = int(rng.choice([-1, vocab, vocab + 5000, -(2**62), -(2**63), 2**63 - 1]))
         got = m.run(Request(rid="v", input_ids=ids))
         if not bad_at:
             assert isinstance(got, Materialized), got
