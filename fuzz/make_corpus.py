@@ -92,6 +92,9 @@ def main() -> None:
         _write("zmq", f"seed-{name}", zmq_target.seed_input(profile, frames))
         payload = frames[1]
         _write("intcodec", f"seed-split-{name}", b"\x02" + payload)
+        # decode_add (first byte 230), default and tight limits, the payload as it is
+        _write("intcodec", f"seed-add-{name}", b"\xe6\x00\x00" + payload)
+        _write("intcodec", f"seed-add-tight-{name}", b"\xe6\x01\x00" + payload)
         raw = wire._SPLIT.decode(payload)
         _write("intcodec", f"seed-decode-{name}", b"\x00" + bytes(raw[wire.F_INPUT_IDS])[:8192])
         if len(raw) > wire.F_MM and bytes(raw[wire.F_MM]) != b"\xc0":

@@ -40,7 +40,8 @@ import wire_oracle
 from conftest import REPO_ROOT, SESSION_NATIVE, load_vector, vector_names
 from mmadmit import intcodec as ic
 from mmadmit import msgpack_walk, rules, wire
-from mmadmit.errors import Abort, AbortCode
+from mmadmit.errors import Abort, AbortCode, InvalidRequest, TooLarge
+from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
 from mmadmit.profile import load_profile
@@ -873,7 +874,7 @@ def _fast_form_payload() -> tuple[bytes, list[bytes]]:
 
 def _items_view(payload: bytes) -> memoryview:
     buf = memoryview(payload)
-    elems, _, _ = wire._split_view(buf, "payload")
+    elems = wire._split(buf, "payload")
     return memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
 
 
@@ -890,7 +891,7 @@ def _built(walk: Any, view: memoryview, aux: list[Any]) -> Any:
     reader = wire._TensorReader(aux)
     try:
         items, features, others, offsets_at = _walk_items(walk, view, reader)
-    except (wire.InvalidRequest, wire.TooLarge) as exc:
+    except (InvalidRequest, TooLarge) as exc:
         return ("refused", exc.code)
     assert offsets_at == [it.extra.off3 if it.extra.count > 3 else -1 for it in items]
     features = sorted(set(features) | reader.features)
@@ -902,7 +903,7 @@ def _reference(view: memoryview, aux: list[Any]) -> Any:
     reader = wire._TensorReader(aux)
     try:
         items = reference_items(view, reader)
-    except (wire.InvalidRequest, wire.TooLarge) as exc:
+    except (InvalidRequest, TooLarge) as exc:
         return ("refused", exc.code)
     return _items_form(items), sorted(reader.features), sorted(reader.others)
 
@@ -949,7 +950,7 @@ def test_build_items_builds_the_common_form_as_the_reference() -> None:
 @pytest.mark.parametrize("name", NAMES or ["-"])
 def test_build_items_on_vectors(name: str) -> None:
     frames = load_vector(name).frames
-    elems, _, _ = wire._split_view(memoryview(bytes(frames[1])), "payload")
+    elems = wire._split(memoryview(bytes(frames[1])), "payload")
     if len(elems) <= wire.F_MM or wire._is_nil(elems[wire.F_MM]):
         return  # a text request: no items
     view = memoryview(wire._split(elems[wire.F_MM], "multimodal_inputs")[0])
@@ -1146,3 +1147,92 @@ def test_splice_refuses_a_source_outside_its_bytes(name: str, change: dict[str, 
     it.extra = msgspec.structs.replace(it.extra, **change)
     with mode(name), pytest.raises(ValueError, match="splice_items: item 1's source"):
         wire.encode_request(req)
+
+
+# --------------------------------------------------------------------------
+# decode_add: the whole ADD in one walk, compiled, interpreted, and interpreted
+# with the msgspec token decode that --native off runs
+
+_TIGHT = Limits(
+    max_tokens=64, max_items=2, max_msgpack_len=40, max_msgpack_depth=4, max_tensor_bytes=4096
+)
+
+
+def _added(walk: Any, split_ints: Any, payload: bytes, aux: list[Any], limits: Limits) -> Any:
+    """What one way of decode_add makes of ``payload`` (comparable), or its refusal:
+    type, code, message and the rid it carries (None: the caller recovers it)."""
+    buf = memoryview(payload)
+    reader = wire._TensorReader([memoryview(a) for a in aux], limits)
+    env = (reader.aux, Tensor, Item, wire._ItemSrc, wire._NO_SIDE, wire._value, reader.tensor,
+           wire._decode_shm)  # fmt: skip
+    try:
+        offsets, ints, rid, mm = walk.decode_add(
+            buf, buf, limits, [None, None], env, wire.WireError, split_ints
+        )
+    except (InvalidRequest, TooLarge) as exc:
+        return ("refused", type(exc).__name__, exc.code, exc.message, getattr(exc, "rid", None))
+    form = [x.tolist() if isinstance(x, np.ndarray) else x for x in ints]
+    if mm is not None:
+        for it in mm[1]:  # the rows, comparable
+            it.offsets = None if it.offsets is None else it.offsets.tolist()
+        mm = (mm[0], _items_form(mm[1]), sorted(mm[2]), sorted(mm[3]))
+    return offsets, form, rid, mm
+
+
+def _decode_add_ways() -> list[tuple[Any, Any]]:
+    ways: list[tuple[Any, Any]] = [(msgpack_walk, None), (msgpack_walk, ic._split_py)]
+    if ic._BUILT is not None:
+        ways.append((ic._BUILT, None))
+    return ways
+
+
+def _add_cases() -> list[tuple[bytes, list[bytes]]]:
+    """Payloads: the common form, every vector, then each with bytes replaced."""
+    base = [_fast_form_payload()]
+    base += [
+        (bytes(v.frames[1]), [bytes(f) for f in v.frames[2:]])
+        for v in (load_vector(name) for name in NAMES)
+        if len(v.frames[1]) < 20000
+    ]
+    rng = np.random.default_rng(35)
+    cases = list(base)
+    for payload, aux in base:
+        for _ in range(50):
+            bad = bytearray(payload)
+            for _ in range(int(rng.integers(1, 4))):
+                bad[int(rng.integers(0, len(bad)))] = int(rng.integers(0, 256))
+            cases.append((bytes(bad), aux))
+        for cut in (0, 1, len(payload) // 2, len(payload) - 1):
+            cases.append((payload[:cut], aux))
+    return cases
+
+
+def test_decode_add_is_one_walk_in_every_build() -> None:
+    """decode_add compiled, interpreted, and interpreted with intcodec's msgspec token
+    decode (what --native off runs) take the same payloads into the same offsets,
+    token arrays, rid and items, and refuse the others with the same type, code,
+    message and rid, under the default limits and tight ones."""
+    ways = _decode_add_ways()
+    refused = taken = 0
+    for payload, aux in _add_cases():
+        for limits in (DEFAULT_LIMITS, _TIGHT):
+            results = [_added(walk, split, payload, aux, limits) for walk, split in ways]
+            assert results[1:] == results[:1] * (len(ways) - 1), (payload.hex(), results)
+            if results[0][0] == "refused":
+                refused += 1
+            else:
+                taken += 1
+    assert refused > 100 and taken > 50, (refused, taken)
+
+
+def test_decode_add_refusals_carry_the_rid_once_it_is_read() -> None:
+    """A refusal after the rid is read carries it (wire.WireError); one before it
+    (structure, a limit, the tag, the rid itself) carries none and wire recovers it."""
+    payload, aux = _fast_form_payload()
+    after = _added(msgpack_walk, None, payload, aux, Limits(max_items=0))
+    assert after[:3] == ("refused", "WireError", AbortCode.TOO_LARGE) and after[4] == "rid-v"
+    before = _added(msgpack_walk, None, payload, aux, Limits(max_msgpack_len=3))
+    assert before[:3] == ("refused", "TooLarge", AbortCode.TOO_LARGE) and before[4] is None
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_message([b"\x00", payload, *aux], Limits(max_msgpack_len=3))
+    assert info.value.rid == "rid-v" and info.value.code == AbortCode.TOO_LARGE

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import msgpack
+import msgspec
 import numpy as np
 from mmadmit import intcodec as ic
 from mmadmit import model, msgpack_walk, tensorcheck, wire
@@ -354,6 +355,66 @@ def _items(buf: memoryview) -> None:
     assert a == ref, f"build_items against the reference:\n  {a!r}\n  {ref!r}"
 
 
+_ADD_LIMITS = (Limits(), Limits(max_tokens=16, max_items=2, max_msgpack_len=24,
+                               max_msgpack_depth=4, max_tensor_bytes=64))  # fmt: skip
+
+
+def _add_payload(d: Data) -> bytes:
+    """An ADD payload: mostly the layout the engine sends (tag, rid, token ids, items
+    built as for build_items), every element now and then of another type, a byte or
+    two replaced; or any bytes."""
+    if d.flag(10):
+        return d.rest()
+    ids = [d.pick((0, 5, 300, 248056, 2**40, -1)) for _ in range(d.int_in(0, 20))]
+    mm = None
+    if d.flag(70):
+        items = msgspec.Raw(_items_array(d))
+        mm = _or(d, [items, 248056, 248057, None, None, None, None], [], 5, "mm", [None])
+    elems: list[object] = [
+        _or(d, "TokenizedGenerateReqInput", "x", None),
+        _or(d, "rid-f", 5, None, b"r"),
+        None, None,
+        _or(d, ids, None, "ids", [[1]], [1.5]),
+        *([None] * 16),
+        _or(d, None, ids[:3], {"a": 1}),
+        mm,
+        _or(d, None, "INVALID_REQUEST: x", 7),
+    ]  # fmt: skip
+    raw = bytearray(msgspec.msgpack.encode(elems[: d.int_in(0, 24)] if d.flag(5) else elems))
+    for _ in range(d.int_in(1, 2) if d.flag(25) else 0):
+        raw[d.uint(2) % len(raw)] = d.u8()
+    return bytes(raw)
+
+
+def _added(walk: object, split_ints: object, buf: memoryview, limits: Limits) -> object:
+    """What one way of decode_add makes of ``buf`` (comparable), or its refusal."""
+    reader = wire._TensorReader(list(_AUX), limits)
+    env = (reader.aux, Tensor, Item, wire._ItemSrc, wire._NO_SIDE, wire._value, reader.tensor,
+           wire._decode_shm)  # fmt: skip
+    try:
+        offsets, ints, rid, mm = walk.decode_add(  # type: ignore[attr-defined]
+            buf, buf, limits, [None, None], env, wire.WireError, split_ints
+        )
+    except AdmissionError as exc:
+        return ("refused", type(exc).__name__, exc.code, exc.message, getattr(exc, "rid", None))
+    form = [x.tolist() if isinstance(x, np.ndarray) else x for x in ints]
+    if mm is not None:
+        rows = [None if it.offsets is None else it.offsets.tolist() for it in mm[1]]
+        mm = (mm[0], [_item_form(it) for it in mm[1]], rows, sorted(mm[2]), sorted(mm[3]))
+    return offsets, form, rid, mm
+
+
+def _decode_add(d: Data) -> None:
+    """decode_add compiled, interpreted, and interpreted with intcodec's msgspec token
+    decode (what --native off runs): the same result, or the same refusal."""
+    limits = d.pick(_ADD_LIMITS)
+    buf = memoryview(_add_payload(d))
+    a = _added(ic._BUILT, None, buf, limits)
+    b = _added(msgpack_walk, None, buf, limits)
+    c = _added(msgpack_walk, ic._split_py, buf, limits)
+    assert a == b == c, f"decode_add: the builds disagree:\n  {a!r}\n  {b!r}\n  {c!r}"
+
+
 _TENSOR_DTYPES = ("float32", "int64", "uint8", "bfloat16", "bool", "float33", "", "<f4", "i8")
 _TENSOR_LIMITS = (None, wire.DEFAULT_LIMITS, Limits(max_tensor_rank=2),
                   Limits(max_tensor_dim=5), Limits(max_tensor_bytes=16))  # fmt: skip
@@ -407,6 +468,9 @@ def one(data: bytes) -> None:
     first = d.u8()
     if first >= 250:
         _tensor(d)
+        return
+    if first >= 230:
+        _decode_add(d)
         return
     op = first % 10
     if op == 8:

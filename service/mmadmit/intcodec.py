@@ -25,7 +25,8 @@ and whenever ``msgspec`` refuses the walker runs and words the error;
 received bytes are smallest forms) is ``msgspec`` on ``values.tolist()``,
 byte-identical (the tests check it). Every other function is the walker's alone, through ``_WALK``.
 
-Splitting (for the wire codec): :func:`split_array` walks one msgpack array
+The wire codec decodes an ADD with one call, :func:`decode_add`, which runs
+the walks below in order. Splitting: :func:`split_array` walks one msgpack array
 and returns where each element starts and ends, decoding chosen int-array
 elements (token ids) into int64 arrays in the same pass, so a 128K-id payload
 is read once; :func:`build_items` builds the multimodal items from their
@@ -66,6 +67,7 @@ __all__ = [
     "build_items",
     "check_int_arrays",
     "check_structure",
+    "decode_add",
     "decode_int_array",
     "element_span",
     "encode_int_array",
@@ -262,6 +264,16 @@ def build_items(raw: Any, *args: Any) -> _Built:
     compiled or interpreted (the same source)."""
     built: _Built = _WALK.build_items(_as_bytes(raw), *args)
     return built
+
+
+def decode_add(raw: Any, limits: Any, marks: list[Any], env: tuple[Any, ...], refusal: Any) -> Any:
+    """An ADD payload decoded in one walk (:func:`mmadmit.msgpack_walk.decode_add`,
+    which says what it returns and refuses), compiled or interpreted; the
+    interpreted one decodes the token arrays through this module's msgspec
+    shortcut (:func:`split_array`)."""
+    buf = _as_bytes(raw)
+    split_ints = None if HAVE_NATIVE else _split_py
+    return _WALK.decode_add(buf, buf, limits, marks, env, refusal, split_ints)
 
 
 def splice_items(

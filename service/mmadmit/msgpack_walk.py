@@ -17,6 +17,8 @@ Entry points (buffers are 1-D contiguous bytes; ``intcodec`` normalizes them):
   starts), so that :func:`encode_filled` writes an array made from a received
   one by setting spans to one value each (the padded ids: the pad runs) from
   the bytes and the spans alone, the received bytes copied where unchanged.
+* :func:`decode_add`: a whole ADD payload in one call (the split, the limits,
+  the tag and rid, the items and their offsets), refusals worded as it goes.
 * :func:`build_items` and :func:`splice_items`: a request's multimodal items
   built from their received bytes (every legal item; refusals worded), and
   the reply's items array written back from those
@@ -50,11 +52,12 @@ from __future__ import annotations
 
 import cython
 import numpy as np
+from mmadmit_client.wire import F_INPUT_IDS, F_MM, F_RID, F_UNPADDED, TAG
 from msgspec.structs import astuple
 
 from .dtypes import parse_dtype
-from .errors import InvalidRequest
-from .limits import MAX_DEPTH
+from .errors import AdmissionError, InvalidRequest
+from .limits import MAX_DEPTH, depth_over, items_over, msgpack_len_over, tokens_over
 
 __all__ = [
     "MAX_ARRAY_COUNT",
@@ -65,6 +68,7 @@ __all__ = [
     "build_items",
     "check_structure",
     "decode",
+    "decode_add",
     "decode_marked",
     "element_span",
     "encode",
@@ -1901,6 +1905,182 @@ def build_items(
     if at.pos != n:
         raise InvalidRequest(f"mm_items must be a msgpack array ({_trailing(p, at.pos)})")
     return items, features, others, offsets_at
+
+
+# --------------------------------------------------------------------------
+# A whole ADD payload: one call
+
+
+_ADD_INTS = (F_INPUT_IDS, F_UNPADDED)  # the token arrays, decoded by the split
+_ADD_DECODED = cython.declare(frozenset, frozenset((0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM)))
+_ADD_NAMES = cython.declare(
+    dict, {F_INPUT_IDS: "input_ids", F_UNPADDED: "input_ids_unpadded", F_MM: "multimodal_inputs"}
+)
+
+
+def _element_name(i: ssize) -> str:
+    name = _ADD_NAMES.get(i)
+    return f"element {i}" if name is None else f"element {i} ({name})"
+
+
+def _ids(got: object, what: str) -> object:
+    """A token array of the split, or the refusal its message words."""
+    if isinstance(got, np.ndarray):
+        return got
+    raise InvalidRequest(f"{what} must be an array of integers ({got})")
+
+
+def decode_add(
+    p: cython.const[u8][::1],
+    view: object,
+    limits: object,
+    marks: list,
+    env: tuple,
+    refusal: object,
+    split_ints: object = None,
+) -> tuple:
+    """Everything of the ADD payload filling ``p`` (``view``: the same bytes as a
+    Python buffer) that is walked or built, in one call, refusals worded as it
+    goes, in this order (the first fault found is the one refused):
+
+    1. the payload's length from its header, then :func:`split` with the token
+       arrays (``input_ids``, ``input_ids_unpadded``) decoded on the way, each
+       bounded by ``limits.max_tokens`` from its header (``marks`` gets their
+       marks); then every other element's nesting depth and container lengths
+       (:func:`check_structure`), headers only;
+    2. the tag and the rid (``value(bytes, what)`` decodes them);
+    3. once the rid is known (a refusal is then ``refusal(message, rid, code)``):
+       every element holding a str, a map or an ext decoded once for its check,
+       the token arrays (or why they are not), and ``multimodal_inputs``: its
+       elements, the item count from its header (``limits.max_items``), the
+       items (:func:`build_items`, with ``env``: its arguments after
+       ``limits``) and their offsets in one :func:`int_rows` table.
+
+    Returns ``(offsets, ints, rid, mm)``: :func:`split`'s offsets and int arrays,
+    and for a non-nil ``multimodal_inputs`` ``(its element offsets, items,
+    feature aux indices, other aux indices)`` (None otherwise); the caller
+    decodes the small values left (``multimodal_inputs``' scalars,
+    ``validation_error``). ``split_ints``, when given, replaces :func:`split`
+    (``split_ints(view, int_fields, max_ints, marks)``, same result: the
+    interpreted caller's faster token decode, see intcodec)."""
+    n: ssize = p.shape[0]
+    value: object = env[5]
+    count: ssize
+    try:  # the length from the header (an unreadable one: the split words it)
+        count = array_len(p)
+    except ValueError:
+        count = -1
+    if count > limits.max_msgpack_len:
+        raise msgpack_len_over(
+            "the payload", count, "elements", limits.max_msgpack_len, container="an array of "
+        )
+    try:
+        if split_ints is None:
+            offsets, ints = split(p, _ADD_INTS, limits.max_tokens, True, marks)
+        else:
+            offsets, ints = split_ints(view, _ADD_INTS, limits.max_tokens, marks)
+    except IntArrayTooLong as exc:
+        name = _ADD_NAMES.get(exc.element, f"element {exc.element}")
+        raise tokens_over(name, exc.count, exc.limit) from exc
+    except ValueError as exc:
+        raise InvalidRequest(f"the payload must be a msgpack array ({exc})") from exc
+    odd: list = []  # the elements whose decoding can refuse them
+    breach = check_structure(
+        p, offsets, _ADD_INTS, limits.max_msgpack_depth, limits.max_msgpack_len, odd
+    )
+    if breach is not None:
+        where = _element_name(breach[1])
+        if breach[0] == 3:
+            raise depth_over(where, breach[2], limits.max_msgpack_depth)
+        if breach[0] == 1:
+            raise msgpack_len_over(
+                where, breach[2], "elements", limits.max_msgpack_len, container="an array of "
+            )
+        raise msgpack_len_over(
+            where, breach[2], "entries", limits.max_msgpack_len, container="a map of "
+        )
+    k: ssize = len(offsets) - 1
+    if k == 0:
+        raise InvalidRequest("the payload is an empty array")
+    tag = value(view[offsets[0] : offsets[1]], "tag")
+    if tag != TAG:
+        raise InvalidRequest(f"payload tag must be {TAG!r}, got {tag!r}")
+    rid = value(view[offsets[F_RID] : offsets[F_RID + 1]], "rid") if k > F_RID else None
+    if not isinstance(rid, str):
+        raise InvalidRequest(f"rid must be a string, got {type(rid).__name__}")
+    mm = None
+    try:
+        for i in odd:  # the others are nil, bools, numbers, bins and arrays of them
+            if i not in _ADD_DECODED:
+                value(view[offsets[i] : offsets[i + 1]], f"element {i}")
+        if k <= F_INPUT_IDS:
+            raise InvalidRequest("the payload has no input_ids")
+        _ids(ints[0], "input_ids")
+        if k > F_UNPADDED and not _nil(p, n, offsets[F_UNPADDED]):
+            _ids(ints[1], "input_ids_unpadded")
+        if k > F_MM and not _nil(p, n, offsets[F_MM]):
+            mm = _add_mm(p, view, offsets[F_MM], offsets[F_MM + 1], limits, env)
+    except AdmissionError as exc:
+        raise refusal(exc.message, rid, exc.code) from exc
+    return offsets, ints, rid, mm
+
+
+def _add_mm(
+    p: cython.const[u8][::1], view: object, start: ssize, end: ssize, limits: object, env: tuple
+) -> tuple:
+    """``multimodal_inputs`` at ``p[start:end]`` (one value, its structure checked):
+    its element offsets, its items built, with their offsets, and the aux indices
+    their tensors refer to."""
+    b: cython.uint = p[start]
+    count: ssize
+    h: ssize
+    count, h = _array_head(p, end, start)
+    if count < 0:
+        raise InvalidRequest(
+            f"multimodal_inputs must be a msgpack array, got {_type_name(b)} (type byte 0x{b:02x})"
+        )
+    offsets: list = []
+    pos: ssize = start + h
+    i: ssize
+    for i in range(count):
+        offsets.append(pos)
+        pos = _skip(p, end, pos, 1, i)
+    offsets.append(pos)
+    if count == 0 or _nil(p, end, offsets[0]):
+        return offsets, [], [], []
+    a: ssize = offsets[0]
+    z: ssize = offsets[1]
+    sub: cython.const[u8][::1] = p[a:z]
+    try:  # the item count from its header, before any item is built
+        count = array_len(sub)
+    except ValueError:  # not an array: build_items words it
+        count = -1
+    if count > limits.max_items:
+        raise items_over(count, limits.max_items)
+    items, features, others, offsets_at = build_items(sub, view[a:z], env[0], limits, *env[1:])
+    _item_offsets(sub, items, offsets_at)
+    return offsets, items, features, others
+
+
+def _item_offsets(p: cython.const[u8][::1], items: list, offsets_at: list) -> None:
+    """Each item's offsets (element 3 at ``offsets_at``, -1: none) from one
+    :func:`int_rows` table: a view of its rows, None where nil. A refusal
+    names the first item, in order, whose offsets are refused."""
+    which: list = [i for i, at in enumerate(offsets_at) if at >= 0]
+    if not which:
+        return
+    try:
+        flat, bounds = int_rows(p, [offsets_at[i] for i in which], 2)
+    except RowsError as exc:
+        raise InvalidRequest(
+            f"item {which[exc.index]}: offsets must be nil or an array of [start, end] "
+            f"pairs of int64 ({exc})"
+        ) from exc
+    table = flat.reshape(-1, 2)
+    j: ssize
+    for j in range(len(which)):
+        if bounds[2 * j] >= 0:  # nil: None
+            items[which[j]].offsets = table[bounds[2 * j] : bounds[2 * j + 1]]
 
 
 def _got(b: cython.uint) -> str:

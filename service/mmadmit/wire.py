@@ -5,10 +5,12 @@ the payload is a positional msgpack array (``TokenizedGenerateReqInput``).
 
 How it stays fast and loses nothing:
 
-* The payload is split into one :class:`msgspec.Raw` per element (zero-copy
-  views of the received frame) in one walk (:func:`mmadmit.intcodec.split_array`),
-  which decodes the token-id arrays (``input_ids``, ``input_ids_unpadded``)
-  into int64 numpy arrays on the way, never through per-token Python ints.
+* One call decodes an ADD (:func:`mmadmit.intcodec.decode_add`): one walk
+  splits the payload into its elements (zero-copy views of the received
+  frame, one :class:`msgspec.Raw` each) and decodes the token-id arrays
+  (``input_ids``, ``input_ids_unpadded``) into int64 numpy arrays on the way,
+  never through per-token Python ints; the same call checks the limits, the
+  tag and the rid and builds the items.
   Elements mmadmit does not interpret keep their raw bytes and are re-emitted
   verbatim (docs/spec/WIRE.md, "Encoding rules": longer and shorter arrays).
 * A token array the request still holds as the very object decoded from the
@@ -20,11 +22,10 @@ How it stays fast and loses nothing:
   ids the materializer made are written from its :class:`~mmadmit.model.Padding`
   (:func:`~mmadmit.intcodec.encode_int_array_filled`): the received
   ``input_ids`` bytes with only the pad runs written, neither array read.
-* One decode path per message kind, whatever its size: an ADD's payload is
-  always split by that walk, ``multimodal_inputs`` by one ``msgspec`` call,
-  and every multimodal item by one walk over ``mm_items``
-  (:func:`mmadmit.msgpack_walk.build_items`) that takes every legal item and
-  words its own refusals (which item, which field or tensor) as it reads; an
+* One decode path per message kind, whatever its size: an ADD by that call,
+  whose walk over ``mm_items`` (:func:`mmadmit.msgpack_walk.build_items`)
+  takes every legal item and words its own refusals (which item, which field
+  or tensor) as it reads, then reads every item's offsets in one table; an
   ABORT by one typed ``list[str]`` decode. An item that changed only in ``hash`` /
   ``pad_value`` (what materialization does) is re-emitted as its received
   bytes with those two elements replaced.
@@ -43,7 +44,7 @@ How it stays fast and loses nothing:
   the payload's length from its header, each token array's length from its
   header before its int64 buffer exists, every other element's container
   lengths and nesting depth by a walk over headers only
-  (:func:`mmadmit.intcodec.check_structure`) before ``msgspec`` sees it, the
+  (:func:`mmadmit.msgpack_walk.check_structure`) before ``msgspec`` sees it, the
   item count from its header, each tensor's rank, dimensions and bytes from
   its shape before the byte check, an ABORT's id count from its header. Every
   breach is worded by :mod:`mmadmit.limits`.
@@ -79,29 +80,20 @@ from mmadmit_client.wire import (
     ext_refusal,
 )
 
-from .errors import Abort, AbortCode, AdmissionError, InvalidRequest, TooLarge
+from .errors import Abort, AbortCode, AdmissionError, InvalidRequest
 from .intcodec import (
-    IntArrayTooLong,
-    RowsError,
     array_len,
-    build_items,
-    check_structure,
+    decode_add,
     element_span,
     encode_int_array,
     encode_int_array_filled,
     encoded_bound,
-    int_rows,
     splice_items,
-    split_array,
 )
 from .limits import (
     DEFAULT_LIMITS,
     Limits,
     abort_ids_over,
-    depth_over,
-    items_over,
-    msgpack_len_over,
-    tokens_over,
 )
 from .model import (
     Item,
@@ -127,9 +119,6 @@ _ITEM_DEFAULTS: dict[int, Any] = {6: {}}
 # an item's fields between model_specific_data and encode_handshake (the model keeps
 # neither)
 _ITEM_UNSET = (None,) * (_ITEM_FIELDS - 8)  # 7 encoded, 8 encoded_deepstack
-_INT_FIELDS = (F_INPUT_IDS, F_UNPADDED)  # decoded while the payload is split
-# payload elements decoded by decode_request itself (the others only checked)
-_DECODED_ELEMENTS = frozenset((0, F_RID, F_INPUT_IDS, F_UNPADDED, F_MM))
 
 
 class WireError(InvalidRequest):
@@ -172,98 +161,6 @@ def _split(raw: msgspec.Raw | bytes | memoryview, what: str) -> list[msgspec.Raw
         return _SPLIT.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
-
-
-def _split_view(
-    buf: memoryview,
-    what: str,
-    int_fields: tuple[int, ...] = (),
-    limits: Limits | None = None,
-    odd: list[int] | None = None,
-    marks: list[Any] | None = None,
-) -> tuple[list[msgspec.Raw], list[np.ndarray | str | None], list[int]]:
-    """The elements of the payload array in ``buf`` (views), the int arrays asked for
-    and the elements' offsets (element ``i`` is ``buf[offsets[i]:offsets[i + 1]]``).
-
-    One walk (:func:`mmadmit.intcodec.split_array`), whatever the payload's
-    size; an int array it could not decode is the message saying why.
-
-    With ``limits``: the array's own length (its header, before the split),
-    each ``int_fields`` array's length (``max_tokens``, from its header) and
-    every other element's structure (:func:`_check_elements`), which appends
-    to ``odd`` the elements only a decode can check (a str, map or ext inside).
-    ``marks`` gets the int arrays' marks (:func:`~mmadmit.intcodec.split_array`).
-    """
-    if limits is not None:
-        _check_length(buf, what, limits)
-    try:
-        bound = None if limits is None else limits.max_tokens
-        offsets, ints = split_array(buf, int_fields, bound, marks)
-    except IntArrayTooLong as exc:
-        raise _tokens_too_long(exc) from exc
-    except ValueError as exc:
-        raise InvalidRequest(f"{what} must be a msgpack array ({exc})") from exc
-    if limits is not None:
-        _check_elements(buf, offsets, int_fields, limits, odd)
-    return [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)], ints, offsets
-
-
-_FIELD_NAMES = {
-    F_INPUT_IDS: "input_ids",
-    F_UNPADDED: "input_ids_unpadded",
-    F_MM: "multimodal_inputs",
-}
-
-
-def _element_name(i: int) -> str:
-    name = _FIELD_NAMES.get(i)
-    return f"element {i}" if name is None else f"element {i} ({name})"
-
-
-def _check_length(buf: memoryview, what: str, limits: Limits) -> None:
-    """The array's length from its header (an unreadable header: the split words it)."""
-    try:
-        n = array_len(buf)
-    except ValueError:
-        return
-    if n > limits.max_msgpack_len:
-        raise msgpack_len_over(
-            what, n, "elements", limits.max_msgpack_len, container="an array of "
-        )
-
-
-def _tokens_too_long(exc: IntArrayTooLong) -> TooLarge:
-    return tokens_over(
-        _FIELD_NAMES.get(exc.element, f"element {exc.element}"), exc.count, exc.limit
-    )
-
-
-def _check_elements(
-    buf: memoryview,
-    offsets: list[int],
-    skip: tuple[int, ...],
-    limits: Limits,
-    odd: list[int] | None = None,
-) -> None:
-    """Container lengths and nesting depth of every element not in ``skip`` (headers
-    only); ``odd`` gets those holding a str, a map or an ext (see check_structure)."""
-    try:
-        breach = check_structure(
-            buf, offsets, skip, limits.max_msgpack_depth, limits.max_msgpack_len, odd
-        )
-    except ValueError as exc:  # pragma: no cover - the split has checked the structure
-        raise InvalidRequest(f"undecodable msgpack ({exc})") from exc
-    if breach is None:
-        return
-    kind, element, value = breach
-    where = _element_name(element)
-    if kind == 3:
-        raise depth_over(where, value, limits.max_msgpack_depth)
-    if kind == 1:
-        raise msgpack_len_over(
-            where, value, "elements", limits.max_msgpack_len, container="an array of "
-        )
-    raise msgpack_len_over(where, value, "entries", limits.max_msgpack_len, container="a map of ")
 
 
 def _value(raw: msgspec.Raw | memoryview, what: str) -> Any:
@@ -430,62 +327,14 @@ class _ItemSrc(msgspec.Struct, gc=False):
         return self.raw_elems
 
 
-def _check_items(view: memoryview, reader: _TensorReader) -> None:
-    """The item count from the mm_items header, before any item is decoded."""
-    try:
-        n = array_len(view)
-    except ValueError:  # not an array: the decoder words it
-        return
-    limit = reader.limits.max_items
-    if n > limit:
-        raise items_over(n, limit)
-
-
-def _decode_items(view: memoryview, reader: _TensorReader) -> list[Item]:
-    """Every item of ``mm_items``, built by one walk that words every refusal
-    (:func:`mmadmit.msgpack_walk.build_items`), then their offsets in one table."""
-    _check_items(view, reader)
-    items, features, others, offsets_at = build_items(
-        view, view, reader.aux, reader.limits, Tensor, Item, _ItemSrc, _NO_SIDE,
-        _value, reader.tensor, _decode_shm,
-    )  # fmt: skip
+def _decode_mm(buf: memoryview, parts: tuple[Any, ...], reader: _TensorReader) -> MultimodalInputs:
+    """``multimodal_inputs`` from what the walk made of it (``parts``: its elements'
+    offsets in ``buf``, its items built, the aux indices their tensors refer to):
+    the scalars and position tensors decoded here."""
+    offsets, items, features, others = parts
+    elems = [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)]
     reader.features.update(features)
     reader.others.update(others)
-    if -1 in offsets_at:  # items without element 3
-        with_offsets = [it for it, at in zip(items, offsets_at, strict=True) if at >= 0]
-        offsets_at = [at for at in offsets_at if at >= 0]
-    else:
-        with_offsets = items
-    _set_offsets(view, with_offsets, offsets_at, items)
-    return items
-
-
-def _set_offsets(
-    view: memoryview, with_offsets: list[Item], starts: list[int], items: list[Item]
-) -> None:
-    """The offsets of ``with_offsets`` (of ``items``), whose element 3 is at ``starts``:
-    every item's [start, end] rows decoded in one table, each item given its slice
-    (a view); None where element 3 is nil. A refusal names the first item, in
-    order, whose offsets the walk refuses (:class:`~mmadmit.intcodec.RowsError`)."""
-    if with_offsets:
-        try:
-            flat, bounds = int_rows(view, starts, 2)
-        except RowsError as exc:
-            raise InvalidRequest(
-                f"item {items.index(with_offsets[exc.index])}: offsets must be nil or an "
-                f"array of [start, end] pairs of int64 ({exc})"
-            ) from exc
-        table = flat.reshape(-1, 2)
-        for item, a, b in zip(with_offsets, bounds[0::2], bounds[1::2], strict=True):
-            if a >= 0:  # nil: None
-                item.offsets = table[a:b]
-
-
-def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
-    elems = _split(raw, "multimodal_inputs")
-    items: list[Item] = []
-    if elems and not _is_nil(elems[0]):
-        items = _decode_items(memoryview(elems[0]), reader)
     vals = [_value(r, "multimodal_inputs") for r in elems[1:_MM_FIELDS]]
     for extra_raw in elems[_MM_FIELDS:]:
         _value(extra_raw, "multimodal_inputs")
@@ -505,13 +354,6 @@ def _decode_mm(raw: msgspec.Raw, reader: _TensorReader) -> MultimodalInputs:
         mrope_position_delta_scalar=_opt_int(vals[4], "mrope_position_delta_scalar"),
         extra=elems,
     )
-
-
-def _ids(got: np.ndarray | str | None, what: str) -> np.ndarray:
-    """An int field of the split: the array, or the refusal it words."""
-    if isinstance(got, np.ndarray):
-        return got
-    raise InvalidRequest(f"{what} must be an array of integers ({got})")
 
 
 _STR = msgspec.msgpack.Decoder(str)
@@ -534,41 +376,34 @@ def recover_rid(payload: Any) -> str:
 
 def decode_request(payload: Any, aux_frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Request:
     """Decode an ADD payload and its aux frames; :class:`WireError` names what is wrong
-    (its ``code`` TOO_LARGE for a breach of ``limits``, else INVALID_REQUEST)."""
+    (its ``code`` TOO_LARGE for a breach of ``limits``, else INVALID_REQUEST).
+
+    One walk (:func:`mmadmit.intcodec.decode_add`) splits the payload, decodes
+    its token arrays, checks every element against the limits, the tag and the
+    rid, and builds the items; what is left here are the few small values."""
     buf = _as_buffer(payload)
-    odd: list[int] = []  # the elements whose decoding can refuse them
-    marks: list[Any] = []
+    # a received zmq.Frame's byte view (what _as_buffer returns), without a call each
+    aux = [memoryview(f) if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
+    reader = _TensorReader(aux, limits)
+    marks: list[Any] = [None, None]
+    env = (aux, Tensor, Item, _ItemSrc, _NO_SIDE, _value, reader.tensor, _decode_shm)
     try:
-        elems, ints, offsets = _split_view(buf, "the payload", _INT_FIELDS, limits, odd, marks)
-        if not elems:
-            raise InvalidRequest("the payload is an empty array")
-        tag = _value(elems[0], "tag")
-        if tag != TAG:
-            raise InvalidRequest(f"payload tag must be {TAG!r}, got {tag!r}")
-        rid = _value(elems[F_RID], "rid") if len(elems) > F_RID else None
-        if not isinstance(rid, str):
-            raise InvalidRequest(f"rid must be a string, got {type(rid).__name__}")
-    except AdmissionError as exc:  # InvalidRequest, TooLarge
+        offsets, ints, rid, mm_parts = decode_add(buf, limits, marks, env, WireError)
+    except WireError:
+        raise
+    except AdmissionError as exc:  # InvalidRequest, TooLarge: before the rid is known
         raise WireError(exc.message, recover_rid(buf), exc.code) from exc
+    elems = [msgspec.Raw(buf[a:b]) for a, b in pairwise(offsets)]
+    input_ids = ints[0]
+    decoded = [(input_ids, elems[F_INPUT_IDS], marks[0])]
+    unpadded = None
+    if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
+        unpadded = ints[1]
+        decoded.append((unpadded, elems[F_UNPADDED], marks[1]))
     try:
-        # a received zmq.Frame's byte view (what _as_buffer returns), without a call each
-        aux = [memoryview(f) if type(f) is _Frame else _as_buffer(f) for f in aux_frames]
-        reader = _TensorReader(aux, limits)
-        for i in odd:  # the others are nil, bools, numbers, bins and arrays of them
-            if i not in _DECODED_ELEMENTS:
-                _value(elems[i], f"element {i}")  # no pickle / unknown ext anywhere
-        if len(elems) <= F_INPUT_IDS:
-            raise InvalidRequest("the payload has no input_ids")
-        # decoded by the split, or why not in its words
-        input_ids = _ids(ints[0], "input_ids")
-        decoded = [(input_ids, elems[F_INPUT_IDS], marks[0])]
-        unpadded = None
-        if len(elems) > F_UNPADDED and not _is_nil(elems[F_UNPADDED]):
-            unpadded = _ids(ints[1], "input_ids_unpadded")
-            decoded.append((unpadded, elems[F_UNPADDED], marks[1]))
         mm = None
-        if len(elems) > F_MM and not _is_nil(elems[F_MM]):
-            mm = _decode_mm(elems[F_MM], reader)
+        if mm_parts is not None:
+            mm = _decode_mm(buf, mm_parts, reader)
         verr = None
         if len(elems) > F_VALIDATION_ERROR:
             verr = _value(elems[F_VALIDATION_ERROR], "validation_error")
