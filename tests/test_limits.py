@@ -3,7 +3,7 @@ anything sized by the sender is built.
 
 Pinned here, with native code on and off (``conftest.native_mode``):
 
-* the structure walk (:func:`mmadmit.intcodec.check_structure`) and the bounded
+* the structure walk (:func:`mmadmit.msgpack_walk.check_structure`) and the bounded
   split: native and Python give the same answer on random nested values, on
   mutated bytes and at every limit boundary;
 * every codec limit over the wire codec: the payload's length, tokens
@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 import pytest
 from conftest import CONFIGS
-from mmadmit import intcodec, wire
+from mmadmit import intcodec, msgpack_walk, wire
 from mmadmit.config import ServeConfig, build_config
 from mmadmit.errors import Abort, AbortCode, ConfigError, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
@@ -122,11 +122,21 @@ def _random_value(rng: random.Random, depth: int) -> Any:
     return {f"k{i}": _random_value(rng, depth - 1) for i in range(n)}
 
 
+# check_structure of each build: compiled (None when not built) and interpreted
+_check_native = getattr(intcodec._BUILT, "check_structure", None)
+_check_py = msgpack_walk.check_structure
+
+
+def _check(buf: bytes, *args: Any) -> Any:
+    """check_structure on ``buf``, by the build native code selects."""
+    return intcodec._WALK.check_structure(memoryview(buf), *args)
+
+
 def _both(buf: bytes, offsets: list[int], skip: tuple[int, ...], depth: int, length: int) -> Any:
     """(native result, Python result), each with the odd elements it named; a
     ValueError is the result ``"ValueError"``."""
     out = []
-    for impl in (intcodec._check_native, intcodec._check_py):
+    for impl in (_check_native, _check_py):
         odd: list[int] = []
         try:
             out.append((impl(memoryview(buf), list(offsets), skip, depth, length, odd), odd))
@@ -160,7 +170,7 @@ def test_structure_walk_native_and_python_agree_on_random_and_mutated_input() ->
 def test_structure_walk_boundaries() -> None:
     buf = ENC.encode(["tag", nested(3), {"a": [1, 2, 3]}, list(range(5))])
     offsets, _ = intcodec.split_array(buf)
-    check = intcodec.check_structure
+    check = _check
     assert check(buf, offsets, (), 4, 5) is None  # element 1: depth 4 (3 arrays in the payload)
     assert check(buf, offsets, (), 3, 5) == (3, 1, 4)
     assert check(buf, offsets, (1,), 3, 5) is None  # skipped
@@ -189,8 +199,8 @@ def test_structure_walk_names_the_elements_a_decode_must_check() -> None:
     buf = ENC.encode(value)
     offsets, _ = intcodec.split_array(buf)
     for skip, want in (((), [7, 8, 9, 10, 11, 12, 14]), ((8, 14), [7, 9, 10, 11, 12])):
-        for impl in (intcodec._check_native, intcodec._check_py):
-            if impl is intcodec._check_native and not intcodec._BUILT:
+        for impl in (_check_native, _check_py):
+            if impl is None:
                 continue
             odd: list[int] = []
             assert impl(memoryview(buf), offsets, skip, 1024, 100, odd) is None
@@ -199,7 +209,7 @@ def test_structure_walk_names_the_elements_a_decode_must_check() -> None:
         if i not in (7, 8, 9, 10, 11, 12, 14):
             msgspec.msgpack.decode(buf[offsets[i] : offsets[i + 1]])
     odd = []  # up to a breach: element 9 nests too deep for 3
-    assert intcodec.check_structure(buf, offsets, (), 3, 100, odd) == (3, 9, 4)
+    assert _check(buf, offsets, (), 3, 100, odd) == (3, 9, 4)
     assert odd == [7, 8, 9]
 
 

@@ -86,7 +86,7 @@ class _WireItem(msgspec.Struct, array_like=True, gc=False):
     It takes every legal item: ``model_specific_data`` values are any value
     (a tensor is recognised by its form, ``[str, list, data]``; others, such
     as a ``use_audio_in_video`` flag, are kept as they are). ``offsets`` are
-    decoded for every item at once by :func:`mmadmit.intcodec.int_rows`.
+    decoded for every item at once by :func:`mmadmit.msgpack_walk.int_rows`.
     Trailing fields of a newer peer are skipped here unseen: they are checked
     (no pickle) from the item's raw elements. What the types refuse is worded
     by :func:`_item_error`, which decodes nothing that is kept.

@@ -250,8 +250,8 @@ _encode_native, _encode_py = (
     on_walk(_PY, ic.encode_int_array),
 )
 _split_native, _split_py = on_walk(_NATIVE, ic.split_array), on_walk(_PY, ic.split_array)
-_check_native, _check_py = on_walk(_NATIVE, ic.check_structure), on_walk(_PY, ic.check_structure)
-_rows_native, _rows_py = on_walk(_NATIVE, ic.int_rows), on_walk(_PY, ic.int_rows)
+_check_native, _check_py = getattr(_NATIVE, "check_structure", None), _PY.check_structure
+_rows_native, _rows_py = getattr(_NATIVE, "int_rows", None), _PY.int_rows
 _filled_native = on_walk(_NATIVE, ic.encode_int_array_filled)
 _filled_py = on_walk(_PY, ic.encode_int_array_filled)
 

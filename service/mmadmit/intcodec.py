@@ -25,13 +25,12 @@ and whenever ``msgspec`` refuses the walker runs and words the error;
 received bytes are smallest forms) is ``msgspec`` on ``values.tolist()``,
 byte-identical (the tests check it). Every other function is the walker's alone, through ``_WALK``.
 
-The wire codec decodes an ADD with one call, :func:`decode_add`, which runs
-the walks below in order. Splitting: :func:`split_array` walks one msgpack array
-and returns where each element starts and ends, decoding chosen int-array
-elements (token ids) into int64 arrays in the same pass, so a 128K-id payload
-is read once; :func:`build_items` builds the multimodal items from their
-bytes, and :func:`int_rows` decodes arrays of int rows at given offsets
-(their offset pairs) into one int64 table. The walk checks
+The wire codec decodes an ADD with one call, :func:`decode_add`: the walker's
+split (where each element starts and ends, the token arrays decoded into int64
+arrays in the same pass, so a 128K-id payload is read once), its limits walk,
+its item builder and its table of the items' offset rows, in order
+(:func:`mmadmit.msgpack_walk.decode_add`). :func:`split_array` is that split
+alone. The walk checks
 the structure only (lengths, the never-used byte ``0xc1``, trailing bytes),
 iteratively: no depth limit, no recursion. Errors are ``ValueError`` with the
 same text compiled and interpreted.
@@ -52,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmadmit import msgpack_walk, native
-from mmadmit.msgpack_walk import IntArrayTooLong, RowsError
+from mmadmit.msgpack_walk import IntArrayTooLong
 
 try:
     from mmadmit import _walk_c as _BUILT  # type: ignore[attr-defined]
@@ -62,18 +61,14 @@ except ImportError:  # not built (no compiler or no Cython at install time)
 __all__ = [
     "HAVE_NATIVE",
     "IntArrayTooLong",
-    "RowsError",
     "array_len",
-    "build_items",
     "check_int_arrays",
-    "check_structure",
     "decode_add",
     "decode_int_array",
     "element_span",
     "encode_int_array",
     "encode_int_array_filled",
     "encoded_bound",
-    "int_rows",
     "offsets_of",
     "splice_items",
     "split_array",
@@ -120,36 +115,6 @@ def array_len(raw: Any) -> int:
     """
     count: int = _WALK.array_len(_as_bytes(raw))
     return count
-
-
-def check_structure(
-    raw: Any,
-    offsets: list[int],
-    skip: tuple[int, ...],
-    max_depth: int,
-    max_len: int,
-    odd: list[int] | None = None,
-) -> tuple[int, int, int] | None:
-    """Walk the elements of ``raw`` at :func:`split_array`'s ``offsets`` against limits.
-
-    Every element whose index is not in ``skip`` (at most 8) is walked, the
-    array itself counting as nesting depth 1: no container may sit deeper than
-    ``max_depth`` (1 to 1024) or declare more than ``max_len`` elements (an
-    array) or entries (a map). Returns None, or the first breach as ``(kind,
-    element, value)``: kind 1 (array) or 2 (map) with its length, 3 (depth)
-    with the depth reached; ``element`` the index holding it. The walk reads
-    headers only and allocates nothing. ``ValueError`` for offsets that do not
-    split ``raw`` into single values.
-
-    ``odd``, a list, gets the walked elements (up to a breach) that hold a
-    str, a map or an ext anywhere, or nest arrays deeper than
-    ``msgpack_walk.PLAIN_DEPTH``: the ones whose decoding can refuse them.
-    The others (nil, bools, ints, floats, bins, arrays of them) always decode.
-    """
-    breach: tuple[int, int, int] | None = _WALK.check_structure(
-        _as_bytes(raw), list(offsets), tuple(skip), max_depth, max_len, [] if odd is None else odd
-    )
-    return breach
 
 
 def split_array(
@@ -235,35 +200,6 @@ def element_span(raw: Any, index: int) -> tuple[int, int]:
     where there is no such element."""
     start, end = _WALK.element_span(_as_bytes(raw), index)
     return start, end
-
-
-def int_rows(raw: Any, starts: list[int], width: int) -> tuple[npt.NDArray[np.int64], list[int]]:
-    """Decode the arrays of int rows at the given offsets of ``raw`` into one table.
-
-    At each offset in ``starts`` the msgpack value must be nil or an array of
-    rows, each an array of exactly ``width`` (1 to 15) ints in the int64 range.
-    Returns ``(table, bounds)``: ``table`` a new 1-D int64 array holding every
-    row in order (reshape it to ``(-1, width)``), ``bounds`` two ints per
-    offset, the first row and the end row of its array, ``-1, -1`` for nil.
-    Raises :class:`RowsError` (a ``ValueError``) for any other value or an
-    offset outside ``raw``, its ``index`` the first such offset in ``starts``'
-    order.
-    """
-    table, bounds = _WALK.int_rows(_as_bytes(raw), list(starts), width)
-    return table, bounds
-
-
-# build_items' result: the items, the aux indices features and other tensors refer
-# to, where each item's offsets start
-_Built = tuple[list[Any], list[int], list[int], list[int]]
-
-
-def build_items(raw: Any, *args: Any) -> _Built:
-    """The items of the msgpack array ``raw``, built (or refused, in words) by the
-    walk of :func:`mmadmit.msgpack_walk.build_items` (its arguments after ``raw``),
-    compiled or interpreted (the same source)."""
-    built: _Built = _WALK.build_items(_as_bytes(raw), *args)
-    return built
 
 
 def decode_add(raw: Any, limits: Any, marks: list[Any], env: tuple[Any, ...], refusal: Any) -> Any:
@@ -540,7 +476,3 @@ def _use_native(on: bool) -> bool:
 
 
 native.register(__name__, _use_native)
-
-# check_structure of each build, by the names tests/test_limits.py calls them
-_check_py = msgpack_walk.check_structure
-_check_native = getattr(_BUILT, "check_structure", None)

@@ -11,7 +11,7 @@ one terminal outcome naming the limit's flag:
 
 Where they are decided: the ZMQ codec (:mod:`mmadmit.wire`) reads every
 count from its msgpack header and walks the structure's headers
-(:func:`mmadmit.intcodec.check_structure`) *before* it decodes an element, so
+(:func:`mmadmit.msgpack_walk.check_structure`) *before* it decodes an element, so
 a breach allocates nothing sized by the sender; the gRPC request deserializer
 counts from the wire bytes (:func:`mmadmit.pbwire.check_admit_limits`); every
 received tensor is built as a :class:`mmadmit.model.Tensor` with the limits,
