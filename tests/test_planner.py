@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import load_vector, native_as, vector_names
 from hf_oracle import FAMILIES
-from mmadmit import planner, wire
+from mmadmit import planner, rules, wire
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, ShmHandle, Tensor
 from mmadmit.profile import ModelProfile, load_profile
@@ -354,9 +354,9 @@ def test_huge_grid_values_refused_alike() -> None:
 
 
 def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
-    """Rule 1's vocabulary check (one max over the ids read as uint64; located only
-    on failure) names the first id outside [0, vocab), whatever precedes or follows
-    it; vocab - 1 and 0 are inside, every negative id (INT64_MIN too) outside."""
+    """Rule 1's vocabulary check (rules.first_outside) names the first id outside
+    [0, vocab), whatever precedes or follows it; vocab - 1 and 0 are inside, every
+    negative id (INT64_MIN too) outside."""
     profile = load_profile("qwen3_5")
     m = Materializer(profile)
     vocab = profile.vocab_size
@@ -377,6 +377,25 @@ def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
         assert f"input_ids[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})" in str(
             got
         ), got
+
+
+def test_first_outside_compiled_and_interpreted_agree() -> None:
+    """rules.first_outside in both builds: the first index outside [0, vocab) or -1,
+    on random ids (every length mod 4) with edge values planted anywhere (inside
+    a 4-id chain and in the tail), read-only arrays and an empty vocabulary too."""
+    rng = np.random.default_rng(35)
+    edges = [0, 1, 99, 100, 101, -1, -(2**63), 2**63 - 1]
+    for _ in range(400):
+        ids = rng.integers(0, 100, int(rng.integers(0, 40))).astype(np.int64)
+        for at in rng.integers(0, max(len(ids), 1), int(rng.integers(0, 3))):
+            if len(ids):
+                ids[int(at)] = int(rng.choice(edges))
+        ids.flags.writeable = bool(rng.integers(0, 2))
+        for vocab in (100, 0):
+            outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+            want = int(outside[0]) if outside.size else -1
+            assert planner._BUILT.first_outside(ids, vocab) == want, (ids, vocab)
+            assert rules.first_outside(ids, vocab) == want, (ids, vocab)
 
 
 def test_new_items_are_copies_and_inputs_untouched() -> None:

@@ -299,9 +299,8 @@ class Materializer:
 
     def _check_vocab(self, ids: np.ndarray, what: str) -> None:
         vocab = self.profile.vocab_size
-        # one reduction: read as uint64, a negative id is above any vocabulary
-        if len(ids) and int(np.asarray(ids, np.int64).view(np.uint64).max()) >= vocab:
-            i = int(np.argmax((ids < 0) | (ids >= vocab)))  # located only on failure
+        i = planner.first_outside(np.ascontiguousarray(ids, np.int64), vocab)
+        if i >= 0:
             raise InvalidRequest(
                 f"{what}[{i}] = {int(ids[i])} is outside the vocabulary [0, {vocab})"
             )

@@ -49,6 +49,11 @@ def tensors_within(mm: Any, limits: Any) -> None:
     _active.tensors_within(mm, limits)
 
 
+def first_outside(ids: Any, vocab: int) -> int:
+    """:func:`mmadmit.rules.first_outside`, in the active build."""
+    return _active.first_outside(ids, vocab)  # type: ignore[no-any-return]
+
+
 def pad_value(modality: int, content_hash: int) -> int:
     """:func:`mmadmit.rules.pad_value`, in the active build."""
     return _active.pad_value(modality, content_hash)  # type: ignore[no-any-return]

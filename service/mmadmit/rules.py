@@ -1,4 +1,5 @@
-"""docs/spec/MATERIALIZE.md rules 5 and 6 over a request's items: the one source.
+"""docs/spec/MATERIALIZE.md rules 5 and 6 over a request's items (and rule 1's
+vocabulary bound): the one source.
 
 :func:`plan_items` checks every item of a request (rule 5: modality, spans,
 placeholders, hash and pad value ranges, and for the M-RoPE families the
@@ -16,8 +17,9 @@ fuzz target run both on valid and on mutated requests and demand the same
 outcome, message included. The ``cython.*`` annotations type locals for the
 compiled build (C integers, typed memoryviews on int64 tables); interpreted
 they do nothing. ``cython.compiled`` is tested where the compiled code must
-differ: :func:`_round32`, and :func:`_i64_at` and :func:`_f32_at`, which read a
-tensor's values from its buffer.
+differ: :func:`_round32`; :func:`_i64_at` and :func:`_f32_at`, which read a
+tensor's values from its buffer; and :func:`first_outside`'s pass (C integer
+compares compiled, Python ints interpreted: the same verdict).
 
 The work is laid out for the compiled build: everything per span or grid row
 runs in loops over C integers on a few int64 tables allocated once per
@@ -25,7 +27,9 @@ request, and Python objects are touched once per item (its fields, its grid
 and timing tensors). C integers never overflow here: every count and product
 is bounded by ``len(input_ids)`` before it is formed (a product that would
 pass that bound is refused first), and a grid value outside int64 is refused.
-Per-token loops stay in :mod:`mmadmit.kernels`.
+Per-token loops stay in :mod:`mmadmit.kernels`, but for rule 1's vocabulary
+bound (:func:`first_outside`, one compare an id): inside a request numpy's
+reduction cost 6-10 us at 1K ids, this loop compiled about 1 us.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ if cython.compiled:
     from cython.cimports.libc.string import memcpy
 
 i64 = cython.typedef(cython.longlong)
+u64 = cython.typedef(cython.ulonglong)
 ssize = cython.typedef(cython.Py_ssize_t)
 
 IMAGE_GRID = "image_grid_thw"
@@ -166,6 +171,41 @@ def _with_pad_of(item: Item, f: tuple, content_hash: object, pad: i64) -> Item:
 def pad_value(modality: cython.int, content_hash: cython.ulonglong) -> i64:
     """Rule 6: the pad value of a content hash (``modality`` 1 image, 2 video, 3 audio)."""
     return _pad_lo(modality) + cython.cast(i64, content_hash % _SLOTS)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def first_outside(ids: cython.const[i64][::1], vocab: i64) -> ssize:
+    """Rule 1's vocabulary bound: the index of the first id outside ``[0, vocab)``,
+    -1 when there is none. One pass that only says whether any id is outside,
+    then, only then, the search for the first."""
+    n: ssize = ids.shape[0]
+    i: ssize = 0
+    if vocab <= 0:
+        return 0 if n else -1
+    top: u64 = vocab
+    a: u64 = 0
+    b: u64 = 0
+    c: u64 = 0
+    d: u64 = 0
+    if cython.compiled:  # one unsigned compare an id (a negative one is above top),
+        # four independent chains: about 1 us for 1K ids, 43 us for 128K
+        while i + 4 <= n:
+            a |= cython.cast(u64, ids[i]) >= top
+            b |= cython.cast(u64, ids[i + 1]) >= top
+            c |= cython.cast(u64, ids[i + 2]) >= top
+            d |= cython.cast(u64, ids[i + 3]) >= top
+            i += 4
+        while i < n:
+            a |= cython.cast(u64, ids[i]) >= top
+            i += 1
+    else:  # the same verdict over Python ints (--native off)
+        a = any(v < 0 or v >= vocab for v in ids.tolist())
+    if a | b | c | d:
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= vocab:
+                return i
+    return -1
 
 
 def f32(x: float) -> float:
