@@ -1236,3 +1236,15 @@ def test_decode_add_refusals_carry_the_rid_once_it_is_read() -> None:
     with pytest.raises(wire.WireError) as info:
         wire.decode_message([b"\x00", payload, *aux], Limits(max_msgpack_len=3))
     assert info.value.rid == "rid-v" and info.value.code == AbortCode.TOO_LARGE
+
+
+def test_decode_add_names_the_item_whose_offsets_it_refuses() -> None:
+    """Offsets are read for the items that have element 3 only; a refusal names the
+    item by its index among all items, not among those with offsets."""
+    ids = msgpack.packb([11, 12, 13, 14])
+    items = [[1, None, None], [1, None, None, None], [2, None, None, [[0, 1], [2, "x"]]]]
+    payload = _ids_payload(ids, mm=[items, 248056, 248057, None, None, None, None])
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_message([b"\x00", payload])
+    assert info.value.message.startswith("item 2: offsets must be nil or an array of"), info.value
+    assert info.value.rid == "rid-v"
