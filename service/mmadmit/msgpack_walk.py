@@ -41,9 +41,11 @@ Arithmetic is written to give the same numbers in C (64-bit, wrapping) and in
 Python (unbounded ints): an unsigned value that may wrap goes through
 :func:`_wrap` (a no-op compiled), and every count stays far below 2**62.
 ``cython.compiled`` is tested only where the compiled code must differ:
-:func:`_wrap`; :func:`_load8`, which reads through a pointer when compiled
-(GCC merges byte loads into one load and a byte swap only at constant
-offsets from one pointer, not at a variable index into a memoryview);
+:func:`_wrap` (interpreted, it also makes a numpy int a Python int);
+:func:`_load8`, which reads through a pointer when compiled (GCC merges byte
+loads into one load and a byte swap only at constant offsets from one
+pointer, not at a variable index into a memoryview) and with one
+``int.from_bytes`` interpreted;
 :func:`_copy` and :func:`_bytes_at` (``memcpy`` and a pointer slice
 compiled, slicing interpreted); and the imports at the top.
 """
@@ -171,7 +173,7 @@ def _type_name(b: cython.int) -> str:
 def _wrap(x: u64) -> u64:
     """``x`` modulo 2**64: what C's unsigned arithmetic does by itself."""
     if not cython.compiled:
-        x &= 0xFFFFFFFFFFFFFFFF
+        x = int(x) & 0xFFFFFFFFFFFFFFFF  # a numpy int interpreted: a Python int
     return x
 
 
@@ -198,12 +200,14 @@ def _int_value(b: cython.uint, u: u64) -> i64:
     (``u`` unused) and int8..64, as is for uint8..32, and uint64 as int64 (a
     value above INT64_MAX comes out negative, in range for the caller to refuse)."""
     m: u64 = 0
+    one: u64 = 1
     if b < 0x80 or b >= 0xE0:
         u = b
         m = 0x80
     elif b >= 0xCF:
-        m = cython.cast(u64, 1) << (8 * (1 << (b & 3)) - 1)
-    return cython.cast(i64, (u ^ m) - m)  # C wraps in 64 bits, Python needs not
+        m = one << (8 * (1 << (b & 3)) - 1)
+    r: i64 = (u ^ m) - m  # C wraps in 64 bits, Python needs not
+    return r
 
 
 @cython.cfunc
@@ -230,10 +234,9 @@ def _load(p: cython.const[u8][::1], at: ssize, width: cython.int) -> u64:
 def _load8(p: cython.const[u8][::1], at: ssize) -> u64:
     """8 bytes at ``p[at]``, big-endian (one unaligned load and a byte swap, compiled)."""
     q: cython.pointer(cython.const[u8])
-    if cython.compiled:
-        q = cython.address(p[at])
-    else:
-        q = p[at : at + 8]
+    if not cython.compiled:
+        return int.from_bytes(p[at : at + 8], "big")
+    q = cython.address(p[at])
     return (
         (cython.cast(u64, q[0]) << 56)
         | (cython.cast(u64, q[1]) << 48)
@@ -574,7 +577,8 @@ def _put9(o: u8[::1], at: ssize, t: cython.uint, payload: u64) -> cython.void:
     then advances by the int's true size, the next write overwrites the rest.
     Written as the 8 bytes of one big-endian word and a ninth byte, which GCC
     turns into one byte-swapped 8-byte store and a byte store."""
-    w: u64 = (cython.cast(u64, t) << 56) | (payload >> 8)
+    w: u64 = t
+    w = (w << 56) | (payload >> 8)
     o[at] = w >> 56
     o[at + 1] = (w >> 48) & 0xFF
     o[at + 2] = (w >> 40) & 0xFF
@@ -596,7 +600,7 @@ def _form(v: i64) -> tuple[cython.uint, u64, ssize]:
     a fixint (the type byte is the value, size 1), else 0xcc + k (uint) /
     0xd0 + k (int) and a payload of ``1 << k`` bytes (left-aligned in
     ``payload``)."""
-    u: u64 = _wrap(cython.cast(u64, v))
+    u: u64 = _wrap(v)
     neg: u64 = u >> 63
     # for v < 0, ~v: the int8/16/32 ranges are then ~v <= 0x7f, 0x7fff,
     # 0x7fffffff and negative fixints ~v <= 31; for v >= 0 the uint8/16/32
