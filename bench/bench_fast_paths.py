@@ -8,7 +8,9 @@ ratio is "without / with", so 1.10 or more keeps it):
 * the C kernels of ``_kernels`` (M-RoPE positions, the placeholder-span check,
   the pad fill), each against its numpy twin, and
 * splicing the reply's items from their received bytes (``splice_items``)
-  against encoding every item,
+  against encoding every item, and
+* writing the padded ids from the received ids' bytes and the pad spans
+  (``encode_filled``) against encoding the padded array,
 
 on a ZMQ ADD's decode + materialize + encode (``workloads.staged``: Qwen3.5 and
 Qwen3-Omni at 8K, 32K and 128K tokens, hashes supplied); and
@@ -21,7 +23,7 @@ on gRPC ``Admit`` (``bench_grpc``'s 1K tokens + one 2.4 MB image) and SMG's
 ``Generate`` (``bench_smg_grpc``'s workloads), parse + translate + materialize
 + encode.
 
-Run: python bench/bench_fast_paths.py [--rounds 5]
+Run: python bench/bench_fast_paths.py [--rounds 5] [--only NAME-PART]
 """
 
 from __future__ import annotations
@@ -84,6 +86,20 @@ def _no_splice() -> Iterator[None]:
         yield
     finally:
         wire.splice_items = real
+
+
+@contextmanager
+def _no_fill_from_bytes() -> Iterator[None]:
+    real = wire._int_array
+
+    def encode_padded(extra: Any, values: Any, padding: Any = None) -> Any:
+        return real(extra, values, None)
+
+    wire._int_array = encode_padded
+    try:
+        yield
+    finally:
+        wire._int_array = real
 
 
 @contextmanager
@@ -186,6 +202,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per", type=int, default=20, help="runs per median (a third at 128K)")
+    ap.add_argument("--only", help="measure only the fast paths whose name contains this")
     args = ap.parse_args()
     print(f"command: python bench/bench_fast_paths.py --rounds {args.rounds} --per {args.per}")
     if kernels._BUILT is None or pbwire._BUILT is None:
@@ -197,9 +214,15 @@ def main() -> int:
         "_kernels.spans_check (the span check)": lambda: _numpy_kernel("first_mismatch"),
         "_kernels.spans_fill (the pad fill)": lambda: _numpy_kernel("fill_spans"),
         "splice_items (items from their bytes)": _no_splice,
+        "encode_filled (padded ids from their bytes)": _no_fill_from_bytes,
     }
-    results = measure(zmq_paths, zmq_cases(), args.rounds, args.per)
-    results |= measure({"_pbwire (every walk)": _no_pbwire}, grpc_cases(), args.rounds, args.per)
+    grpc_paths: dict[str, Callable[[], Any]] = {"_pbwire (every walk)": _no_pbwire}
+    if args.only:
+        zmq_paths = {k: v for k, v in zmq_paths.items() if args.only in k}
+        grpc_paths = {k: v for k, v in grpc_paths.items() if args.only in k}
+    results = measure(zmq_paths, zmq_cases(), args.rounds, args.per) if zmq_paths else {}
+    if grpc_paths:
+        results |= measure(grpc_paths, grpc_cases(), args.rounds, args.per)
     report(results)
     return 0
 
