@@ -4,10 +4,10 @@
 
 Prints the median time to decode and to encode N token ids (realistic ids:
 mostly uint16/uint32 forms, a few fixints) with the compiled walker
-(``mmadmit._walk_c``, Cython's build of ``msgpack_walk.py``), the interpreted
-fallback (msgspec shortcuts, module doc of ``mmadmit.intcodec``), msgpack-python
-and msgspec (both of which build one
-Python int per element; "msgpack + np.array" is what the codec replaces).
+(``mmadmit._walk_c``, Cython's build of ``msgpack_walk.py``), the same source
+interpreted (what ``--native off`` runs; median of 3 runs), msgpack-python and
+msgspec (both of which build one Python int per element; "msgpack + np.array"
+is what the codec replaces).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from collections.abc import Callable
 import msgpack
 import msgspec
 import numpy as np
-from mmadmit import intcodec
+from mmadmit import intcodec, msgpack_walk
+
+INTERPRETED_REPEAT = 3  # the interpreted walker takes 0.1-0.2 s per 128K ids
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -45,23 +47,24 @@ def main() -> None:
     raw = msgpack.packb(ids.tolist())
     as_list = ids.tolist()
     list_decoder = msgspec.msgpack.Decoder(list[int])
-    assert intcodec._encode_py(ids) == raw
-    assert np.array_equal(intcodec._decode_py(memoryview(raw)), ids)
+    assert msgpack_walk.encode(ids) == raw
+    assert np.array_equal(msgpack_walk.decode(memoryview(raw)), ids)
 
     decode: list[tuple[str, Callable[[], object]]] = []
     encode: list[tuple[str, Callable[[], object]]] = []
-    if intcodec.HAVE_NATIVE:
-        assert intcodec._encode_native(ids) == raw
-        decode.append(("native", lambda: intcodec._decode_native(memoryview(raw))))
-        encode.append(("native", lambda: intcodec._encode_native(ids)))
+    built = intcodec._BUILT
+    if built is not None:
+        assert built.encode(ids) == raw
+        decode.append(("compiled walker", lambda: built.decode(memoryview(raw))))
+        encode.append(("compiled walker", lambda: built.encode(ids)))
     decode += [
-        ("fallback", lambda: intcodec._decode_py(memoryview(raw))),
+        ("interpreted walker", lambda: msgpack_walk.decode(memoryview(raw))),
         ("msgpack.unpackb + np.array", lambda: np.array(msgpack.unpackb(raw), dtype=np.int64)),
         ("msgpack.unpackb (list only)", lambda: msgpack.unpackb(raw)),
         ("msgspec list[int] (list only)", lambda: list_decoder.decode(raw)),
     ]
     encode += [
-        ("fallback", lambda: intcodec._encode_py(ids)),
+        ("interpreted walker", lambda: msgpack_walk.encode(ids)),
         ("msgpack.packb(arr.tolist())", lambda: msgpack.packb(ids.tolist())),
         ("msgspec encode(arr.tolist())", lambda: msgspec.msgpack.encode(ids.tolist())),
         ("msgpack.packb(list) (list given)", lambda: msgpack.packb(as_list)),
@@ -69,13 +72,14 @@ def main() -> None:
 
     print(
         f"{args.n} ids, {len(raw)} bytes, median of {args.repeat}; "
-        f"compiled walker (_walk_c): {'built' if intcodec.HAVE_NATIVE else 'NOT built'}\n"
+        f"compiled walker (_walk_c): {'built' if built is not None else 'NOT built'}\n"
     )
     for title, cases in (("decode (msgpack -> int64 ndarray)", decode),
                          ("encode (int64 ndarray -> msgpack)", encode)):  # fmt: skip
         print(f"| {title} | ms |\n|---|---:|")
         for name, fn in cases:
-            print(f"| {name} | {median_ms(fn, args.repeat):.3f} |")
+            repeat = INTERPRETED_REPEAT if name.startswith("interpreted") else args.repeat
+            print(f"| {name} | {median_ms(fn, repeat):.3f} |")
         print()
 
 

@@ -1,16 +1,16 @@
 """mmadmit.intcodec: msgpack int arrays <-> int64 numpy arrays.
 
 Contract: the walker compiled (``mmadmit._walk_c``, built by Cython from
-``mmadmit/msgpack_walk.py``), the same source interpreted ("fallback", with
-intcodec's msgspec shortcuts) and msgpack-python agree byte for byte on
-encoding and value for value on decoding; both raise ``ValueError`` with the
-*same* message for each malformed input (split errors included).
+``mmadmit/msgpack_walk.py``), the same source interpreted and msgpack-python
+agree byte for byte on encoding and value for value on decoding; both builds
+raise ``ValueError`` with the *same* message for each malformed input (split
+errors included).
 
 The "native" cases skip when the extension is not built (``intcodec._BUILT`` is
 None: a machine without a compiler or Cython at install time, ``pip install -e .``
 then installs the pure module only), not when native code is switched off
 (``MMADMIT_NATIVE=0``): they run the compiled walker all the same, with native
-switched on for the case; the fallback cases always run.
+switched on for the case; the interpreted cases always run.
 ``mmadmit.intcodec.HAVE_NATIVE`` says which one the public functions use.
 
 Run with: python -m pytest tests/test_intcodec.py -q
@@ -69,7 +69,7 @@ _filled_py = on_walk(msgpack_walk, ic.encode_int_array_filled)
 
 native_only = pytest.mark.skipif(
     ic._BUILT is None,
-    reason="mmadmit._walk_c not built (no C compiler or Cython at install time); fallback only",
+    reason="mmadmit._walk_c not built (no C compiler or Cython at install time); interpreted only",
 )
 
 
@@ -110,12 +110,12 @@ Encoder = Callable[[Any], bytes]
 
 DECODERS = [
     _native_param(lambda raw: _decode_native(ic._as_bytes(raw))),
-    pytest.param(lambda raw: _decode_py(ic._as_bytes(raw)), id="fallback"),
+    pytest.param(lambda raw: _decode_py(ic._as_bytes(raw)), id="interpreted"),
     pytest.param(ic.decode_int_array, id="public"),
 ]
 ENCODERS = [
     _native_param(lambda v: _encode_native(ic._as_int64(v))),
-    pytest.param(lambda v: _encode_py(ic._as_int64(v)), id="fallback"),
+    pytest.param(lambda v: _encode_py(ic._as_int64(v)), id="interpreted"),
     pytest.param(ic.encode_int_array, id="public"),
 ]
 
@@ -390,7 +390,7 @@ def test_decode_errors(decode: Decoder, raw: bytes, message: str) -> None:
 
 @native_only
 @pytest.mark.parametrize(("raw", "message"), ERROR_CASES)
-def test_native_and_fallback_errors_identical(raw: bytes, message: str) -> None:
+def test_native_and_interpreted_errors_identical(raw: bytes, message: str) -> None:
     errors = []
     for impl in (_decode_native, _decode_py):
         with pytest.raises(ValueError) as info:
@@ -457,7 +457,7 @@ def test_property_round_trip(values: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------
-# Splitting: split_array / int_rows, native vs fallback
+# Splitting: split_array / int_rows, native vs interpreted
 #
 # For every valid input both implementations return the very same offsets,
 # spans, rows and int arrays; for every malformed one both raise ValueError
@@ -465,11 +465,11 @@ def test_property_round_trip(values: list[int]) -> None:
 
 SPLITTERS = [
     _native_param(_split_native),
-    pytest.param(_split_py, id="fallback"),
+    pytest.param(_split_py, id="interpreted"),
 ]
 ROWERS = [
     _native_param(_rows_native),
-    pytest.param(_rows_py, id="fallback"),
+    pytest.param(_rows_py, id="interpreted"),
 ]
 
 Ext = msgpack.ExtType
@@ -614,7 +614,7 @@ def test_split_native_nesting_has_no_depth_limit() -> None:
         _split_native(ic._as_bytes(deep[:-1]), ())  # the outer array misses an element
 
 
-def test_split_public_api_matches_fallback() -> None:
+def test_split_public_api_matches_interpreted() -> None:
     raw = _small_message()
     assert ic.split_array(raw, (4,))[0] == _split_py(ic._as_bytes(raw), (4,))[0]
     assert ic.split_array(memoryview(raw))[0] == _expected_offsets(msgpack.unpackb(raw))
@@ -754,7 +754,7 @@ def test_int_rows_names_the_first_start_it_refuses(rows: Callable[..., Any]) -> 
         max_size=12,
     )
 )
-def test_property_split_native_matches_fallback(values: list[Any]) -> None:
+def test_property_split_native_matches_interpreted(values: list[Any]) -> None:
     raw = _pack(values)
     fields = tuple(range(min(len(values), 8)))
     py_offsets, py_ints = _split_py(ic._as_bytes(raw), fields)
@@ -970,7 +970,7 @@ def _outcome(f: Callable[..., Any], *args: Any) -> Any:
 
 FILLS = [
     _native_param(lambda *a: _filled_native(*a)),
-    pytest.param(lambda *a: _filled_py(*a), id="fallback"),
+    pytest.param(lambda *a: _filled_py(*a), id="interpreted"),
     pytest.param(
         lambda old, buf, mk, *spans: ic.encode_int_array_filled(old, buf, mk, *spans),
         id="public",
@@ -1015,7 +1015,7 @@ def test_encode_filled_is_encode_of_the_filled_array(filled: Any, n: int) -> Non
 @pytest.mark.parametrize("n", [0, 1, 8, 9, 64, 65, 200, 3000])
 def test_encode_filled_keeps_other_forms_outside_the_spans(n: int) -> None:
     """Bytes no encoder writes: every element outside the spans as received, the
-    spans in smallest forms; compiled, interpreted and fallback alike."""
+    spans in smallest forms; compiled and interpreted alike."""
     from mmadmit import msgpack_walk
 
     rng = np.random.default_rng([14, n])
@@ -1128,22 +1128,16 @@ def test_encode_filled_reads_stay_in_bounds(guarded: _Guarded) -> None:
                 assert msgpack.unpackb(got) == _filled(old, *spans).tolist()
 
 
-def test_split_marks_only_from_the_compiled_walker() -> None:
+def test_split_marks_from_either_build() -> None:
     raw = msgpack.packb(list(range(200)))
-    _split_py(ic._as_bytes(b"\x92\xa1x" + raw), (1, 5), None, None)
+    _, expected = msgpack_walk.decode_marked(memoryview(raw))
+    assert len(expected) == 4  # 200 ids: 4 marks
     for on in (True, False):  # the public function with native on (compiled, where built), off
         marks: list[Any] = ["stale"]
         with _native(on):
             ic.split_array(b"\x92\xa1x" + raw, (1, 5), None, marks)
-            compiled_walker = ic.HAVE_NATIVE
         assert len(marks) == 2 and marks[1] is None  # element 5 is missing
-        if compiled_walker:
-            from mmadmit import msgpack_walk
-
-            _, expected = msgpack_walk.decode_marked(memoryview(raw))
-            assert np.array_equal(marks[0], expected) and len(expected) == 4  # 200 ids: 4 marks
-        else:
-            assert marks[0] is None
+        assert np.array_equal(marks[0], expected)
 
 
 @pytest.mark.parametrize("seed", range(4))

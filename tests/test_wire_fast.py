@@ -1150,15 +1150,15 @@ def test_splice_refuses_a_source_outside_its_bytes(name: str, change: dict[str, 
 
 
 # --------------------------------------------------------------------------
-# decode_add: the whole ADD in one walk, compiled, interpreted, and interpreted
-# with the msgspec token decode that --native off runs
+# decode_add: the whole ADD in one walk, compiled and interpreted (what --native
+# off runs)
 
 _TIGHT = Limits(
     max_tokens=64, max_items=2, max_msgpack_len=40, max_msgpack_depth=4, max_tensor_bytes=4096
 )
 
 
-def _added(walk: Any, split_ints: Any, payload: bytes, aux: list[Any], limits: Limits) -> Any:
+def _added(walk: Any, payload: bytes, aux: list[Any], limits: Limits) -> Any:
     """What one way of decode_add makes of ``payload`` (comparable), or its refusal:
     type, code, message and the rid it carries (None: the caller recovers it)."""
     buf = memoryview(payload)
@@ -1167,7 +1167,7 @@ def _added(walk: Any, split_ints: Any, payload: bytes, aux: list[Any], limits: L
            wire._decode_shm)  # fmt: skip
     try:
         offsets, ints, rid, mm = walk.decode_add(
-            buf, buf, limits, [None, None], env, wire.WireError, split_ints
+            buf, buf, limits, [None, None], env, wire.WireError
         )
     except (InvalidRequest, TooLarge) as exc:
         return ("refused", type(exc).__name__, exc.code, exc.message, getattr(exc, "rid", None))
@@ -1179,11 +1179,8 @@ def _added(walk: Any, split_ints: Any, payload: bytes, aux: list[Any], limits: L
     return offsets, form, rid, mm
 
 
-def _decode_add_ways() -> list[tuple[Any, Any]]:
-    ways: list[tuple[Any, Any]] = [(msgpack_walk, None), (msgpack_walk, ic._split_py)]
-    if ic._BUILT is not None:
-        ways.append((ic._BUILT, None))
-    return ways
+def _decode_add_ways() -> list[Any]:
+    return [msgpack_walk] + ([ic._BUILT] if ic._BUILT is not None else [])
 
 
 def _add_cases() -> list[tuple[bytes, list[bytes]]]:
@@ -1208,15 +1205,15 @@ def _add_cases() -> list[tuple[bytes, list[bytes]]]:
 
 
 def test_decode_add_is_one_walk_in_every_build() -> None:
-    """decode_add compiled, interpreted, and interpreted with intcodec's msgspec token
-    decode (what --native off runs) take the same payloads into the same offsets,
+    """decode_add compiled and interpreted (what --native off runs) take the same
+    payloads into the same offsets,
     token arrays, rid and items, and refuse the others with the same type, code,
     message and rid, under the default limits and tight ones."""
     ways = _decode_add_ways()
     refused = taken = 0
     for payload, aux in _add_cases():
         for limits in (DEFAULT_LIMITS, _TIGHT):
-            results = [_added(walk, split, payload, aux, limits) for walk, split in ways]
+            results = [_added(walk, payload, aux, limits) for walk in ways]
             assert results[1:] == results[:1] * (len(ways) - 1), (payload.hex(), results)
             if results[0][0] == "refused":
                 refused += 1
@@ -1229,9 +1226,9 @@ def test_decode_add_refusals_carry_the_rid_once_it_is_read() -> None:
     """A refusal after the rid is read carries it (wire.WireError); one before it
     (structure, a limit, the tag, the rid itself) carries none and wire recovers it."""
     payload, aux = _fast_form_payload()
-    after = _added(msgpack_walk, None, payload, aux, Limits(max_items=0))
+    after = _added(msgpack_walk, payload, aux, Limits(max_items=0))
     assert after[:3] == ("refused", "WireError", AbortCode.TOO_LARGE) and after[4] == "rid-v"
-    before = _added(msgpack_walk, None, payload, aux, Limits(max_msgpack_len=3))
+    before = _added(msgpack_walk, payload, aux, Limits(max_msgpack_len=3))
     assert before[:3] == ("refused", "TooLarge", AbortCode.TOO_LARGE) and before[4] is None
     with pytest.raises(wire.WireError) as info:
         wire.decode_message([b"\x00", payload, *aux], Limits(max_msgpack_len=3))

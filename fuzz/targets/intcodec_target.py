@@ -9,8 +9,8 @@ The first input byte picks an entry point, the rest is its input:
 ``decode_int_array`` on the bytes or on an array built element by element from
 them (every int form, boundary values; results and error messages must
 match; then ``decode_marked``'s marks, and ``encode_filled`` with spans and
-marks taken from the bytes, the compiled walker against the interpreted one
-and the fallback), ``encode_int_array``
+marks taken from the bytes, the compiled walker against the interpreted one),
+``encode_int_array``
 (bytes from an int array of a chosen dtype), ``split_array`` with chosen int
 fields (and a ``max_ints`` bound), ``check_structure`` at the split's offsets
 (or offsets chosen freely) with chosen limits, ``element_span`` of a
@@ -81,7 +81,7 @@ def _marked(buf: memoryview, old: np.ndarray) -> None:
 
 def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     """``encode_filled`` on a decoded array: spans taken from the bytes (valid ones,
-    then any), compiled, interpreted and the fallback alike, holding the filled
+    then any), compiled, interpreted and through the public function alike, holding the filled
     values; marks of any value, the same outcome both builds."""
     assert ic._BUILT is not None
     n = len(old)
@@ -91,7 +91,8 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     fill = np.resize(raw * 0x0101010101 - 2**35, len(starts))
     a = outcome(_filled_native, old, buf, marks, starts, stops, fill)
     same(a, outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill), "encode_filled")
-    same(a, outcome(_filled_py, old, buf, None, starts, stops, fill), "encode_filled fallback")
+    public = outcome(_filled_py, old, buf, None, starts, stops, fill)
+    same(a, public, "encode_filled, public, interpreted, marks read again")
     want = old.copy()
     for x, y, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
         want[x:y] = v
@@ -105,7 +106,7 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
             same(a, b, "encode_filled, spans or marks of any value")
     # into a caller's buffer, from an offset: room and offset of any value (the
     # bound is 5 + 9 bytes an element), the same outcome both builds and the
-    # fallback; what was written is what a fresh buffer gets
+    # public function; what was written is what a fresh buffer gets
     need = 5 + 9 * n
     pick = int((raw * np.arange(1, len(raw) + 1)).sum())  # every byte stirs it
     room = need + pick % 24 if pick & 1 else (pick >> 1) % (need + 24)  # enough, or any
@@ -115,7 +116,7 @@ def _filled(buf: memoryview, old: np.ndarray, marks: np.ndarray) -> None:
     b = outcome(msgpack_walk.encode_filled, buf, marks, starts, stops, fill, outs[1], start)
     c = outcome(_filled_py, old, buf, None, starts, stops, fill, outs[2], start)
     same(a, b, "encode_filled into a buffer")
-    same(a, c, "encode_filled into a buffer, fallback")
+    same(a, c, "encode_filled into a buffer, public, interpreted")
     if a[0] == "ok":
         fresh = outcome(_filled_native, old, buf, marks, starts, stops, fill)
         assert fresh[1] == a[1], "encode_filled into a buffer: other bytes"
@@ -173,7 +174,7 @@ def _structure(d: Data) -> None:
     b = outcome(_check_py, buf, offsets, skip, depth, length, odd_b)
     what = f"check_structure(depth={depth}, len={length}, skip={skip})"
     same(a, b, what)
-    assert odd_a == odd_b, f"{what}: odd elements {odd_a} native, {odd_b} fallback"
+    assert odd_a == odd_b, f"{what}: odd elements {odd_a} native, {odd_b} interpreted"
 
 
 def _element_span(d: Data) -> None:
@@ -386,14 +387,14 @@ def _add_payload(d: Data) -> bytes:
     return bytes(raw)
 
 
-def _added(walk: object, split_ints: object, buf: memoryview, limits: Limits) -> object:
+def _added(walk: object, buf: memoryview, limits: Limits) -> object:
     """What one way of decode_add makes of ``buf`` (comparable), or its refusal."""
     reader = wire._TensorReader(list(_AUX), limits)
     env = (reader.aux, Tensor, Item, wire._ItemSrc, wire._NO_SIDE, wire._value, reader.tensor,
            wire._decode_shm)  # fmt: skip
     try:
         offsets, ints, rid, mm = walk.decode_add(  # type: ignore[attr-defined]
-            buf, buf, limits, [None, None], env, wire.WireError, split_ints
+            buf, buf, limits, [None, None], env, wire.WireError
         )
     except AdmissionError as exc:
         return ("refused", type(exc).__name__, exc.code, exc.message, getattr(exc, "rid", None))
@@ -405,14 +406,13 @@ def _added(walk: object, split_ints: object, buf: memoryview, limits: Limits) ->
 
 
 def _decode_add(d: Data) -> None:
-    """decode_add compiled, interpreted, and interpreted with intcodec's msgspec token
-    decode (what --native off runs): the same result, or the same refusal."""
+    """decode_add compiled and interpreted (what --native off runs): the same
+    result, or the same refusal."""
     limits = d.pick(_ADD_LIMITS)
     buf = memoryview(_add_payload(d))
-    a = _added(ic._BUILT, None, buf, limits)
-    b = _added(msgpack_walk, None, buf, limits)
-    c = _added(msgpack_walk, ic._split_py, buf, limits)
-    assert a == b == c, f"decode_add: the builds disagree:\n  {a!r}\n  {b!r}\n  {c!r}"
+    a = _added(ic._BUILT, buf, limits)
+    b = _added(msgpack_walk, buf, limits)
+    assert a == b, f"decode_add: the builds disagree:\n  {a!r}\n  {b!r}"
 
 
 _TENSOR_DTYPES = ("float32", "int64", "uint8", "bfloat16", "bool", "float33", "", "<f4", "i8")

@@ -464,8 +464,9 @@ class ServeConfig:
         metadata={
             "parse": _bool,
             "help": "run the extensions this project builds on request bytes (on), or not "
-            "(off: their Python sources run, or msgspec's and protobuf's own C decoders do "
-            "the work; no extension of this project parses request bytes)",
+            "(off: their Python sources run, many times slower, or protobuf's upb parses "
+            "whole messages; no extension of this project parses request bytes, while "
+            "msgspec and upb still do)",
         },
     )
 

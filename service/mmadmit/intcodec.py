@@ -12,18 +12,11 @@ text. ``setup.py`` compiles it into the optional extension
 native code is on (:mod:`mmadmit.native`, ``--native off``), and the same
 source interpreted otherwise. ``HAVE_NATIVE`` says which.
 
-Interpreted, the walker's loops are Python loops, far too slow for token
-arrays: on 128K ids (measured here, on a loaded 2-core machine) it takes 6 s
-to decode, 2.4 s to encode and 5.5 s to split a message around them, against
-50 ms, 21 ms and 0.18 s through ``msgspec``. So when the walker is
-interpreted, and only then, ``msgspec`` shortcuts run for the int-array codec,
-each only where it gives the walker's result: :func:`decode_int_array` and
-the int fields of :func:`split_array` decode through ``Decoder(list[int])``,
-the offsets of :func:`split_array` come from ``Decoder(list[msgspec.Raw])``,
-and whenever ``msgspec`` refuses the walker runs and words the error;
-:func:`encode_int_array` (and :func:`encode_int_array_filled` where the
-received bytes are smallest forms) is ``msgspec`` on ``values.tolist()``,
-byte-identical (the tests check it). Every other function is the walker's alone, through ``_WALK``.
+Interpreted (``--native off``, or no extension built), the walker's loops
+are Python loops: on image-heavy ids it decodes 8K / 32K / 256K ids in about
+4-8 / 16-31 / 130-180 ms, where the compiled walker takes 0.01 / 0.05 / 0.3 ms.
+No other decoder stands in for it: every function here is the walker's,
+through ``_WALK``, in both builds.
 
 The wire codec decodes an ADD with one call, :func:`decode_add`: the walker's
 split (where each element starts and ends, the token arrays decoded into int64
@@ -43,10 +36,8 @@ more than ``2**32 - 1`` elements.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -62,14 +53,12 @@ __all__ = [
     "HAVE_NATIVE",
     "IntArrayTooLong",
     "array_len",
-    "check_int_arrays",
     "decode_add",
     "decode_int_array",
     "element_span",
     "encode_int_array",
     "encode_int_array_filled",
     "encoded_bound",
-    "offsets_of",
     "splice_items",
     "split_array",
 ]
@@ -93,18 +82,20 @@ def decode_int_array(raw: Any) -> npt.NDArray[np.int64]:
     for a non-array, a non-int element, truncated input, a uint64 above
     ``2**63 - 1`` and trailing bytes.
     """
-    return _decode_impl(_as_bytes(raw))
+    out: npt.NDArray[np.int64] = _WALK.decode(_as_bytes(raw))
+    return out
 
 
 def encode_int_array(values: Any) -> bytes | memoryview:
     """Encode a 1-D int array (any int dtype) as one msgpack array of ints.
 
-    Byte-identical to ``msgpack.packb(values.tolist())`` (``bytes``, or a view of a
-    fresh buffer from the compiled walker: no copy of a 128K-id encoding). Raises ``TypeError``
+    Byte-identical to ``msgpack.packb(values.tolist())``, as a view of a fresh
+    buffer (no copy of a 128K-id encoding). Raises ``TypeError``
     for a non-integer dtype and ``ValueError`` for a non-1-D array, a uint64
     value above ``2**63 - 1`` or more than ``2**32 - 1`` elements.
     """
-    return _encode_impl(_as_int64(values))
+    result: memoryview = _WALK.encode(_as_int64(values))
+    return result
 
 
 def array_len(raw: Any) -> int:
@@ -141,16 +132,15 @@ def split_array(
 
     With ``marks`` (a list), its contents become one entry per ``int_fields``
     entry: that array's marks for :func:`encode_int_array_filled`, or None (the
-    array was not decoded, or not by the compiled walker).
+    array was not decoded).
     """
     if len(int_fields) > 8 or len(set(int_fields)) != len(int_fields):
         raise ValueError("split_array: at most 8 distinct int_fields")
-    if marks is None:
-        return _split_impl(_as_bytes(raw), tuple(int_fields), max_ints, None)
-    got: list[Any] = [None] * len(int_fields)
-    result = _split_impl(_as_bytes(raw), tuple(int_fields), max_ints, got)
-    marks[:] = got
-    return result
+    if marks is not None:
+        marks[:] = [None] * len(int_fields)
+    bound = -1 if max_ints is None else max_ints
+    offsets, ints = _WALK.split(_as_bytes(raw), tuple(int_fields), bound, True, marks)
+    return offsets, ints
 
 
 def encode_int_array_filled(
@@ -183,7 +173,13 @@ def encode_int_array_filled(
         raise ValueError(f"{_PREFIX}encode_filled: old must be a 1-D int64 array")
     if not len(a) == len(b) == len(v):
         raise ValueError(f"{_PREFIX}encode_filled: starts, stops and fill differ in length")
-    return _filled_impl(old, _as_bytes(raw), marks, a, b, v, out, start)
+    buf = _as_bytes(raw)
+    if marks is None:
+        _, marks = _WALK.decode_marked(buf)
+    if _WALK.array_len(buf) != len(old):
+        raise ValueError(f"{_PREFIX}encode_filled: the array and the bytes do not match")
+    result: memoryview = _WALK.encode_filled(buf, marks, a, b, v, out, start)
+    return result
 
 
 def encoded_bound(n: int) -> int:
@@ -204,12 +200,9 @@ def element_span(raw: Any, index: int) -> tuple[int, int]:
 
 def decode_add(raw: Any, limits: Any, marks: list[Any], env: tuple[Any, ...], refusal: Any) -> Any:
     """An ADD payload decoded in one walk (:func:`mmadmit.msgpack_walk.decode_add`,
-    which says what it returns and refuses), compiled or interpreted; the
-    interpreted one decodes the token arrays through this module's msgspec
-    shortcut (:func:`split_array`)."""
+    which says what it returns and refuses), compiled or interpreted."""
     buf = _as_bytes(raw)
-    split_ints = None if HAVE_NATIVE else _split_py
-    return _WALK.decode_add(buf, buf, limits, marks, env, refusal, split_ints)
+    return _WALK.decode_add(buf, buf, limits, marks, env, refusal)
 
 
 def splice_items(
@@ -252,226 +245,18 @@ def _as_int64(values: Any) -> npt.NDArray[np.int64]:
 
 
 # --------------------------------------------------------------------------
-# Header-only checks (no walk)
-
-
-def offsets_of(total: int, raws: Sequence[Any]) -> list[int]:
-    """:func:`split_array`'s offsets for elements ``raws`` (back to back, ending a
-    buffer of ``total`` bytes), from their sizes."""
-    sizes = [len(r) for r in raws]
-    offsets = [total - sum(sizes)]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
-    return offsets
-
-
-def check_int_arrays(
-    raw: Any, offsets: list[int], int_fields: tuple[int, ...], max_ints: int
-) -> None:
-    """Raise :class:`IntArrayTooLong` for the first ``int_fields`` element at ``offsets``
-    that is an array of more than ``max_ints`` elements (its header only)."""
-    buf = _as_bytes(raw)
-    for field in sorted(int_fields):
-        if 0 <= field < len(offsets) - 1:
-            b = buf[offsets[field]]
-            if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-                count = _WALK.array_len(buf[offsets[field] : offsets[field + 1]])
-                if count > max_ints:
-                    raise IntArrayTooLong(field, count, max_ints)
-
-
-# --------------------------------------------------------------------------
-# The int-array codec compiled (_X_native: mmadmit._walk_c) and interpreted (_X_py:
-# the same source run by Python, with the msgspec shortcuts of the module doc).
-# Tests and the fuzz target compare each pair.
-
-
-def _decode_native(buf: memoryview) -> npt.NDArray[np.int64]:
-    assert _BUILT is not None
-    out: npt.NDArray[np.int64] = _BUILT.decode(buf)
-    return out
-
-
-def _encode_native(values: npt.NDArray[np.int64]) -> bytes | memoryview:
-    assert _BUILT is not None
-    result: memoryview = _BUILT.encode(values)
-    return result
-
-
-def _split_native(
-    buf: memoryview,
-    int_fields: tuple[int, ...],
-    max_ints: int | None = None,
-    marks: list[Any] | None = None,
-) -> tuple[list[int], list[npt.NDArray[np.int64] | str | None]]:
-    assert _BUILT is not None
-    bound = -1 if max_ints is None else max_ints
-    offsets, ints = _BUILT.split(buf, int_fields, bound, True, marks)
-    return offsets, ints
-
-
-def _filled_walk(walk: Any, old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
-    """``walk.encode_filled`` (one build of the walker), after the checks that
-    ``old`` is the array ``buf`` holds (its length; marks None: read again);
-    ``spans_out``: starts, stops, fill, then optionally out and start."""
-    if marks is None:
-        _, marks = walk.decode_marked(buf)
-    if walk.array_len(buf) != len(old):
-        raise ValueError(f"{_PREFIX}encode_filled: the array and the bytes do not match")
-    result: memoryview = walk.encode_filled(buf, marks, *spans_out)
-    return result
-
-
-def _filled_native(old: Any, buf: memoryview, marks: Any, *spans_out: Any) -> memoryview:
-    return _filled_walk(_BUILT, old, buf, marks, *spans_out)
-
-
-_LIST_OF_INT_DECODER = msgspec.msgpack.Decoder(list[int])
-
-
-def _ints_by_msgspec(buf: memoryview) -> npt.NDArray[np.int64] | None:
-    """The int array filling ``buf`` through msgspec; None where it refuses."""
-    try:
-        return np.array(_LIST_OF_INT_DECODER.decode(buf), dtype=np.int64)
-    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, ValueError):
-        return None  # OverflowError: a uint64 above INT64_MAX
-
-
-def _decode_py(buf: memoryview) -> npt.NDArray[np.int64]:
-    count = msgpack_walk.array_len(buf)  # a forged count refused before msgspec allocates
-    out = _ints_by_msgspec(buf)
-    if out is None or out.shape != (count,):
-        decoded: npt.NDArray[np.int64] = msgpack_walk.decode(buf)  # the error, worded
-        return decoded
-    return out
-
-
-# msgspec writes ints in the same smallest forms as msgpack-python (the tests
-# check it). Going through .tolist() was measured faster than a vectorized
-# numpy writer (one pass per int form plus a scatter) at 128K ids.
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def _encode_py(values: npt.NDArray[np.int64]) -> bytes | memoryview:
-    if values.size > msgpack_walk.MAX_ARRAY_COUNT:  # the walker words the limit
-        refused: memoryview = msgpack_walk.encode(values)
-        return refused
-    return _ENCODER.encode(values.tolist())
-
-
-def _filled_py(
-    old: npt.NDArray[np.int64],
-    buf: memoryview,
-    marks: Any,
-    starts: npt.NDArray[np.int64],
-    stops: npt.NDArray[np.int64],
-    fill: npt.NDArray[np.int64],
-    out: Any = None,
-    start: int = 0,
-) -> bytes | memoryview:
-    # Where the received bytes are smallest forms (what msgpack encoders write),
-    # the walker's result is the plain encoding of the filled array (the spans
-    # checked as the walker does, with its message); otherwise the walker runs
-    # (interpreted: a Python loop, for bytes no known encoder writes).
-    n = len(old)
-    if buf == _encode_py(old):
-        if marks is not None and len(marks) != (n + 63) >> 6:
-            raise ValueError(f"{_PREFIX}encode_filled: the bytes and marks do not match")
-        if out is not None:  # the walker's room check, in its order, with its message
-            room, need = memoryview(out).nbytes, msgpack_walk.encoded_bound(n)
-            if start < 0 or start > room or room - start < need:
-                raise ValueError(
-                    f"{_PREFIX}encode_filled: the output has no room for {need} bytes "
-                    f"from offset {start}"
-                )
-        if len(starts) and not (
-            starts[0] >= 0
-            and stops[-1] <= n
-            and bool(np.all(starts <= stops))
-            and bool(np.all(stops[:-1] <= starts[1:]))
-        ):
-            raise ValueError(
-                f"{_PREFIX}encode_filled: the spans are not sorted, disjoint and inside"
-            )
-        filled = old.copy()
-        for a, b, v in zip(starts.tolist(), stops.tolist(), fill.tolist(), strict=True):
-            filled[a:b] = v
-        encoded = _encode_py(filled)
-        if out is None:
-            return encoded
-        view = memoryview(out).cast("B")
-        view[start : start + len(encoded)] = encoded
-        return view[start : start + len(encoded)]
-    return _filled_walk(msgpack_walk, old, buf, marks, starts, stops, fill, out, start)
-
-
-_RAW_LIST_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
-
-def _split_py(
-    buf: memoryview,
-    int_fields: tuple[int, ...],
-    max_ints: int | None = None,
-    marks: list[Any] | None = None,
-) -> tuple[list[int], list[npt.NDArray[np.int64] | str | None]]:
-    # msgspec finds the offsets where it accepts the message (the msgpack format
-    # leaves it no other reading, and it accepts no message the walker
-    # refuses); the walker does where it does not, and words the error. Then
-    # msgspec decodes the int fields; where it refuses, the walker's decode
-    # words why (as the compiled split does).
-    try:
-        offsets = offsets_of(len(buf), _RAW_LIST_DECODER.decode(buf))
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        bound = -1 if max_ints is None else max_ints
-        offsets, _ = msgpack_walk.split(buf, int_fields, bound, False)
-    else:
-        if max_ints is not None:  # as the walk would, in element order, from the headers
-            check_int_arrays(buf, offsets, int_fields, max_ints)
-    ints: list[npt.NDArray[np.int64] | str | None] = []
-    for field in int_fields:
-        value: npt.NDArray[np.int64] | str | None = None
-        if 0 <= field < len(offsets) - 1:
-            elem = buf[offsets[field] : offsets[field + 1]]
-            b = elem[0]
-            if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-                value = _ints_by_msgspec(elem)
-            if value is None:
-                try:
-                    value = msgpack_walk.decode(elem)
-                except ValueError as exc:
-                    value = str(exc)
-        ints.append(value)
-    return offsets, ints
-
-
-# --------------------------------------------------------------------------
 # The walker the public functions run: compiled (mmadmit._walk_c) when it is built
-# and native code is on, else the same source interpreted (_use_native), the
-# int-array codec's five with the shortcuts above.
+# and native code is on, else the same source interpreted (_use_native).
 
 _WALK: Any = msgpack_walk
-_decode_impl = _decode_py
-_encode_impl = _encode_py
-_filled_impl: Any = _filled_py
-_split_impl = _split_py
 
 
 def _use_native(on: bool) -> bool:
     """Point the public functions at the compiled walker (when built and ``on``)
     or at the interpreted one."""
-    global _WALK, HAVE_NATIVE, _decode_impl, _encode_impl, _filled_impl, _split_impl
+    global _WALK, HAVE_NATIVE
     HAVE_NATIVE = on and _BUILT is not None
     _WALK = _BUILT if HAVE_NATIVE else msgpack_walk
-    if HAVE_NATIVE:
-        _decode_impl = _decode_native
-        _encode_impl = _encode_native
-        _filled_impl = _filled_native
-        _split_impl = _split_native
-    else:
-        _decode_impl = _decode_py
-        _encode_impl = _encode_py
-        _filled_impl = _filled_py
-        _split_impl = _split_py
     return HAVE_NATIVE
 
 

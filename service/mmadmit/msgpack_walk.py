@@ -1941,7 +1941,6 @@ def decode_add(
     marks: list,
     env: tuple,
     refusal: object,
-    split_ints: object = None,
 ) -> tuple:
     """Everything of the ADD payload filling ``p`` (``view``: the same bytes as a
     Python buffer) that is walked or built, in one call, refusals worded as it
@@ -1964,9 +1963,7 @@ def decode_add(
     and for a non-nil ``multimodal_inputs`` ``(its element offsets, items,
     feature aux indices, other aux indices)`` (None otherwise); the caller
     decodes the small values left (``multimodal_inputs``' scalars,
-    ``validation_error``). ``split_ints``, when given, replaces :func:`split`
-    (``split_ints(view, int_fields, max_ints, marks)``, same result: the
-    interpreted caller's faster token decode, see intcodec)."""
+    ``validation_error``)."""
     n: ssize = p.shape[0]
     value: object = env[5]
     count: ssize
@@ -1979,10 +1976,7 @@ def decode_add(
             "the payload", count, "elements", limits.max_msgpack_len, container="an array of "
         )
     try:
-        if split_ints is None:
-            offsets, ints = split(p, _ADD_INTS, limits.max_tokens, True, marks)
-        else:
-            offsets, ints = split_ints(view, _ADD_INTS, limits.max_tokens, marks)
+        offsets, ints = split(p, _ADD_INTS, limits.max_tokens, True, marks)
     except IntArrayTooLong as exc:
         name = _ADD_NAMES.get(exc.element, f"element {exc.element}")
         raise tokens_over(name, exc.count, exc.limit) from exc
