@@ -139,7 +139,7 @@ def split_array(
     if marks is not None:
         marks[:] = [None] * len(int_fields)
     bound = -1 if max_ints is None else max_ints
-    offsets, ints = _WALK.split(_as_bytes(raw), tuple(int_fields), bound, True, marks)
+    offsets, ints = _WALK.split(_as_bytes(raw), tuple(int_fields), bound, marks)
     return offsets, ints
 
 

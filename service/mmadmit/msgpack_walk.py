@@ -1179,7 +1179,6 @@ def split(
     p: cython.const[u8][::1],
     int_fields: tuple,
     max_ints: ssize,
-    decode: cython.bint = True,
     marks: list | None = None,
 ) -> tuple:
     """Element boundaries of the one array filling ``p``, int arrays decoded on the way.
@@ -1191,9 +1190,7 @@ def split(
     for its bytes). :class:`IntArrayTooLong` for an ``int_fields``
     element declaring more than ``max_ints`` (``-1``: no bound) elements,
     from its header; ValueError for a malformed message (that error, not the
-    int field's, when both are wrong). With ``decode`` false the int fields
-    are only checked against ``max_ints`` (``ints`` all None: the interpreted
-    caller decodes them faster, see intcodec). With
+    int field's, when both are wrong). With
     ``marks`` (a list as long as ``int_fields``), each decoded array's
     :func:`encode_filled` marks are put at its index.
     """
@@ -1220,9 +1217,9 @@ def split(
             m = _array_at(p, n, pos, i)
             if 0 <= max_ints < m:
                 raise IntArrayTooLong(i, m, max_ints)
-            if m < 0 and decode:
+            if m < 0:
                 ints[k] = _not_an_array(p[pos])
-            elif decode:
+            else:
                 arr = np.empty(m, dtype=np.int64)
                 out = arr
                 mka = _NO_MARKS if marks is None else np.empty(_marks_len(m), dtype=np.int64)
@@ -1976,7 +1973,7 @@ def decode_add(
             "the payload", count, "elements", limits.max_msgpack_len, container="an array of "
         )
     try:
-        offsets, ints = split(p, _ADD_INTS, limits.max_tokens, True, marks)
+        offsets, ints = split(p, _ADD_INTS, limits.max_tokens, marks)
     except IntArrayTooLong as exc:
         name = _ADD_NAMES.get(exc.element, f"element {exc.element}")
         raise tokens_over(name, exc.count, exc.limit) from exc
