@@ -86,7 +86,7 @@ def decode_int_array(raw: Any) -> npt.NDArray[np.int64]:
     return out
 
 
-def encode_int_array(values: Any) -> bytes | memoryview:
+def encode_int_array(values: Any) -> memoryview:
     """Encode a 1-D int array (any int dtype) as one msgpack array of ints.
 
     Byte-identical to ``msgpack.packb(values.tolist())``, as a view of a fresh
@@ -152,7 +152,7 @@ def encode_int_array_filled(
     fill: Any,
     out: Any = None,
     start: int = 0,
-) -> bytes | memoryview:
+) -> memoryview:
     """:func:`encode_int_array` of ``old`` with ``old[starts[k]:stops[k]] = fill[k]``,
     written from the bytes ``old`` was decoded from (with ``out``: written into
     that byte buffer from ``start``, as :func:`mmadmit.msgpack_walk.encode_filled`
