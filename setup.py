@@ -13,7 +13,7 @@ installs ``./clients`` editable first and sets it to ``mmadmit-client``, which
 the editable install satisfies (pip refuses an editable install and a
 ``file://`` requirement of one project in one resolve).
 
-The optional C extensions (``_kernels``, ``_pbwire``, from C sources) and the
+The optional C extension (``_pbwire``, from C) and the
 modules written in Cython's pure-Python mode, listed in ``CYTHON_MODULES``,
 are built here: each ``.py`` is a module of the package as it is (run
 interpreted) and is also compiled by Cython into a separately named extension
@@ -106,13 +106,6 @@ setup(
     # include-package-data (pyproject) would also ship the extension's source.
     exclude_package_data={"mmadmit": ["*.c"]},
     ext_modules=[
-        Extension(
-            "mmadmit._kernels",
-            sources=["service/mmadmit/_kernels.c"],
-            depends=["service/mmadmit/_native.h"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
         Extension(
             "mmadmit._pbwire",
             sources=["service/mmadmit/_pbwire.c"],

@@ -5,8 +5,9 @@ to end (issue 35); this bench measures each one kept, against what would run
 without it, in the same process and in interleaved rounds (medians; the
 ratio is "without / with", so 1.10 or more keeps it):
 
-* the C kernels of ``_kernels`` (M-RoPE positions, the placeholder-span check,
-  the pad fill), each against its numpy twin, and
+* the compiled per-token loops of ``mmadmit.rules`` (M-RoPE positions, the
+  placeholder-span check, the pad fill), each against its numpy reference
+  (``tests/kernels_oracle.py``), and
 * splicing the reply's items from their received bytes (``splice_items``)
   against encoding every item, and
 * writing the padded ids from the received ids' bytes and the pad spans
@@ -38,12 +39,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import bench_grpc  # noqa: E402
 import bench_smg_grpc  # noqa: E402
+import kernels_oracle  # noqa: E402  (the tests' numpy references)
 import workloads  # noqa: E402
 from bench_materialize import median_ms  # noqa: E402
-from mmadmit import kernels, pbwire, wire  # noqa: E402
+from mmadmit import pbwire, planner, wire  # noqa: E402
 from mmadmit.config import build_config  # noqa: E402
 from mmadmit.materializer import CPU_OPS, Materializer  # noqa: E402
 from mmadmit.servicer import encode_response, request_from_proto  # noqa: E402
@@ -55,23 +58,14 @@ TOKENS = (8192, 32768, 131072)
 
 
 @contextmanager
-def _numpy_kernel(name: str) -> Iterator[None]:
-    """``kernels.<name>`` with the C extension off for its calls only."""
-    real = getattr(kernels, name)
-
-    def numpy_only(*args: Any, **kw: Any) -> Any:
-        saved = kernels._kernels
-        kernels._kernels = None
-        try:
-            return real(*args, **kw)
-        finally:
-            kernels._kernels = saved
-
-    setattr(kernels, name, numpy_only)
+def _numpy_loop(owner: Any, name: str) -> Iterator[None]:
+    """``owner.<name>`` replaced by its numpy reference (``tests/kernels_oracle.py``)."""
+    real = getattr(owner, name)
+    setattr(owner, name, getattr(kernels_oracle, name))
     try:
         yield
     finally:
-        setattr(kernels, name, real)
+        setattr(owner, name, real)
 
 
 @contextmanager
@@ -205,14 +199,17 @@ def main() -> int:
     ap.add_argument("--only", help="measure only the fast paths whose name contains this")
     args = ap.parse_args()
     print(f"command: python bench/bench_fast_paths.py --rounds {args.rounds} --per {args.per}")
-    if kernels._BUILT is None or pbwire._BUILT is None:
+    if planner._BUILT is None or pbwire._BUILT is None:
         print("the C extensions are not built: nothing to compare")
         return 1
     gc.disable()  # the collector's pauses are noise here, not the paths' cost
     zmq_paths: dict[str, Callable[[], Any]] = {
-        "_kernels.mrope_fill (positions)": lambda: _numpy_kernel("positions"),
-        "_kernels.spans_check (the span check)": lambda: _numpy_kernel("first_mismatch"),
-        "_kernels.spans_fill (the pad fill)": lambda: _numpy_kernel("fill_spans"),
+        "rules.positions (M-RoPE positions)": lambda: _numpy_loop(planner, "positions"),
+        # called inside the compiled rules: replaced in that module
+        "rules.first_mismatch (the span check)": lambda: _numpy_loop(
+            planner._BUILT, "first_mismatch"
+        ),
+        "rules.fill_spans (the pad fill)": lambda: _numpy_loop(planner, "fill_spans"),
         "splice_items (items from their bytes)": _no_splice,
         "encode_filled (padded ids from their bytes)": _no_fill_from_bytes,
     }

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Build the C extensions, and the C that Cython generates from the pure-Python
+# Build the C extension (_pbwire), and the C that Cython generates from the pure-Python
 # modules setup.py compiles (CYTHON_MODULES: msgpack_walk.py -> _walk_c, rules.py ->
 # _rules_c, tensorcheck.py -> _tensorcheck_c), with
 # AddressSanitizer and UndefinedBehaviorSanitizer into build/fuzz/mmadmit/
@@ -24,7 +24,7 @@ if "$CC" --version 2>/dev/null | grep -q clang; then
     FLAGS="$FLAGS -fsanitize=fuzzer-no-link"  # libFuzzer coverage for atheris
 fi
 mkdir -p "$OUT"
-for ext in _pbwire _kernels; do
+for ext in _pbwire; do
     echo "$CC [asan,ubsan] service/mmadmit/$ext.c -> $OUT/$ext$SUFFIX"
     # shellcheck disable=SC2086
     "$CC" $FLAGS -I"$INCLUDE" -Iservice/mmadmit "service/mmadmit/$ext.c" -o "$OUT/$ext$SUFFIX"

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # _walk_c, _rules_c, _tensorcheck_c: msgpack_walk.py, rules.py and tensorcheck.py
 # compiled by Cython
-EXTENSIONS = ("_walk_c", "_rules_c", "_tensorcheck_c", "_pbwire", "_kernels")
+EXTENSIONS = ("_walk_c", "_rules_c", "_tensorcheck_c", "_pbwire")
 
 
 def load_sanitized(folder: str) -> list[str]:

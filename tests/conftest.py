@@ -62,7 +62,7 @@ FAMILY_CONFIG = {
 def forged_tensor(dtype: Any, shape: tuple[int, ...], data: memoryview) -> Any:
     """A :class:`mmadmit.model.Tensor` whose shape does not match its bytes, made by
     going around its constructor (which refuses it): only to show that code handed
-    one anyway (the compiled rules, the C kernels) never reads past its bytes."""
+    one anyway (the compiled rules) never reads past its bytes."""
     import msgspec
     from mmadmit.model import Tensor
 
@@ -236,7 +236,7 @@ def native_mode(request: pytest.FixtureRequest) -> Any:
     in the test get the same setting (their config's ``native``; see
     ``test_admission_both_transports.running``).
     """
-    from mmadmit import intcodec, kernels, model, native, pbwire, planner  # noqa: F401 (register)
+    from mmadmit import intcodec, model, native, pbwire, planner  # noqa: F401 (register)
 
     on = request.param == "native"
     if on and not any(native.built().values()):

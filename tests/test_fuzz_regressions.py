@@ -19,12 +19,13 @@ import msgspec
 import numpy as np
 import pytest
 from conftest import SESSION_NATIVE, forged_tensor
-from mmadmit import kernels, native, planner, wire
+from mmadmit import native, planner, rules, wire
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import Abort, AbortCode, InvalidRequest, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Materialized, MultimodalInputs, Request, Tensor
+from mmadmit.mrope import RunPlan
 from mmadmit.profile import load_profile
 
 Ext = msgspec.msgpack.Ext
@@ -33,7 +34,6 @@ TAG = "TokenizedGenerateReqInput"
 IMG, VID = 248056, 248057  # Qwen3.5 image / video placeholders
 
 needs_planner = pytest.mark.skipif(planner._BUILT is None, reason="_rules_c not built")
-needs_kernels = pytest.mark.skipif(kernels._BUILT is None, reason="_kernels not built")
 
 
 def both_ways(m: Materializer, req: Request) -> list[Materialized | Abort]:
@@ -157,10 +157,26 @@ def test_delta_scalar_outside_int64_is_invalid_request_not_internal(scalar: int)
     assert isinstance(a, Abort) and a.code is AbortCode.INVALID_REQUEST and a == b
 
 
-# ---------------------------------------------------------- 3. M-RoPE fill kernel
+# ---------------------------------------------------------- 3. M-RoPE positions loop
 
 
-@needs_kernels
+# rules.positions in both builds: the interpreted source always, the compiled one
+# where it is built
+POSITION_BUILDS = [pytest.param(rules, id="interpreted")] + [
+    pytest.param(
+        planner._BUILT,
+        id="compiled",
+        marks=pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built"),
+    )
+]
+
+
+def _runs(start, frames, rows, cols, t_off, t_index) -> RunPlan:
+    a = lambda v: np.array(v, np.int64)  # noqa: E731
+    return RunPlan(a(start), a(frames), a(rows), a(cols), a(t_off), a(t_index))
+
+
+@pytest.mark.parametrize("build", POSITION_BUILDS)
 @pytest.mark.parametrize(
     "t_index, message",
     [
@@ -171,38 +187,34 @@ def test_delta_scalar_outside_int64_is_invalid_request_not_internal(scalar: int)
         ([-(2**63)], "non-negative"),
     ],
 )
-def test_mrope_fill_refuses_time_indices_that_overflow(t_index: list[int], message: str) -> None:
+def test_positions_refuse_time_indices_that_overflow(
+    build: Any, t_index: list[int], message: str
+) -> None:
     """``origin + t_index[f]`` was computed for any caller-supplied t_index (signed
-    overflow: undefined behaviour). The kernel now replays the position arithmetic per
-    run before writing and refuses what would leave int64."""
+    overflow: undefined behaviour, found in the C kernel this loop replaced). The
+    position arithmetic is replayed per run before writing, and what would leave
+    int64 is refused."""
     frames = len(t_index)
-    a = lambda *v: np.array(v, np.int64)  # noqa: E731
-    out = np.full((3, 2 + frames), -7, np.int64)
     with pytest.raises(ValueError, match=message):
-        kernels._BUILT.mrope_fill(out, a(1), a(frames), a(1), a(1), a(0), a(*t_index))
-    assert (out == -7).all()  # nothing written
+        build.positions(2 + frames, _runs([1], [frames], [1], [1], [0], t_index))
 
 
-@needs_kernels
-def test_mrope_fill_refuses_positions_that_overflow_across_runs() -> None:
+@pytest.mark.parametrize("build", POSITION_BUILDS)
+def test_positions_refuse_positions_that_overflow_across_runs(build: Any) -> None:
     """Each run's time index fits; their sum does not."""
-    a = lambda *v: np.array(v, np.int64)  # noqa: E731
-    out = np.zeros((3, 3), np.int64)
     big = 2**62
-    delta = kernels._BUILT.mrope_fill(out, a(0), a(1), a(1), a(1), a(0), a(big))
+    out, delta = build.positions(3, _runs([0], [1], [1], [1], [0], [big]))
     assert out[0].tolist() == [big, big + 1, big + 2] and delta == big  # one run is fine
     with pytest.raises(ValueError, match="overflow"):
-        kernels._BUILT.mrope_fill(out, a(0, 1), a(1, 1), a(1, 1), a(1, 1), a(0, 1), a(big, big))
+        build.positions(3, _runs([0, 1], [1, 1], [1, 1], [1, 1], [0, 1], [big, big]))
 
 
-@needs_kernels
-def test_mrope_fill_refuses_run_products_that_overflow() -> None:
+@pytest.mark.parametrize("build", POSITION_BUILDS)
+def test_positions_refuse_run_products_that_overflow(build: Any) -> None:
     """Run sizes are compared by division: frames * rows * cols cannot wrap."""
-    a = lambda *v: np.array(v, np.int64)  # noqa: E731
-    out = np.zeros((3, 8), np.int64)
     big = 2**32 + 1
     with pytest.raises(ValueError, match="past the end"):
-        kernels._BUILT.mrope_fill(out, a(0), a(1), a(big), a(big), a(0), a(0))
+        build.positions(8, _runs([0], [1], [big], [big], [0], [0]))
 
 
 @pytest.mark.parametrize(("frames", "seconds"), [(2, None), (400, 9e5)])

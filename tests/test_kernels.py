@@ -1,41 +1,35 @@
-"""The fused C loops (mmadmit._kernels) against their numpy fallbacks.
+"""Rules 5, 7 and 8's per-token loops (:mod:`mmadmit.rules`: ``first_mismatch``,
+``fill_spans``, ``positions``), compiled (``mmadmit._rules_c``) and interpreted,
+against the numpy oracle in ``tests/kernels_oracle.py``.
 
-Both must give identical results on random run plans (adjacent runs, runs at
-token 0 and at the end, large temporal indices), random spans, and the vectors;
-the C side must refuse out-of-range input instead of touching memory.
+All three must give identical results on random run plans (adjacent runs, runs
+at token 0 and at the end, large temporal indices) and random spans, sorted or
+not; both builds must refuse out-of-range input, with the same message, before
+touching memory.
 
 Run with: python -m pytest tests/test_kernels.py -q
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from types import ModuleType
 
+import kernels_oracle as oracle
 import numpy as np
 import pytest
-from conftest import native_as
-from mmadmit import kernels, mrope
+from mmadmit import planner, rules
 from mmadmit.mrope import RunPlan
 
-# skipped only where the extension is not built, not where native code is switched
-# off (MMADMIT_NATIVE=0): the compiled half runs with native switched on (``compiled``)
-native = pytest.mark.skipif(
-    kernels._BUILT is None, reason="mmadmit._kernels not built (no C compiler at install time)"
-)
-
-
-@pytest.fixture
-def compiled() -> Iterator[None]:
-    """Native switched on for the case, whatever the session's setting; restored after."""
-    with native_as(True):
-        assert kernels.HAVE_NATIVE
-        yield
-
-
-@pytest.fixture
-def fallback(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(kernels, "_kernels", None)
-    return kernels
+# the interpreted source always; the compiled build where it is built (whatever
+# the session's native switch: these call the modules directly)
+BUILDS = [pytest.param(rules, id="interpreted")] + [
+    pytest.param(
+        planner._BUILT,
+        id="compiled",
+        marks=pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built"),
+    )
+]
+a = lambda *x: np.asarray(x, np.int64)  # noqa: E731
 
 
 def random_plan(rng: np.random.Generator) -> tuple[int, RunPlan]:
@@ -66,99 +60,129 @@ def random_plan(rng: np.random.Generator) -> tuple[int, RunPlan]:
     )
 
 
-@native
-def test_positions_native_equals_numpy_on_random_plans(compiled: None) -> None:
+@pytest.mark.parametrize("build", BUILDS)
+def test_positions_equal_the_oracle_on_random_plans(build: ModuleType) -> None:
     rng = np.random.default_rng(7)
     for _ in range(2000):
         n, plan = random_plan(rng)
-        got, d1 = kernels.positions(n, plan)
-        want, d2 = mrope.positions(n, plan)
-        assert d1 == d2 and np.array_equal(got, want), (n, plan)
+        got, d1 = build.positions(n, plan)
+        want, d2 = oracle.positions(n, plan)
+        assert type(d1) is int and d1 == d2 and np.array_equal(got, want), (n, plan)
 
 
-def test_spans_native_and_fallback_agree(fallback) -> None:
+def random_spans(rng: np.random.Generator, shuffled: bool) -> tuple[np.ndarray, ...]:
+    n = int(rng.integers(1, 400))
+    cuts = np.sort(
+        rng.choice(
+            np.arange(n + 1),
+            size=min(n + 1, 2 * int(rng.integers(0, 8))) // 2 * 2,
+            replace=False,
+        )
+    )
+    starts, stops = cuts[0::2].astype(np.int64), cuts[1::2].astype(np.int64)
+    if shuffled:  # the check reports in the given order; the fill takes any order
+        order = rng.permutation(len(starts))
+        starts, stops = starts[order], stops[order]
+    ids = rng.integers(0, 5, n).astype(np.int64)
+    expected = rng.integers(0, 3, len(starts)).astype(np.int64)
+    for k in range(len(starts)):  # mostly valid spans
+        if rng.random() < 0.8:
+            ids[starts[k] : stops[k]] = expected[k]
+    values = rng.integers(10**6, 10**7, len(starts)).astype(np.int64)
+    return ids, starts, stops, expected, values
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["sorted", "shuffled"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_spans_equal_the_oracle(build: ModuleType, shuffled: bool) -> None:
     rng = np.random.default_rng(11)
     for _ in range(300):
-        n = int(rng.integers(1, 400))
-        cuts = np.sort(
-            rng.choice(
-                np.arange(n + 1),
-                size=min(n + 1, 2 * int(rng.integers(0, 8))) // 2 * 2,
-                replace=False,
-            )
-        )
-        starts, stops = cuts[0::2].astype(np.int64), cuts[1::2].astype(np.int64)
-        ids = rng.integers(0, 5, n).astype(np.int64)
-        expected = rng.integers(0, 3, len(starts)).astype(np.int64)
-        for k in range(len(starts)):  # mostly valid spans
-            if rng.random() < 0.8:
-                ids[starts[k] : stops[k]] = expected[k]
-        values = rng.integers(10**6, 10**7, len(starts)).astype(np.int64)
+        ids, starts, stops, expected, values = random_spans(rng, shuffled)
         want_bad = next(
             (k for k in range(len(starts)) if (ids[starts[k] : stops[k]] != expected[k]).any()), -1
         )
-        want_fill = ids.copy()
-        for a, b, v in zip(starts, stops, values, strict=True):
-            want_fill[a:b] = v
-        assert fallback.first_mismatch(ids, starts, stops, expected) == want_bad
-        assert np.array_equal(fallback.fill_spans(ids, starts, stops, values), want_fill)
-        if kernels._BUILT is not None:
-            import mmadmit._kernels as ck
-
-            out = np.full_like(ids, -1)
-            ck.spans_fill(out, ids, starts, stops, values)
-            assert np.array_equal(out, want_fill)
-            out = ids.copy()
-            ck.spans_fill(out, out, starts, stops, values)  # in place
-            assert np.array_equal(out, want_fill)
-            assert ck.spans_check(ids, starts, stops, expected) == want_bad
+        assert oracle.first_mismatch(ids, starts, stops, expected) == want_bad
+        assert build.first_mismatch(ids, starts, stops, expected) == want_bad
+        want_fill = oracle.fill_spans(ids, starts, stops, values)
+        got = build.fill_spans(ids, starts, stops, values)
+        assert np.array_equal(got, want_fill) and got is not ids
 
 
-def test_fill_many_spans_uses_difference_arrays(fallback) -> None:
-    n = 5000
-    starts = np.arange(0, n - 10, 20, dtype=np.int64)  # 250 spans > slice-fill threshold
-    stops = starts + 7
-    stops[::5] = starts[::5] + 20  # some spans end where the next begins
-    values = np.arange(len(starts), dtype=np.int64) + 10**6
-    ids = np.arange(n, dtype=np.int64)
-    want = ids.copy()
-    for a, b, v in zip(starts, stops, values, strict=True):
-        want[a:b] = v
-    assert np.array_equal(fallback.fill_spans(ids, starts, stops, values), want)
+@pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built")
+def test_compiled_loops_take_only_contiguous_int64() -> None:
+    """The compiled loops read C-contiguous int64 buffers (what the rules make and
+    pass) and refuse anything else instead of guessing at its layout."""
+    build = planner._BUILT
+    ids = np.arange(20, dtype=np.int64)
+    for bad in (ids.astype(np.int32), ids[::2]):
+        with pytest.raises(ValueError):
+            build.first_mismatch(bad, a(1), a(2), a(3))
+        with pytest.raises(ValueError):
+            build.fill_spans(bad, a(1), a(2), a(3))
+    plan = RunPlan(a(0), a(1), a(1), a(2), a(0), a(0).astype(np.int32))  # int32 t_index
+    with pytest.raises(ValueError):
+        build.positions(4, plan)
 
 
-@native
+@pytest.mark.parametrize("build", BUILDS)
+def test_long_inputs_run_without_the_gil_and_agree(build: ModuleType) -> None:
+    n = (1 << 16) + 5  # at and over the length that releases the GIL compiled
+    ids = np.full(n, 9, np.int64)
+    starts, stops = a(0, 62_000), a(60_000, n)
+    assert build.first_mismatch(ids, starts, stops, a(9, 9)) == -1
+    ids[n - 1] = 8
+    assert build.first_mismatch(ids, starts, stops, a(9, 9)) == 1
+    filled = build.fill_spans(ids, starts, stops, a(1, 2))
+    assert np.array_equal(filled, oracle.fill_spans(ids, starts, stops, a(1, 2)))
+    plan = RunPlan(a(10, 40_000), a(3, 2), a(100, 50), a(64, 20), a(0, 3), a(0, 2, 4, 0, 9))
+    got, delta = build.positions(n, plan)
+    want, want_delta = oracle.positions(n, plan)
+    assert delta == want_delta and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(
     "start, frames, rows, cols, t_off, t_index, message",
     [
         ([0], [2], [2], [2], [0], [0, 1], "past the end"),  # 8 tokens into n=4
         ([2, 1], [1, 1], [1, 1], [1, 1], [0, 1], [0, 0], "sorted"),
+        ([-1], [1], [1], [1], [0], [0], "sorted"),
         ([0], [0], [1], [1], [0], [0], "positive"),
-        ([0], [2], [1], [1], [1], [0, 1], "t_index"),
+        ([0], [2], [1], [1], [1], [0, 1], "t_off"),
+        ([0], [1], [1], [1], [0], [-1], "non-negative"),
+        ([0], [1], [1], [1], [0], [2**63 - 4], "overflow"),
         ([0, 1], [1], [1], [1], [0], [0], "equal lengths"),
     ],
 )
-def test_mrope_fill_refuses_bad_plans(start, frames, rows, cols, t_off, t_index, message) -> None:
-    import mmadmit._kernels as ck
-
-    a = lambda x: np.asarray(x, np.int64)  # noqa: E731
-    out = np.zeros((3, 4), np.int64)
+def test_positions_refuse_bad_plans(
+    build: ModuleType, start, frames, rows, cols, t_off, t_index, message
+) -> None:
+    plan = RunPlan(a(*start), a(*frames), a(*rows), a(*cols), a(*t_off), a(*t_index))
     with pytest.raises(ValueError, match=message):
-        ck.mrope_fill(out, a(start), a(frames), a(rows), a(cols), a(t_off), a(t_index))
-    assert not out.any()  # nothing written before validation finished
+        build.positions(4, plan)
 
 
-@native
-def test_spans_refuse_out_of_range() -> None:
-    import mmadmit._kernels as ck
-
+@pytest.mark.parametrize("build", BUILDS)
+def test_spans_refuse_out_of_range(build: ModuleType) -> None:
     ids = np.zeros(4, np.int64)
-    a = lambda x: np.asarray(x, np.int64)  # noqa: E731
-    with pytest.raises(ValueError, match="out of range"):
-        ck.spans_check(ids, a([2]), a([5]), a([0]))
-    with pytest.raises(ValueError, match="out of range"):
-        ck.spans_fill(ids, ids, a([-1]), a([1]), a([0]))
+    for starts, stops in (([2], [5]), ([-1], [1]), ([3], [2])):
+        with pytest.raises(ValueError, match="out of range"):
+            build.first_mismatch(ids, a(*starts), a(*stops), a(0))
+        with pytest.raises(ValueError, match="out of range"):
+            build.fill_spans(ids, a(*starts), a(*stops), a(0))
     with pytest.raises(ValueError, match="equal lengths"):
-        ck.spans_fill(np.zeros(3, np.int64), ids, a([0]), a([1]), a([0]))
-    with pytest.raises(TypeError, match="int64"):
-        ck.spans_fill(ids.astype(np.int32), ids, a([0]), a([1]), a([0]))
+        build.fill_spans(ids, a(0), a(1, 2), a(0))
+    with pytest.raises(ValueError, match="equal lengths"):
+        build.first_mismatch(ids, a(0), a(1), a(0, 0))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_empty_spans_and_spans_that_touch(build: ModuleType) -> None:
+    """An empty span where another starts or ends changes nothing (the numpy
+    reference once assigned where it had to accumulate, and got this wrong)."""
+    ids = np.arange(8, dtype=np.int64)
+    starts, stops, values = a(0, 3, 3, 5, 8), a(3, 3, 5, 5, 8), a(-1, -2, -3, -4, -5)
+    want = [-1, -1, -1, -3, -3, 5, 6, 7]
+    assert build.fill_spans(ids, starts, stops, values).tolist() == want
+    assert oracle.fill_spans(ids, starts, stops, values).tolist() == want
+    assert build.first_mismatch(ids, a(3, 0), a(3, 1), a(-9, 0)) == -1

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import SESSION_NATIVE  # noqa: E402
 from hf_oracle import hf_positions, hf_rope_index  # noqa: E402
-from mmadmit import mrope, rules  # noqa: E402
+from mmadmit import mrope, planner, rules  # noqa: E402
 from mmadmit.errors import InvalidRequest  # noqa: E402
 from mmadmit.model import Item, Modality, Tensor  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
@@ -61,7 +61,7 @@ def _image(spans: list[list[int]], rows: list[list[int]]) -> Item:
 
 def _mmadmit(family: str, ids: list[int], items: list[Item]) -> tuple[np.ndarray, int]:
     plan = rules.plan_runs(load_profile(family), items)
-    pos, delta = mrope.positions(len(ids), plan)
+    pos, delta = planner.positions(len(ids), plan)
     assert mrope.delta_only(len(ids), plan) == delta
     return pos, delta
 

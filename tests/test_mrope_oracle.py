@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from hf_oracle import FAMILIES, hf_positions  # noqa: E402
-from mmadmit import mrope, rules  # noqa: E402
+from mmadmit import mrope, planner, rules  # noqa: E402
 from mmadmit.profile import load_profile  # noqa: E402
 from prompt_gen import Prompt, gen_prompt  # noqa: E402
 
@@ -33,7 +33,7 @@ N_PROMPTS = 200
 def _compare(prompt: Prompt) -> None:
     profile = load_profile(prompt.family)
     plan = rules.plan_runs(profile, prompt.items)
-    pos, delta = mrope.positions(len(prompt.input_ids), plan)
+    pos, delta = planner.positions(len(prompt.input_ids), plan)
     want_pos, want_delta = hf_positions(prompt.family, prompt.input_ids, **prompt.hf)
     assert pos.dtype == np.int64 and pos.shape == (3, len(prompt.input_ids))
     if not np.array_equal(pos, want_pos) or delta != want_delta:
@@ -87,7 +87,7 @@ def test_qwen2_videos_within_spatial_extent_match_transformers(family: str) -> N
 def test_text_only_prompt_matches_transformers() -> None:
     ids = np.arange(17, dtype=np.int64) * 7
     for family in FAMILIES:
-        pos, delta = mrope.positions(len(ids), rules.plan_runs(load_profile(family), []))
+        pos, delta = planner.positions(len(ids), rules.plan_runs(load_profile(family), []))
         want_pos, want_delta = hf_positions(family, ids)
         np.testing.assert_array_equal(pos, want_pos)
         assert delta == want_delta == 0

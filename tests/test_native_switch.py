@@ -14,7 +14,6 @@ import pytest
 from conftest import SESSION_NATIVE, load_vector, vector_names
 from mmadmit import (
     intcodec,
-    kernels,
     model,
     msgpack_walk,
     native,
@@ -34,7 +33,6 @@ MODULES = {
     "mmadmit.intcodec": intcodec,
     "mmadmit.pbwire": pbwire,
     "mmadmit.planner": planner,
-    "mmadmit.kernels": kernels,
     "mmadmit.model": model,
 }
 
@@ -78,7 +76,7 @@ def test_every_wrapping_module_registers_and_switches() -> None:
         assert not native.enabled()
         assert not any(m.HAVE_NATIVE for m in MODULES.values())
         assert intcodec._WALK is msgpack_walk
-        assert planner._active is rules and kernels._kernels is None and pbwire._pbwire is None
+        assert planner._active is rules and pbwire._pbwire is None
         assert model._check is tensorcheck.check
         native.set_enabled(True)
         for name, module in MODULES.items():

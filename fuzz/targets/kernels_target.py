@@ -1,30 +1,36 @@
-"""The per-token kernels (``_kernels.c``) against their numpy fallbacks, called directly.
+"""Rules 5, 7 and 8's per-token loops (:mod:`mmadmit.rules`) compiled, against the
+same source interpreted and the numpy oracle (``tests/kernels_oracle.py``).
 
-``mrope_fill`` gets run plans that are mostly well formed (sorted, disjoint,
-inside the prompt) with fields replaced by boundary values; ``spans_check`` and
-``spans_fill`` get spans likewise (spans_fill also in any order, overlapping, in
-place or into another buffer, against a loop). Whether a
-plan or span set is inside the kernel's contract is decided here, in exact
-Python integers (:func:`plan_ok`, :func:`spans_ok`): inside, native and numpy
-must give identical arrays and delta; outside, the native kernel must refuse it
-with ``ValueError`` before touching memory (numpy's answer to an invalid plan is
-unspecified).
+``positions`` gets run plans that are mostly well formed (sorted, disjoint,
+inside the prompt) with fields replaced by boundary values; ``first_mismatch``
+and ``fill_spans`` get spans likewise (fill_spans also in any order,
+overlapping, against a loop). Whether a plan or span set is inside the loops'
+contract is decided here, in exact Python integers (:func:`plan_ok`,
+:func:`spans_ok`): inside, both builds and the oracle must give identical
+arrays and delta; outside, both builds must refuse it with the same
+``ValueError`` (the oracle's answer to an invalid plan is unspecified).
 """
 
 from __future__ import annotations
 
-import numpy as np
-from mmadmit import kernels, mrope
+import sys
+from pathlib import Path
 
-from ._common import native_mode
+import numpy as np
+from mmadmit import mrope, planner, rules
+
+from ._common import outcome, same
 from ._data import Data
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import kernels_oracle as oracle  # noqa: E402  (the tests' oracle)
 
 NAME = "kernels"
 INT64_MAX = 2**63 - 1
 
 
 def plan_ok(n: int, p: mrope.RunPlan) -> bool:
-    """The contract ``_kernels.mrope_fill`` checks, replayed with Python ints."""
+    """The contract ``rules.positions`` checks, replayed with Python ints."""
     k = len(p.start)
     if not (len(p.frames) == len(p.rows) == len(p.cols) == len(p.t_off) == k):
         return False
@@ -86,21 +92,15 @@ def _plan(d: Data) -> tuple[int, mrope.RunPlan]:
 def _mrope(d: Data) -> None:
     n, plan = _plan(d)
     ok = plan_ok(n, plan)
-    out = np.full((3, n), -7, np.int64)
-    try:
-        delta = kernels._BUILT.mrope_fill(
-            out, plan.start, plan.frames, plan.rows, plan.cols, plan.t_off, plan.t_index
-        )
-    except ValueError as exc:
-        assert not ok, f"mrope_fill refused a plan inside its contract: {exc} (n={n}, {plan})"
-        assert (out == -7).all(), "mrope_fill wrote before refusing"
+    got = outcome(planner._BUILT.positions, n, plan)
+    same(got, outcome(rules.positions, n, plan), f"positions (n={n}, {plan})")
+    if got[0] == "err":
+        assert not ok, f"positions refused a plan inside its contract: {got} (n={n}, {plan})"
         return
-    assert ok, f"mrope_fill accepted a plan outside its contract (n={n}, {plan})"
-    if len(plan.start) == 0:
-        want, wdelta = np.broadcast_to(np.arange(n, dtype=np.int64), (3, n)), 0
-    else:
-        want, wdelta = mrope.positions(n, plan)
-    assert delta == wdelta and np.array_equal(out, want), f"mrope_fill != numpy (n={n}, {plan})"
+    assert ok, f"positions accepted a plan outside its contract (n={n}, {plan})"
+    want, wdelta = oracle.positions(n, plan)
+    out, delta = got[1]
+    assert delta == wdelta and np.array_equal(out, want), f"positions != numpy (n={n}, {plan})"
 
 
 def _spans(d: Data) -> None:
@@ -123,15 +123,14 @@ def _spans(d: Data) -> None:
     a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
     ok = all(0 <= a <= z <= n for a, z in zip(starts, stops, strict=True))
     disjoint = ok and all(stops[i] <= starts[i + 1] for i in range(k - 1))
-    try:
-        got = kernels._BUILT.spans_check(ids, a_, z_, v_)
-    except ValueError:
-        assert not ok, "spans_check refused valid spans"
+    got = outcome(planner._BUILT.first_mismatch, ids, a_, z_, v_)
+    same(got, outcome(rules.first_mismatch, ids, a_, z_, v_), "first_mismatch")
+    if got[0] == "err":
+        assert not ok, "first_mismatch refused valid spans"
     else:
-        assert ok, "spans_check accepted spans outside the prompt"
-        with native_mode(False):
-            want = kernels.first_mismatch(ids, a_, z_, v_)
-        assert got == want, f"spans_check {got} != numpy {want}"
+        assert ok, "first_mismatch accepted spans outside the prompt"
+        want = oracle.first_mismatch(ids, a_, z_, v_)
+        assert got[1] == want, f"first_mismatch {got[1]} != numpy {want}"
     if d.flag(3):  # now and then spans in any order, overlapping: the last one wins
         k = d.int_in(0, 4)
         starts = [d.int_in(0, n) for _ in range(k)]
@@ -139,28 +138,23 @@ def _spans(d: Data) -> None:
         vals = [d.int_in(0, 3) for _ in range(k)]
         a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
         ok, disjoint = True, False
-    in_place = d.flag()
-    out = ids.copy() if in_place else np.full(n, -7, np.int64)
-    before = out.copy()
-    try:
-        kernels._BUILT.spans_fill(out, out if in_place else ids, a_, z_, v_)
-    except ValueError:
-        assert not ok, "spans_fill refused valid spans"
-        assert np.array_equal(out, before), "spans_fill wrote before refusing"
+    got = outcome(planner._BUILT.fill_spans, ids, a_, z_, v_)
+    same(got, outcome(rules.fill_spans, ids, a_, z_, v_), "fill_spans")
+    if got[0] == "err":
+        assert not ok, "fill_spans refused valid spans"
         return
-    assert ok, "spans_fill accepted spans outside the prompt"
+    assert ok, "fill_spans accepted spans outside the prompt"
     want_fill = ids.copy()
     for a, z, v in zip(starts, stops, vals, strict=True):
         want_fill[a:z] = v
-    assert np.array_equal(out, want_fill), f"spans_fill != the loop (in place: {in_place})"
+    assert np.array_equal(got[1], want_fill), "fill_spans != the loop"
     if disjoint:
-        with native_mode(False):
-            assert np.array_equal(kernels.fill_spans(ids, a_, z_, v_), want_fill), "numpy fill"
+        assert np.array_equal(oracle.fill_spans(ids, a_, z_, v_), want_fill), "numpy fill"
 
 
 def one(data: bytes) -> None:
-    if kernels._BUILT is None:
-        return  # nothing native to compare
+    if planner._BUILT is None:
+        return  # nothing compiled to compare
     d = Data(data)
     if d.u8() % 3:
         _mrope(d)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import mrope
+from . import mrope, planner
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class TorchArrayOps:
     def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
         torch = self.torch
         k = len(plan.start)
-        if k == 0:
-            return mrope.positions(n, plan)
+        if k == 0:  # text only: counting up on the host is cheaper than a copy back
+            return planner.positions(n, plan)
         length_np = plan.length
         shift_np = plan.extent + 1 - length_np
         with self._issue():

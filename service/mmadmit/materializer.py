@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from . import kernels, mrope, planner, rules
+from . import mrope, planner, rules
 from .errors import (
     Abort,
     AbortCode,
@@ -68,15 +68,15 @@ class ArrayOps(Protocol):
 
 
 class CpuArrayOps:
-    """numpy, with the fused C loops of :mod:`mmadmit.kernels` when they are built."""
+    """The CPU: rules 7 and 8's loops in :mod:`mmadmit.rules`, in the active build."""
 
     def substitute(
         self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray, values: np.ndarray
     ) -> np.ndarray:
-        return kernels.fill_spans(ids, starts, stops, values)
+        return planner.fill_spans(ids, starts, stops, values)
 
     def positions(self, n: int, plan: mrope.RunPlan) -> tuple[np.ndarray, int]:
-        return kernels.positions(n, plan)
+        return planner.positions(n, plan)
 
 
 CPU_OPS = CpuArrayOps()

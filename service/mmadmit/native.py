@@ -1,12 +1,11 @@
 """One switch for every optional C extension: native accelerators on or off.
 
-mmadmit parses untrusted network bytes in five optional native extensions
+mmadmit parses untrusted network bytes in four optional native extensions
 (``_walk_c``, ``_rules_c`` and ``_tensorcheck_c``, Cython's builds of
-``msgpack_walk.py``, ``rules.py`` and ``tensorcheck.py``; ``_pbwire`` and
-``_kernels``, from C). Each has a pure
-Python/numpy fallback that is the reference (for the Cython builds, their own
-source run by Python): same results, same
-aborts (tests and the fuzz targets under ``fuzz/`` compare them). An operator who
+``msgpack_walk.py``, ``rules.py`` and ``tensorcheck.py``; ``_pbwire``, from C).
+Without one, the Cython builds' own source runs interpreted, and without
+``_pbwire`` protobuf parses whole messages: same results, same aborts (tests
+and the fuzz targets under ``fuzz/`` compare them). An operator who
 will not run native code on untrusted input turns them off with
 ``--native off`` (``MMADMIT_NATIVE=0``); ``serve`` and ``materialize`` call
 :func:`set_enabled` once at start-up, before any request is read.

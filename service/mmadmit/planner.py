@@ -59,6 +59,16 @@ def pad_value(modality: int, content_hash: int) -> int:
     return _active.pad_value(modality, content_hash)  # type: ignore[no-any-return]
 
 
+def fill_spans(ids: Any, starts: Any, stops: Any, values: Any) -> Any:
+    """:func:`mmadmit.rules.fill_spans`, in the active build."""
+    return _active.fill_spans(ids, starts, stops, values)
+
+
+def positions(n: int, plan: Any) -> tuple[Any, int]:
+    """:func:`mmadmit.rules.positions`, in the active build."""
+    return _active.positions(n, plan)  # type: ignore[no-any-return]
+
+
 def with_pad(item: Any, content_hash: int, pad: int) -> Any:
     """:func:`mmadmit.rules.with_pad`, in the active build."""
     return _active.with_pad(item, content_hash, pad)

@@ -1,5 +1,5 @@
-"""docs/spec/MATERIALIZE.md rules 5 and 6 over a request's items (and rule 1's
-vocabulary bound): the one source.
+"""docs/spec/MATERIALIZE.md rules 5 to 8 (and rule 1's vocabulary bound): the
+one source of the materializer's CPU work.
 
 :func:`plan_items` checks every item of a request (rule 5: modality, spans,
 placeholders, hash and pad value ranges, and for the M-RoPE families the
@@ -7,6 +7,9 @@ grids, timing tensors and span lengths), then derives what the materializer
 needs: the spans sorted by start, the M-RoPE run plan, and each item's pad
 value (rule 6, :func:`pad_value`) from its supplied hash. It either returns
 that (:class:`ItemPlan`) or raises the abort, worded here and nowhere else.
+The per-token loops follow: rule 5's placeholder check
+(:func:`first_mismatch`), rule 7's positions (:func:`positions`) and rule 8's
+substitution (:func:`fill_spans`).
 
 One file, two builds (Cython's pure-Python mode, like :mod:`mmadmit.msgpack_walk`).
 This file runs as plain Python, and ``setup.py`` also compiles it into
@@ -18,8 +21,10 @@ outcome, message included. The ``cython.*`` annotations type locals for the
 compiled build (C integers, typed memoryviews on int64 tables); interpreted
 they do nothing. ``cython.compiled`` is tested where the compiled code must
 differ: :func:`_round32`; :func:`_i64_at` and :func:`_f32_at`, which read a
-tensor's values from its buffer; and :func:`first_outside`'s pass (C integer
-compares compiled, Python ints interpreted: the same verdict).
+tensor's values from its buffer; :func:`first_outside`'s pass (C integer
+compares compiled, Python ints interpreted: the same verdict); and the
+loops of each per-token helper (``_fill``, ``_text``, ``_grid``, ``_copy``,
+``_differs``: C loops compiled, numpy operations on slices interpreted).
 
 The work is laid out for the compiled build: everything per span or grid row
 runs in loops over C integers on a few int64 tables allocated once per
@@ -27,9 +32,11 @@ request, and Python objects are touched once per item (its fields, its grid
 and timing tensors). C integers never overflow here: every count and product
 is bounded by ``len(input_ids)`` before it is formed (a product that would
 pass that bound is refused first), and a grid value outside int64 is refused.
-Per-token loops stay in :mod:`mmadmit.kernels`, but for rule 1's vocabulary
-bound (:func:`first_outside`, one compare an id): inside a request numpy's
-reduction cost 6-10 us at 1K ids, this loop compiled about 1 us.
+The per-token loops are compiled loops rather than numpy passes because they
+measured faster end to end (README, "Fast paths": 1.9-4.7x against the numpy
+references now in ``tests/kernels_oracle.py``); for rule 1's vocabulary bound
+(one compare an id) numpy's reduction cost 6-10 us at 1K ids inside a request,
+this loop compiled about 1 us.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ import msgspec
 import numpy as np
 from msgspec.structs import astuple
 
-from . import kernels
 from .dtypes import parse_dtype
 from .errors import InvalidRequest, Unsupported
 from .limits import Limits, check_shape, tensor_bytes_over
@@ -54,7 +60,7 @@ from .tensorcheck import TensorName
 
 if cython.compiled:
     from cython.cimports.cpython.memoryview import PyMemoryView_GET_BUFFER
-    from cython.cimports.libc.string import memcpy
+    from cython.cimports.libc.string import memcmp, memcpy
 
 i64 = cython.typedef(cython.longlong)
 u64 = cython.typedef(cython.ulonglong)
@@ -383,7 +389,7 @@ def _check_placeholders(
 ) -> None:
     """Every token of a span is its modality's placeholder (spans in item order: the
     first one that is not is reported)."""
-    k = kernels.first_mismatch(ids, table[0], table[1], table[4])
+    k = first_mismatch(ids, table[0], table[1], table[4])
     if k < 0:
         return
     a, b, who, kin, want = (int(x) for x in table[:, k])
@@ -886,3 +892,395 @@ def plan_items(
         else:
             new_items.append(item)
     return ItemPlan(spans, runs, info[_COL_PAD], new_items)
+
+
+# ------------------------------------------------------------------ per-token loops
+#
+# The loops over tokens: rule 5's placeholder check (first_mismatch), rule 7's
+# positions and rule 8's substitution (fill_spans). Each public function checks
+# every index it is given before any access (ValueError otherwise), so memory
+# safety never depends on its caller. Compiled, the loops are C over int64
+# buffers, without the GIL from _GIL_MIN tokens; interpreted, each helper's
+# innermost loop is one numpy slice operation, so Python runs per span or grid
+# row, never per token.
+
+_GIL_MIN = cython.declare(ssize, 1 << 16)
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _fill(o: i64[::1], a: ssize, b: ssize, v: i64) -> cython.void:
+    """``o[a:b] = v``. Compiled, a long fill writes its first 32 values and then
+    doubles them with ``memcpy`` (the C library picks the widest vector stores
+    the CPU has, which a loop compiled for any x86-64 cannot)."""
+    i: ssize
+    done: ssize
+    m: ssize
+    if cython.compiled:
+        if b - a <= 64:
+            for i in range(a, b):
+                o[i] = v
+            return
+        for i in range(a, a + 32):
+            o[i] = v
+        done = 32
+        while done < b - a:
+            m = done if done < b - a - done else b - a - done
+            memcpy(cython.address(o[a + done]), cython.address(o[a]), m * 8)
+            done += m
+    else:
+        o[a:b] = v
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _text(o: i64[:, ::1], a: ssize, b: ssize, v: i64) -> cython.void:
+    """Positions ``[a, b)`` of text from position ``v``: ``v, v + 1, ...`` on every axis."""
+    i: ssize
+    if cython.compiled:
+        for i in range(a, b):
+            o[0, i] = v + (i - a)
+            o[1, i] = v + (i - a)
+            o[2, i] = v + (i - a)
+    else:
+        o[:, a:b] = np.arange(v, v + (b - a), dtype=np.int64)
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _grid(
+    o: i64[:, ::1],
+    a: ssize,
+    frames: ssize,
+    rows: ssize,
+    cols: ssize,
+    origin: i64,
+    t_index: cython.const[i64][:],
+    t0: ssize,
+) -> cython.void:
+    """Positions of a ``frames x rows x cols`` run from token ``a`` at ``origin``:
+    ``(origin + t_index[t0 + frame], origin + row, origin + col)``."""
+    f: ssize
+    h: ssize
+    j: ssize
+    tv: i64
+    if cython.compiled:
+        for f in range(frames):
+            tv = origin + t_index[t0 + f]
+            for h in range(rows):
+                for j in range(cols):
+                    o[0, a + j] = tv
+                    o[1, a + j] = origin + h
+                    o[2, a + j] = origin + j
+                a += cols
+    else:
+        block = o[:, a : a + frames * rows * cols].reshape(3, frames, rows, cols)
+        block[0] = (origin + t_index[t0 : t0 + frames])[:, None, None]
+        block[1] = (origin + np.arange(rows, dtype=np.int64))[:, None]
+        block[2] = origin + np.arange(cols, dtype=np.int64)
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _copy(o: i64[::1], src: cython.const[i64][::1], a: ssize, b: ssize) -> cython.void:
+    """``o[a:b] = src[a:b]`` (two buffers)."""
+    if cython.compiled:
+        if b > a:
+            memcpy(cython.address(o[a]), cython.address(src[a]), (b - a) * 8)
+    else:
+        o[a:b] = src[a:b]
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _differs(ids: cython.const[i64][::1], a: ssize, b: ssize, w: i64) -> cython.bint:
+    """Whether ``ids[a:b]`` holds a value other than ``w``. Compiled, a long span
+    checks its first 32 values and then compares each next stretch with the
+    stretch already found equal, by ``memcmp`` (as :func:`_fill` uses ``memcpy``)."""
+    i: ssize
+    done: ssize
+    m: ssize
+    acc: i64 = 0
+    if cython.compiled:
+        m = b - a if b - a <= 64 else 32
+        for i in range(a, a + m):
+            acc |= ids[i] ^ w  # no early exit: the loop vectorizes
+        done = m
+        while acc == 0 and done < b - a:
+            m = done if done < b - a - done else b - a - done
+            acc = memcmp(cython.address(ids[a + done]), cython.address(ids[a]), m * 8)
+            done += m
+        return acc != 0
+    else:
+        return bool((ids[a:b] != w).any())
+
+
+_SPAN_FAULTS = (None, "span arrays must have equal lengths", "span out of range")
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _spans_fault(
+    n: ssize,
+    a: cython.const[i64][:],
+    z: cython.const[i64][:],
+    per_span: cython.const[i64][:],
+) -> cython.int:
+    """0 when spans ``[a[k], z[k])`` lie inside ``[0, n]``, one ``per_span`` value
+    each; else the index of the fault in ``_SPAN_FAULTS``."""
+    r: ssize
+    if z.shape[0] != a.shape[0] or per_span.shape[0] != a.shape[0]:
+        return 1
+    for r in range(a.shape[0]):
+        if a[r] < 0 or a[r] > z[r] or z[r] > n:
+            return 2
+    return 0
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+def _first_bad(
+    ids: cython.const[i64][::1],
+    a: cython.const[i64][:],
+    z: cython.const[i64][:],
+    want: cython.const[i64][:],
+) -> ssize:
+    r: ssize
+    for r in range(a.shape[0]):
+        if _differs(ids, a[r], z[r], want[r]):
+            return r
+    return -1
+
+
+def first_mismatch(
+    ids: cython.const[i64][::1],
+    a: cython.const[i64][:],
+    z: cython.const[i64][:],
+    w: cython.const[i64][:],
+) -> ssize:
+    """Rule 5's placeholder check: the first span ``k`` (in the given order) holding a
+    token of ``ids[a[k]:z[k]]`` other than ``w[k]``; -1 when none. Every argument
+    is an int64 array, ``ids`` C-contiguous (compiled, others raise ``ValueError``)."""
+    fault: cython.int = _spans_fault(ids.shape[0], a, z, w)
+    if fault:
+        raise ValueError(_SPAN_FAULTS[fault])
+    r: ssize
+    if ids.shape[0] >= _GIL_MIN:
+        with cython.nogil:
+            r = _first_bad(ids, a, z, w)
+    else:
+        r = _first_bad(ids, a, z, w)
+    return r
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+def _copy_fill(
+    out: i64[::1],
+    ids: cython.const[i64][::1],
+    a: cython.const[i64][:],
+    z: cython.const[i64][:],
+    v: cython.const[i64][:],
+) -> cython.void:
+    """``out`` = ``ids`` with each span filled: sorted spans in one pass (each element
+    written once), others a copy, then the fills in the given order."""
+    k: ssize = a.shape[0]
+    r: ssize
+    at: ssize = 0  # out[:at] is written
+    for r in range(1, k):
+        if a[r] < z[r - 1]:
+            _copy(out, ids, 0, out.shape[0])
+            for r in range(k):
+                _fill(out, a[r], z[r], v[r])
+            return
+    for r in range(k):
+        _copy(out, ids, at, a[r])
+        _fill(out, a[r], z[r], v[r])
+        at = z[r]
+    _copy(out, ids, at, out.shape[0])
+
+
+def fill_spans(
+    src: cython.const[i64][::1],
+    a: cython.const[i64][:],
+    z: cython.const[i64][:],
+    v: cython.const[i64][:],
+) -> np.ndarray:
+    """Rule 8: a copy of ``src`` with ``src[a[k]:z[k]] = v[k]``. Every argument is an
+    int64 array, ``src`` C-contiguous (compiled, others raise ``ValueError``)."""
+    fault: cython.int = _spans_fault(src.shape[0], a, z, v)
+    if fault:
+        raise ValueError(_SPAN_FAULTS[fault])
+    result = np.empty(src.shape[0], np.int64)
+    out: i64[::1] = result
+    if src.shape[0] >= _GIL_MIN:
+        with cython.nogil:
+            _copy_fill(out, src, a, z, v)
+    else:
+        _copy_fill(out, src, a, z, v)
+    return result
+
+
+_RUN_FAULTS = (
+    None,
+    "run arrays must have equal lengths",
+    "run dimensions must be positive",
+    "runs must be sorted by start and disjoint",
+    "a run extends past the end of the prompt",
+    "t_off/frames out of range of t_index",
+    "t_index values must be non-negative",
+    "positions overflow int64",
+)
+_I64_MAX = cython.declare(i64, INT64_MAX)
+
+
+@cython.cfunc
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _runs_fault(
+    n: i64,
+    start: cython.const[i64][:],
+    frames: cython.const[i64][:],
+    rows: cython.const[i64][:],
+    cols: cython.const[i64][:],
+    t_off: cython.const[i64][:],
+    t_index: cython.const[i64][:],
+) -> cython.int:
+    """0 when the runs lie inside a prompt of ``n`` tokens, sorted and disjoint, their
+    frames inside ``t_index``, and every position they lead to within int64; else
+    the index of the fault in ``_RUN_FAULTS``. The position arithmetic of
+    :func:`_fill_positions` is replayed per run and per frame (never per token),
+    with every bound compared by subtraction or division, so nothing here
+    overflows either."""
+    k: ssize = start.shape[0]
+    r: ssize
+    j: ssize
+    s: i64
+    f: i64
+    h: i64
+    w: i64
+    t0: i64
+    reach: i64
+    origin: i64
+    pos: i64 = 0
+    tok: i64 = 0
+    if frames.shape[0] != k or rows.shape[0] != k or cols.shape[0] != k or t_off.shape[0] != k:
+        return 1
+    for r in range(k):
+        s, f, h, w, t0 = start[r], frames[r], rows[r], cols[r], t_off[r]
+        if f < 1 or h < 1 or w < 1:
+            return 2
+        if s < tok:  # tok: the end of the run before, 0 at first
+            return 3
+        if s > n or f > n or h > n // f or w > (n - s) // (f * h):
+            return 4
+        if t0 < 0 or t0 > t_index.shape[0] - f:
+            return 5
+        reach = h - 1 if h > w else w - 1
+        for j in range(t0, t0 + f):
+            if t_index[j] < 0:
+                return 6
+            if t_index[j] > reach:
+                reach = t_index[j]
+        origin = pos + (s - tok)  # pos <= INT64_MAX - n, s - tok <= n
+        if origin > _I64_MAX - n - 1 - reach:
+            return 7
+        reach = t_index[t0 + f - 1]
+        if h - 1 > reach:
+            reach = h - 1
+        if w - 1 > reach:
+            reach = w - 1
+        pos = origin + reach + 1
+        tok = s + f * h * w
+    return 0
+
+
+@cython.cfunc
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _fill_positions(
+    o: i64[:, ::1],
+    start: cython.const[i64][:],
+    frames: cython.const[i64][:],
+    rows: cython.const[i64][:],
+    cols: cython.const[i64][:],
+    t_off: cython.const[i64][:],
+    t_index: cython.const[i64][:],
+) -> i64:
+    """Rule 7 over checked runs; returns the delta."""
+    n: ssize = o.shape[1]
+    pos: i64 = 0  # the position of the next text token
+    tok: ssize = 0  # the next token to write
+    r: ssize
+    origin: i64
+    extent: i64
+    for r in range(start.shape[0]):
+        _text(o, tok, start[r], pos)
+        pos += start[r] - tok
+        origin = pos
+        _grid(o, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
+        extent = t_index[t_off[r] + frames[r] - 1]
+        if rows[r] - 1 > extent:
+            extent = rows[r] - 1
+        if cols[r] - 1 > extent:
+            extent = cols[r] - 1
+        pos = origin + extent + 1
+        tok = start[r] + frames[r] * rows[r] * cols[r]
+    _text(o, tok, n, pos)
+    return pos + (n - tok) - n
+
+
+def positions(n: i64, plan: RunPlan) -> tuple:
+    """Rule 7: the ``[3, n]`` int64 M-RoPE positions and the delta (``max + 1 - n``).
+
+    Text counts up by one on every axis; a run at origin ``s`` writes
+    ``(s + t_index[frame], s + row, s + col)``, and the text after it resumes at
+    ``s + max(t_index[last frame], rows - 1, cols - 1) + 1``. The plan's arrays are
+    int64 (compiled, others raise ``ValueError``)."""
+    start: cython.const[i64][:] = plan.start
+    frames: cython.const[i64][:] = plan.frames
+    rows: cython.const[i64][:] = plan.rows
+    cols: cython.const[i64][:] = plan.cols
+    t_off: cython.const[i64][:] = plan.t_off
+    t_index: cython.const[i64][:] = plan.t_index
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    fault: cython.int = _runs_fault(n, start, frames, rows, cols, t_off, t_index)
+    if fault:
+        raise ValueError(_RUN_FAULTS[fault])
+    result = np.empty((3, n), np.int64)
+    o: i64[:, ::1] = result
+    delta: i64
+    if n >= _GIL_MIN:
+        with cython.nogil:
+            delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
+    else:
+        delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
+    return result, int(delta)
