@@ -23,8 +23,9 @@ they do nothing. ``cython.compiled`` is tested where the compiled code must
 differ: :func:`_round32`; :func:`_i64_at` and :func:`_f32_at`, which read a
 tensor's values from its buffer; :func:`first_outside`'s pass (C integer
 compares compiled, Python ints interpreted: the same verdict); and the
-loops of each per-token helper (``_fill``, ``_text``, ``_grid``, ``_copy``,
-``_differs``: C loops compiled, numpy operations on slices interpreted).
+loops of the per-token helpers (``_repeat``, ``_fill``, ``_copy``,
+``_differs``, ``_text``, ``_grid``: C loops and ``memcpy`` / ``memcmp``
+compiled, numpy operations on slices interpreted).
 
 The work is laid out for the compiled build: everything per span or grid row
 runs in loops over C integers on a few int64 tables allocated once per
@@ -905,6 +906,28 @@ def plan_items(
 # row, never per token.
 
 _GIL_MIN = cython.declare(ssize, 1 << 16)
+_SHORT = cython.declare(ssize, 32)  # a loop writes this much; memcpy doubles it
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _repeat(o: i64[::1], a: ssize, length: ssize, total: ssize) -> cython.void:
+    """``o[a : a + total]`` = ``o[a : a + length]`` repeated (the last copy cut short).
+    Compiled, by doubling ``memcpy``: the C library picks the widest vector
+    stores the CPU has, which loops compiled for any x86-64 cannot."""
+    done: ssize = length
+    m: ssize
+    if cython.compiled:
+        while done < total:
+            m = done if done < total - done else total - done
+            memcpy(cython.address(o[a + done]), cython.address(o[a]), m * 8)
+            done += m
+    elif total > length:
+        o[a + length : a + total] = np.resize(o[a : a + length], total - length)
 
 
 @cython.cfunc
@@ -914,82 +937,15 @@ _GIL_MIN = cython.declare(ssize, 1 << 16)
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _fill(o: i64[::1], a: ssize, b: ssize, v: i64) -> cython.void:
-    """``o[a:b] = v``. Compiled, a long fill writes its first 32 values and then
-    doubles them with ``memcpy`` (the C library picks the widest vector stores
-    the CPU has, which a loop compiled for any x86-64 cannot)."""
+    """``o[a:b] = v``."""
     i: ssize
-    done: ssize
-    m: ssize
+    m: ssize = b - a if b - a < _SHORT else _SHORT
     if cython.compiled:
-        if b - a <= 64:
-            for i in range(a, b):
-                o[i] = v
-            return
-        for i in range(a, a + 32):
+        for i in range(a, a + m):
             o[i] = v
-        done = 32
-        while done < b - a:
-            m = done if done < b - a - done else b - a - done
-            memcpy(cython.address(o[a + done]), cython.address(o[a]), m * 8)
-            done += m
+        _repeat(o, a, m, b - a)
     else:
         o[a:b] = v
-
-
-@cython.cfunc
-@cython.inline
-@cython.nogil
-@cython.exceptval(check=False)
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _text(o: i64[:, ::1], a: ssize, b: ssize, v: i64) -> cython.void:
-    """Positions ``[a, b)`` of text from position ``v``: ``v, v + 1, ...`` on every axis."""
-    i: ssize
-    if cython.compiled:
-        for i in range(a, b):
-            o[0, i] = v + (i - a)
-            o[1, i] = v + (i - a)
-            o[2, i] = v + (i - a)
-    else:
-        o[:, a:b] = np.arange(v, v + (b - a), dtype=np.int64)
-
-
-@cython.cfunc
-@cython.inline
-@cython.nogil
-@cython.exceptval(check=False)
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _grid(
-    o: i64[:, ::1],
-    a: ssize,
-    frames: ssize,
-    rows: ssize,
-    cols: ssize,
-    origin: i64,
-    t_index: cython.const[i64][:],
-    t0: ssize,
-) -> cython.void:
-    """Positions of a ``frames x rows x cols`` run from token ``a`` at ``origin``:
-    ``(origin + t_index[t0 + frame], origin + row, origin + col)``."""
-    f: ssize
-    h: ssize
-    j: ssize
-    tv: i64
-    if cython.compiled:
-        for f in range(frames):
-            tv = origin + t_index[t0 + f]
-            for h in range(rows):
-                for j in range(cols):
-                    o[0, a + j] = tv
-                    o[1, a + j] = origin + h
-                    o[2, a + j] = origin + j
-                a += cols
-    else:
-        block = o[:, a : a + frames * rows * cols].reshape(3, frames, rows, cols)
-        block[0] = (origin + t_index[t0 : t0 + frames])[:, None, None]
-        block[1] = (origin + np.arange(rows, dtype=np.int64))[:, None]
-        block[2] = origin + np.arange(cols, dtype=np.int64)
 
 
 @cython.cfunc
@@ -1014,18 +970,16 @@ def _copy(o: i64[::1], src: cython.const[i64][::1], a: ssize, b: ssize) -> cytho
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _differs(ids: cython.const[i64][::1], a: ssize, b: ssize, w: i64) -> cython.bint:
-    """Whether ``ids[a:b]`` holds a value other than ``w``. Compiled, a long span
-    checks its first 32 values and then compares each next stretch with the
-    stretch already found equal, by ``memcmp`` (as :func:`_fill` uses ``memcpy``)."""
+    """Whether ``ids[a:b]`` holds a value other than ``w``. Compiled, a loop checks
+    the first values, then each next stretch is compared with the stretch already
+    found equal, doubling, by ``memcmp`` (as :func:`_repeat` uses ``memcpy``)."""
     i: ssize
-    done: ssize
-    m: ssize
+    m: ssize = b - a if b - a < _SHORT else _SHORT
+    done: ssize = m
     acc: i64 = 0
     if cython.compiled:
-        m = b - a if b - a <= 64 else 32
         for i in range(a, a + m):
             acc |= ids[i] ^ w  # no early exit: the loop vectorizes
-        done = m
         while acc == 0 and done < b - a:
             m = done if done < b - a - done else b - a - done
             acc = memcmp(cython.address(ids[a + done]), cython.address(ids[a]), m * 8)
@@ -1033,6 +987,61 @@ def _differs(ids: cython.const[i64][::1], a: ssize, b: ssize, w: i64) -> cython.
         return acc != 0
     else:
         return bool((ids[a:b] != w).any())
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _text(o0: i64[::1], o1: i64[::1], o2: i64[::1], a: ssize, b: ssize, v: i64) -> cython.void:
+    """Positions ``[a, b)`` of text from position ``v``: ``v, v + 1, ...`` on every axis."""
+    i: ssize
+    if cython.compiled:
+        for i in range(a, b):
+            o0[i] = v + (i - a)
+            o1[i] = v + (i - a)
+            o2[i] = v + (i - a)
+    else:
+        o0[a:b] = o1[a:b] = o2[a:b] = np.arange(v, v + (b - a), dtype=np.int64)
+
+
+@cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _grid(
+    o0: i64[::1],
+    o1: i64[::1],
+    o2: i64[::1],
+    a: ssize,
+    frames: ssize,
+    rows: ssize,
+    cols: ssize,
+    origin: i64,
+    t_index: cython.const[i64][:],
+    t0: ssize,
+) -> cython.void:
+    """Positions of a ``frames x rows x cols`` run from token ``a`` at ``origin``:
+    ``(origin + t_index[t0 + frame], origin + row, origin + col)``: plane by
+    plane, the first frame's row and column planes copied to the other frames."""
+    plane: ssize = rows * cols
+    j: ssize
+    for j in range(rows):
+        _fill(o1, a + j * cols, a + (j + 1) * cols, origin + j)
+    if cython.compiled:
+        for j in range(cols):
+            o2[a + j] = origin + j
+    else:
+        o2[a : a + cols] = np.arange(origin, origin + cols, dtype=np.int64)
+    _repeat(o2, a, cols, plane)
+    _repeat(o1, a, plane, frames * plane)
+    _repeat(o2, a, plane, frames * plane)
+    for j in range(frames):
+        _fill(o0, a + j * plane, a + (j + 1) * plane, origin + t_index[t0 + j])
 
 
 _SPAN_FAULTS = (None, "span arrays must have equal lengths", "span out of range")
@@ -1226,7 +1235,9 @@ def _runs_fault(
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _fill_positions(
-    o: i64[:, ::1],
+    o0: i64[::1],
+    o1: i64[::1],
+    o2: i64[::1],
     start: cython.const[i64][:],
     frames: cython.const[i64][:],
     rows: cython.const[i64][:],
@@ -1235,17 +1246,17 @@ def _fill_positions(
     t_index: cython.const[i64][:],
 ) -> i64:
     """Rule 7 over checked runs; returns the delta."""
-    n: ssize = o.shape[1]
+    n: ssize = o0.shape[0]
     pos: i64 = 0  # the position of the next text token
     tok: ssize = 0  # the next token to write
     r: ssize
     origin: i64
     extent: i64
     for r in range(start.shape[0]):
-        _text(o, tok, start[r], pos)
+        _text(o0, o1, o2, tok, start[r], pos)
         pos += start[r] - tok
         origin = pos
-        _grid(o, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
+        _grid(o0, o1, o2, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
         extent = t_index[t_off[r] + frames[r] - 1]
         if rows[r] - 1 > extent:
             extent = rows[r] - 1
@@ -1253,7 +1264,7 @@ def _fill_positions(
             extent = cols[r] - 1
         pos = origin + extent + 1
         tok = start[r] + frames[r] * rows[r] * cols[r]
-    _text(o, tok, n, pos)
+    _text(o0, o1, o2, tok, n, pos)
     return pos + (n - tok) - n
 
 
@@ -1276,11 +1287,13 @@ def positions(n: i64, plan: RunPlan) -> tuple:
     if fault:
         raise ValueError(_RUN_FAULTS[fault])
     result = np.empty((3, n), np.int64)
-    o: i64[:, ::1] = result
+    o0: i64[::1] = result[0]
+    o1: i64[::1] = result[1]
+    o2: i64[::1] = result[2]
     delta: i64
     if n >= _GIL_MIN:
         with cython.nogil:
-            delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
+            delta = _fill_positions(o0, o1, o2, start, frames, rows, cols, t_off, t_index)
     else:
-        delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
+        delta = _fill_positions(o0, o1, o2, start, frames, rows, cols, t_off, t_index)
     return result, int(delta)
