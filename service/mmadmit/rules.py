@@ -995,16 +995,16 @@ def _differs(ids: cython.const[i64][::1], a: ssize, b: ssize, w: i64) -> cython.
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _text(o0: i64[::1], o1: i64[::1], o2: i64[::1], a: ssize, b: ssize, v: i64) -> cython.void:
+def _text(o: i64[:, ::1], a: ssize, b: ssize, v: i64) -> cython.void:
     """Positions ``[a, b)`` of text from position ``v``: ``v, v + 1, ...`` on every axis."""
     i: ssize
     if cython.compiled:
         for i in range(a, b):
-            o0[i] = v + (i - a)
-            o1[i] = v + (i - a)
-            o2[i] = v + (i - a)
+            o[0, i] = v + (i - a)
+            o[1, i] = v + (i - a)
+            o[2, i] = v + (i - a)
     else:
-        o0[a:b] = o1[a:b] = o2[a:b] = np.arange(v, v + (b - a), dtype=np.int64)
+        o[:, a:b] = np.arange(v, v + (b - a), dtype=np.int64)
 
 
 @cython.cfunc
@@ -1014,9 +1014,7 @@ def _text(o0: i64[::1], o1: i64[::1], o2: i64[::1], a: ssize, b: ssize, v: i64) 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _grid(
-    o0: i64[::1],
-    o1: i64[::1],
-    o2: i64[::1],
+    o: i64[:, ::1],
     a: ssize,
     frames: ssize,
     rows: ssize,
@@ -1026,22 +1024,25 @@ def _grid(
     t0: ssize,
 ) -> cython.void:
     """Positions of a ``frames x rows x cols`` run from token ``a`` at ``origin``:
-    ``(origin + t_index[t0 + frame], origin + row, origin + col)``: plane by
-    plane, the first frame's row and column planes copied to the other frames."""
-    plane: ssize = rows * cols
+    ``(origin + t_index[t0 + frame], origin + row, origin + col)``."""
+    f: ssize
+    h: ssize
     j: ssize
-    for j in range(rows):
-        _fill(o1, a + j * cols, a + (j + 1) * cols, origin + j)
+    tv: i64
     if cython.compiled:
-        for j in range(cols):
-            o2[a + j] = origin + j
+        for f in range(frames):
+            tv = origin + t_index[t0 + f]
+            for h in range(rows):
+                for j in range(cols):
+                    o[0, a + j] = tv
+                    o[1, a + j] = origin + h
+                    o[2, a + j] = origin + j
+                a += cols
     else:
-        o2[a : a + cols] = np.arange(origin, origin + cols, dtype=np.int64)
-    _repeat(o2, a, cols, plane)
-    _repeat(o1, a, plane, frames * plane)
-    _repeat(o2, a, plane, frames * plane)
-    for j in range(frames):
-        _fill(o0, a + j * plane, a + (j + 1) * plane, origin + t_index[t0 + j])
+        block = o[:, a : a + frames * rows * cols].reshape(3, frames, rows, cols)
+        block[0] = (origin + t_index[t0 : t0 + frames])[:, None, None]
+        block[1] = (origin + np.arange(rows, dtype=np.int64))[:, None]
+        block[2] = origin + np.arange(cols, dtype=np.int64)
 
 
 _SPAN_FAULTS = (None, "span arrays must have equal lengths", "span out of range")
@@ -1235,9 +1236,7 @@ def _runs_fault(
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _fill_positions(
-    o0: i64[::1],
-    o1: i64[::1],
-    o2: i64[::1],
+    o: i64[:, ::1],
     start: cython.const[i64][:],
     frames: cython.const[i64][:],
     rows: cython.const[i64][:],
@@ -1246,17 +1245,17 @@ def _fill_positions(
     t_index: cython.const[i64][:],
 ) -> i64:
     """Rule 7 over checked runs; returns the delta."""
-    n: ssize = o0.shape[0]
+    n: ssize = o.shape[1]
     pos: i64 = 0  # the position of the next text token
     tok: ssize = 0  # the next token to write
     r: ssize
     origin: i64
     extent: i64
     for r in range(start.shape[0]):
-        _text(o0, o1, o2, tok, start[r], pos)
+        _text(o, tok, start[r], pos)
         pos += start[r] - tok
         origin = pos
-        _grid(o0, o1, o2, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
+        _grid(o, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
         extent = t_index[t_off[r] + frames[r] - 1]
         if rows[r] - 1 > extent:
             extent = rows[r] - 1
@@ -1264,7 +1263,7 @@ def _fill_positions(
             extent = cols[r] - 1
         pos = origin + extent + 1
         tok = start[r] + frames[r] * rows[r] * cols[r]
-    _text(o0, o1, o2, tok, n, pos)
+    _text(o, tok, n, pos)
     return pos + (n - tok) - n
 
 
@@ -1287,13 +1286,11 @@ def positions(n: i64, plan: RunPlan) -> tuple:
     if fault:
         raise ValueError(_RUN_FAULTS[fault])
     result = np.empty((3, n), np.int64)
-    o0: i64[::1] = result[0]
-    o1: i64[::1] = result[1]
-    o2: i64[::1] = result[2]
+    o: i64[:, ::1] = result
     delta: i64
     if n >= _GIL_MIN:
         with cython.nogil:
-            delta = _fill_positions(o0, o1, o2, start, frames, rows, cols, t_off, t_index)
+            delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
     else:
-        delta = _fill_positions(o0, o1, o2, start, frames, rows, cols, t_off, t_index)
+        delta = _fill_positions(o, start, frames, rows, cols, t_off, t_index)
     return result, int(delta)
