@@ -6,10 +6,9 @@ Two steps, both transport-free:
   turns the items' spans and grids into *runs*, a :class:`RunPlan`:
   placeholder runs that get 3-D grid positions. Audio spans (Qwen3-Omni)
   advance linearly on all axes exactly like text, so they produce no run.
-* :func:`positions` builds the ``[3, N]`` int64 positions and the delta from the
-  runs with array operations only: no Python loop over tokens or over runs on
-  the token axis. :func:`delta_only` gives the delta without per-token work
-  (the decode exemption needs nothing else).
+* :func:`mmadmit.rules.positions` (rule 7) builds the ``[3, N]`` int64
+  positions and the delta from the runs. :func:`delta_only` here gives the
+  delta without per-token work (the decode exemption needs nothing else).
 
 A run starting at position ``s`` with merged grid ``T' x H' x W'`` gets
 ``t = s + t_index[frame]``, ``h = s + row``, ``w = s + col``; the text after it

@@ -1169,6 +1169,21 @@ _I64_MAX = cython.declare(i64, INT64_MAX)
 
 
 @cython.cfunc
+@cython.inline
+@cython.nogil
+@cython.exceptval(check=False)
+def _extent(t_last: i64, rows: i64, cols: i64) -> i64:
+    """How far a run reaches past its origin on any axis (its last frame's time
+    index, ``rows - 1``, ``cols - 1``): the text after it resumes one further."""
+    e: i64 = t_last
+    if rows - 1 > e:
+        e = rows - 1
+    if cols - 1 > e:
+        e = cols - 1
+    return e
+
+
+@cython.cfunc
 @cython.exceptval(check=False)
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -1220,12 +1235,7 @@ def _runs_fault(
         origin = pos + (s - tok)  # pos <= INT64_MAX - n, s - tok <= n
         if origin > _I64_MAX - n - 1 - reach:
             return 7
-        reach = t_index[t0 + f - 1]
-        if h - 1 > reach:
-            reach = h - 1
-        if w - 1 > reach:
-            reach = w - 1
-        pos = origin + reach + 1
+        pos = origin + _extent(t_index[t0 + f - 1], h, w) + 1
         tok = s + f * h * w
     return 0
 
@@ -1250,18 +1260,12 @@ def _fill_positions(
     tok: ssize = 0  # the next token to write
     r: ssize
     origin: i64
-    extent: i64
     for r in range(start.shape[0]):
         _text(o, tok, start[r], pos)
         pos += start[r] - tok
         origin = pos
         _grid(o, start[r], frames[r], rows[r], cols[r], origin, t_index, t_off[r])
-        extent = t_index[t_off[r] + frames[r] - 1]
-        if rows[r] - 1 > extent:
-            extent = rows[r] - 1
-        if cols[r] - 1 > extent:
-            extent = cols[r] - 1
-        pos = origin + extent + 1
+        pos = origin + _extent(t_index[t_off[r] + frames[r] - 1], rows[r], cols[r]) + 1
         tok = start[r] + frames[r] * rows[r] * cols[r]
     _text(o, tok, n, pos)
     return pos + (n - tok) - n
