@@ -5,10 +5,11 @@ same source interpreted and the numpy oracle (``tests/kernels_oracle.py``).
 inside the prompt) with fields replaced by boundary values; ``first_mismatch``
 and ``fill_spans`` get spans likewise (fill_spans also in any order,
 overlapping, against a loop). Whether a plan or span set is inside the loops'
-contract is decided here, in exact Python integers (:func:`plan_ok`,
-:func:`spans_ok`): inside, both builds and the oracle must give identical
-arrays and delta; outside, both builds must refuse it with the same
-``ValueError`` (the oracle's answer to an invalid plan is unspecified).
+contract is decided here, in exact Python integers (:func:`plan_ok` for a
+plan, the bounds of each span in :func:`_spans`): inside, both builds and the
+oracle must give identical arrays and delta; outside, both builds must refuse
+it with the same ``ValueError`` (the oracle's answer to an invalid plan is
+unspecified).
 """
 
 from __future__ import annotations
