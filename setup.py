@@ -13,15 +13,15 @@ installs ``./clients`` editable first and sets it to ``mmadmit-client``, which
 the editable install satisfies (pip refuses an editable install and a
 ``file://`` requirement of one project in one resolve).
 
-The optional C extension (``_pbwire``, from C) and the
-modules written in Cython's pure-Python mode, listed in ``CYTHON_MODULES``,
-are built here: each ``.py`` is a module of the package as it is (run
-interpreted) and is also compiled by Cython into a separately named extension
-(``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``, ``mmadmit.rules`` ->
-``mmadmit._rules_c``, ``mmadmit.tensorcheck`` -> ``mmadmit._tensorcheck_c``;
-the generated C in ``build/cython/``); ``mmadmit.native`` picks one at run
-time. ``optional=True`` for all: without a working compiler (or without
-Cython) the install still succeeds and the pure-Python paths run. Editable
+The optional extensions are the modules written in Cython's pure-Python mode,
+listed in ``CYTHON_MODULES``: each ``.py`` is a module of the package as it is
+(run interpreted) and is also compiled by Cython into a separately named
+extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``, ``mmadmit.rules``
+-> ``mmadmit._rules_c``, ``mmadmit.tensorcheck`` -> ``mmadmit._tensorcheck_c``,
+``mmadmit.pbwalk`` -> ``mmadmit._pbwalk_c``; the generated C in
+``build/cython/``); ``mmadmit.native`` picks one at run time.
+``optional=True`` for all: without a working compiler (or without Cython) the
+install still succeeds and the pure-Python paths run. Editable
 installs build them in place (``service/mmadmit/*.so``, gitignored).
 """
 
@@ -82,6 +82,7 @@ CYTHON_MODULES = [
     ("mmadmit._walk_c", "service/mmadmit/msgpack_walk.py"),
     ("mmadmit._rules_c", "service/mmadmit/rules.py"),
     ("mmadmit._tensorcheck_c", "service/mmadmit/tensorcheck.py"),
+    ("mmadmit._pbwalk_c", "service/mmadmit/pbwalk.py"),
 ]
 
 
@@ -103,15 +104,7 @@ def _cython_extensions() -> list[Extension]:
 
 setup(
     install_requires=INSTALL_REQUIRES,
-    # include-package-data (pyproject) would also ship the extension's source.
+    # include-package-data (pyproject) would also ship Cython's generated C.
     exclude_package_data={"mmadmit": ["*.c"]},
-    ext_modules=[
-        Extension(
-            "mmadmit._pbwire",
-            sources=["service/mmadmit/_pbwire.c"],
-            extra_compile_args=_COMPILE_ARGS,
-            optional=True,
-        ),
-        *_cython_extensions(),
-    ],
+    ext_modules=_cython_extensions(),
 )

@@ -16,9 +16,10 @@ ratio is "without / with", so 1.10 or more keeps it):
 on a ZMQ ADD's decode + materialize + encode (``workloads.staged``: Qwen3.5 and
 Qwen3-Omni at 8K, 32K and 128K tokens, hashes supplied); and
 
-* the protobuf walks of ``_pbwire`` (strip the large inline tensors, take the
-  ids, count the limits, write the packed ids) against their absence or their
-  numpy twin (what runs with ``--native off``),
+* the protobuf walks compiled (``mmadmit.pbwalk``: strip the large inline
+  tensors, take the ids, count the limits, write the packed ids) against what
+  runs with ``--native off`` (upb alone, the count and the packed ids
+  interpreted),
 
 on gRPC ``Admit`` (``bench_grpc``'s 1K tokens + one 2.4 MB image) and SMG's
 ``Generate`` (``bench_smg_grpc``'s workloads), parse + translate + materialize
@@ -98,12 +99,12 @@ def _no_fill_from_bytes() -> Iterator[None]:
 
 @contextmanager
 def _no_pbwire() -> Iterator[None]:
-    saved = pbwire._pbwire
-    pbwire._pbwire = None
+    was = pbwire.HAVE_NATIVE
+    pbwire._use_native(False)
     try:
         yield
     finally:
-        pbwire._pbwire = saved
+        pbwire._use_native(was)
 
 
 @contextmanager
@@ -213,7 +214,7 @@ def main() -> int:
         "splice_items (items from their bytes)": _no_splice,
         "encode_filled (padded ids from their bytes)": _no_fill_from_bytes,
     }
-    grpc_paths: dict[str, Callable[[], Any]] = {"_pbwire (every walk)": _no_pbwire}
+    grpc_paths: dict[str, Callable[[], Any]] = {"pbwalk compiled (every walk)": _no_pbwire}
     if args.only:
         zmq_paths = {k: v for k, v in zmq_paths.items() if args.only in k}
         grpc_paths = {k: v for k, v in grpc_paths.items() if args.only in k}

@@ -1,7 +1,7 @@
 #!/bin/sh
-# Build the C extension (_pbwire), and the C that Cython generates from the pure-Python
-# modules setup.py compiles (CYTHON_MODULES: msgpack_walk.py -> _walk_c, rules.py ->
-# _rules_c, tensorcheck.py -> _tensorcheck_c), with
+# Build the C that Cython generates from the pure-Python modules setup.py compiles
+# (CYTHON_MODULES: msgpack_walk.py -> _walk_c, rules.py -> _rules_c, tensorcheck.py ->
+# _tensorcheck_c, pbwalk.py -> _pbwalk_c), with
 # AddressSanitizer and UndefinedBehaviorSanitizer into build/fuzz/mmadmit/
 # (never over the regular build in service/mmadmit/).
 # fuzz/run.py loads them from there when MMADMIT_FUZZ_EXT_DIR names that folder
@@ -24,11 +24,6 @@ if "$CC" --version 2>/dev/null | grep -q clang; then
     FLAGS="$FLAGS -fsanitize=fuzzer-no-link"  # libFuzzer coverage for atheris
 fi
 mkdir -p "$OUT"
-for ext in _pbwire; do
-    echo "$CC [asan,ubsan] service/mmadmit/$ext.c -> $OUT/$ext$SUFFIX"
-    # shellcheck disable=SC2086
-    "$CC" $FLAGS -I"$INCLUDE" -Iservice/mmadmit "service/mmadmit/$ext.c" -o "$OUT/$ext$SUFFIX"
-done
 # The modules in setup.py's CYTHON_MODULES (read from the file: importing
 # setup.py would run setup()): Cython's C for each, in build/fuzz/cython/.
 CYDIR=$(dirname "$OUT")/cython

@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# _walk_c, _rules_c, _tensorcheck_c: msgpack_walk.py, rules.py and tensorcheck.py
-# compiled by Cython
-EXTENSIONS = ("_walk_c", "_rules_c", "_tensorcheck_c", "_pbwire")
+# msgpack_walk.py, rules.py, tensorcheck.py and pbwalk.py compiled by Cython
+EXTENSIONS = ("_walk_c", "_rules_c", "_tensorcheck_c", "_pbwalk_c")
 
 
 def load_sanitized(folder: str) -> list[str]:

@@ -1,8 +1,9 @@
-"""The Python reference of ``_pbwire.strip_inline``: the oracle the tests and the
-``pbwire`` fuzz target compare the C walk with. Tests only: in production the C
+"""A reference of ``mmadmit.pbwalk.strip_inline``, written apart from it (chunks
+joined at the end, not two passes): the oracle the tests and the ``pbwire`` fuzz
+target hold both builds of the walk to. Tests only: in production the compiled
 walk strips (:func:`mmadmit.pbwire.strip_inline_payloads`), and with native code
 off nothing is stripped, protobuf parses the whole message (which measured faster
-than this walk interpreted: Admit of 2.4 MB 1160 vs 1325 us, SMG's 8K Generate
+than a walk interpreted: Admit of 2.4 MB 1160 vs 1325 us, SMG's 8K Generate
 2349 vs 2968 us, decode + materialize + encode).
 
 ``strip(data, min_bytes)``: ``data`` (an ``AdmitRequest`` or ``GenerateRequest``)
@@ -28,6 +29,32 @@ _SCHEMA: dict[int, dict[int, int]] = {
 }
 
 
+class _Bail(Exception):
+    """Bytes the walk does not read as upb reads them: nothing is stripped."""
+
+
+def _varint(buf: memoryview, pos: int, end: int, most: int = 10) -> tuple[int, int]:
+    """The varint at ``buf[pos]`` (at most ``most`` bytes and 64 bits) and its end."""
+    value = 0
+    for k in range(most):
+        if pos + k >= end:
+            raise _Bail
+        value |= (buf[pos + k] & 0x7F) << (7 * k)
+        if buf[pos + k] < 0x80:
+            if value >= 1 << 64:
+                raise _Bail
+            return value, pos + k + 1
+    raise _Bail
+
+
+def _key(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    """A key as upb takes it: 5 bytes at most, field number in [1, 2**29 - 1]."""
+    key, pos = _varint(buf, pos, end, 5)
+    if not 1 <= key >> 3 <= 0x1FFFFFFF:
+        raise _Bail
+    return key >> 3, key & 7, pos
+
+
 class _Walk:
     __slots__ = ("buf", "view", "min_bytes", "payloads")
 
@@ -38,7 +65,7 @@ class _Walk:
         self.payloads: list[memoryview] = []
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
-        return pbwire._varint(self.buf, pos, end)
+        return _varint(self.view, pos, end)
 
     def message(self, start: int, end: int, kind: int) -> tuple[list[Any], int] | None:
         """The new contents of the message ``buf[start:end]`` (chunks, size), None if unchanged."""
@@ -51,7 +78,7 @@ class _Walk:
         pos = start
         while pos < end:
             field_start = pos
-            number, wire_type, pos = pbwire._key(self.buf, pos, end)
+            number, wire_type, pos = _key(self.view, pos, end)
             tag_end = pos
             if number > 2 or wire_type != 2:
                 plain = False
@@ -62,10 +89,10 @@ class _Walk:
             elif wire_type == 5:
                 pos += 4
             elif wire_type == 2:
-                length, data_start = pbwire._varint(self.buf, pos, end, pbwire._SHORT_MAX)
+                length, data_start = _varint(self.view, pos, end, 5)
                 pos = data_start + length
                 if pos > end:
-                    raise pbwire._Bail
+                    raise _Bail
                 sub = schema.get(number)
                 if sub is None:
                     continue
@@ -91,9 +118,9 @@ class _Walk:
                 kept_from = pos
                 continue
             else:
-                raise pbwire._Bail  # groups (3, 4) and the reserved wire types
+                raise _Bail  # groups (3, 4) and the reserved wire types
             if pos > end:
-                raise pbwire._Bail
+                raise _Bail
         if chunks is None:
             return None
         if kind == _ENTRY and not plain:
@@ -110,7 +137,7 @@ def strip(data: bytes, min_bytes: int) -> tuple[bytes, list[memoryview]] | None:
     walk = _Walk(data, min_bytes)
     try:
         got = walk.message(0, len(data), _ADMIT)
-    except pbwire._Bail:
+    except _Bail:
         return None
     if got is None:
         return None

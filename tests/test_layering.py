@@ -30,7 +30,8 @@ CODECS = {
     "mmadmit.pbwire",
     "mmadmit.msgpack_walk",
     "mmadmit._walk_c",
-    "mmadmit._pbwire",
+    "mmadmit.pbwalk",
+    "mmadmit._pbwalk_c",
 }
 
 

@@ -35,7 +35,7 @@ import pytest
 from conftest import CONFIGS
 from mmadmit import intcodec, msgpack_walk, wire
 from mmadmit.config import ServeConfig, build_config
-from mmadmit.errors import Abort, AbortCode, ConfigError, TooLarge
+from mmadmit.errors import Abort, AbortCode, ConfigError
 from mmadmit.limits import DEFAULT_LIMITS, Limits
 from mmadmit.materializer import Materializer
 from mmadmit.model import Item, Modality, MultimodalInputs, Request, Tensor
@@ -498,8 +498,17 @@ def test_limits_reach_the_fields_of_serve_config() -> None:
 
 # --------------------------------------------------------------------------- gRPC, pre-parse
 
-from mmadmit import pbwire  # noqa: E402
+import sys  # noqa: E402
+from collections import Counter  # noqa: E402
+
+from conftest import REPO_ROOT  # noqa: E402
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+from mmadmit import pbwalk, pbwire  # noqa: E402
 from mmadmit_client.proto import admission_pb2 as pb  # noqa: E402
+
+from fuzz.targets.pbwire_target import count  # noqa: E402  (the target's outcome of a count)
 
 PAD = "x" * pbwire.PRECHECK_MIN_BYTES  # original_text: makes a message big enough to count
 
@@ -574,16 +583,6 @@ def test_grpc_precheck_at_the_limits_and_small_messages() -> None:
     assert pbwire.check_admit_limits(PAD.encode() + b"\x0b", DEFAULT_LIMITS) is None
 
 
-def _python_walk_passes(data: bytes, limits: Limits) -> bool:
-    """The reference walk (``pbwire._Count``) ends cleanly within ``limits``."""
-    count = pbwire._Count(data, limits)
-    try:
-        count.message(0, len(count.view), pbwire._C_ADMIT)
-    except (TooLarge, pbwire._Bail):
-        return False
-    return True
-
-
 def _precheck_inputs() -> list[bytes]:
     """Messages at, over and under every counted limit, every wire vector's request,
     and each of them cut and bit-flipped."""
@@ -615,20 +614,18 @@ def _precheck_inputs() -> list[bytes]:
     return out
 
 
-@pytest.mark.skipif(pbwire._BUILT is None, reason="mmadmit._pbwire is not built")
-def test_grpc_precheck_native_agrees_with_the_walk() -> None:
-    """``_pbwire.within_limits`` (what check_admit_limits runs first) passes exactly
-    the messages the Python walk passes, under the defaults and under tight limits,
-    on valid, cut and bit-flipped messages; a refusal is still worded by the walk."""
+@pytest.mark.skipif(pbwire._BUILT is None, reason="mmadmit._pbwalk_c is not built")
+def test_grpc_precheck_compiled_agrees_with_interpreted() -> None:
+    """The count (``pbwalk._Count``) compiled and interpreted: the same outcome
+    (passed, not understood, or the same refusal and request id) under the
+    defaults and under tight limits, on valid, cut and bit-flipped messages."""
     tight = Limits(max_tokens=64, max_items=4, max_msgpack_len=32)
-    seen = {True: 0, False: 0}
+    seen: Counter[str] = Counter()
     for data in _precheck_inputs():
         for limits in (DEFAULT_LIMITS, tight):
-            native = pbwire._BUILT.within_limits(
-                data, limits.max_tokens, limits.max_items, limits.max_msgpack_len
-            )
-            assert native is _python_walk_passes(data, limits), (limits, data[:64])
-            seen[native] += 1
+            got = count(pbwire._BUILT, data, limits)
+            assert got == count(pbwalk, data, limits), (limits, data[:64])
+            seen[str(got[1]) if got[0] == "ok" else "refused"] += 1
     assert min(seen.values()) > 100, seen
     refused = pbwire.check_admit_limits(admit_bytes(items=257), DEFAULT_LIMITS)
     assert refused is not None and refused.message.startswith("at least 257 items exceed")

@@ -17,6 +17,7 @@ from mmadmit import (
     model,
     msgpack_walk,
     native,
+    pbwalk,
     pbwire,
     planner,
     rules,
@@ -76,7 +77,7 @@ def test_every_wrapping_module_registers_and_switches() -> None:
         assert not native.enabled()
         assert not any(m.HAVE_NATIVE for m in MODULES.values())
         assert intcodec._WALK is msgpack_walk
-        assert planner._active is rules and pbwire._pbwire is None
+        assert planner._active is rules and pbwire._compiled is None and pbwire._walks is pbwalk
         assert model._check is tensorcheck.check
         native.set_enabled(True)
         for name, module in MODULES.items():

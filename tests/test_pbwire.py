@@ -1,6 +1,7 @@
-"""Protobuf wire shortcuts of the gRPC transport (``mmadmit.pbwire``), both implementations.
+"""Protobuf wire shortcuts of the gRPC transport (``mmadmit.pbwire``), both builds of
+its walks (``mmadmit.pbwalk``: compiled ``_pbwalk_c`` when built, and interpreted).
 
-Pinned here, for the C extension (when built) and the Python/numpy fallback alike:
+Pinned here, with native code on and off:
 
 * ``packed_uint32_field`` gives byte for byte what protobuf serializes for the
   same ``repeated uint32`` values (random arrays, every varint size boundary,
@@ -13,7 +14,8 @@ Pinned here, for the C extension (when built) and the Python/numpy fallback alik
   every wire vector, unknown fields 3-8 and nested unknown fields, several
   items, map side tensors, M-RoPE positions, and field orders protobuf merges
   (split ``mm_inputs``, repeated ``encoder_input``, repeated ``inline``, ``inline``
-  vs ``shm``, duplicate map keys); both implementations give the same bytes;
+  vs ``shm``, duplicate map keys); both builds and the tests' reference walk
+  (``tests/pbwire_oracle.py``) give the same bytes;
   truncated (every cut of a small message), bit-flipped and garbage bytes parse
   or fail exactly as ``FromString`` does.
 * A large feature becomes a tensor that is a view on the received bytes (no
@@ -42,7 +44,7 @@ from conftest import (
 )
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-from mmadmit import pbwire, smg_request
+from mmadmit import pbwalk, pbwire, smg_request
 from mmadmit.limits import DEFAULT_LIMITS
 from mmadmit.materializer import Materializer
 from mmadmit.model import Materialized
@@ -56,15 +58,15 @@ from test_grpc_api import BAD_INPUTS, MODEL_CONFIG, _image_request, request_from
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-from fuzz.targets.pbwire_target import check_parse, check_take  # noqa: E402  (the targets' properties)
+from fuzz.targets.pbwire_target import check_parse, check_take, count  # noqa: E402  (the targets' properties)
 
 IMPLS = ["native", "python"]
-NOT_BUILT = "mmadmit._pbwire is not built (no C compiler at install time): the fallback only"
+NOT_BUILT = "mmadmit._pbwalk_c is not built (no compiler at install time): interpreted only"
 
 
 @contextmanager
 def _compiled() -> Iterator[None]:
-    """Native switched on (the C extension runs), whatever the session's setting
+    """Native switched on (the compiled walks run), whatever the session's setting
     (``MMADMIT_NATIVE``); the session's setting restored afterwards."""
     with native_as(True):
         assert pbwire.HAVE_NATIVE
@@ -73,8 +75,8 @@ def _compiled() -> Iterator[None]:
 
 @pytest.fixture
 def stripping() -> Iterator[None]:
-    """The C extension on (it strips; without it nothing is stripped and upb parses
-    the whole message: ``test_without_the_extension_nothing_is_stripped``)."""
+    """The compiled walks on (they strip; without them nothing is stripped and upb
+    parses the whole message: ``test_without_the_extension_nothing_is_stripped``)."""
     if pbwire._BUILT is None:
         pytest.skip(NOT_BUILT)
     with _compiled():
@@ -82,18 +84,23 @@ def stripping() -> Iterator[None]:
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run a test against the C extension (native switched on for it, also under
-    ``MMADMIT_NATIVE=0``), then against the fallback."""
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with native code on (the compiled walks; also under
+    ``MMADMIT_NATIVE=0``), then off (interpreted)."""
     if request.param == "native":
         if pbwire._BUILT is None:
             pytest.skip(NOT_BUILT)
         with _compiled():
             yield request.param
     else:
-        monkeypatch.setattr(pbwire, "_pbwire", None)
-        monkeypatch.setattr(pbwire, "HAVE_NATIVE", False)
-        yield request.param
+        with native_as(False):
+            assert not pbwire.HAVE_NATIVE
+            yield request.param
+
+
+def _builds() -> list[ModuleType]:
+    """The walks' builds: interpreted, and compiled when built."""
+    return [pbwalk, *([pbwire._BUILT] if pbwire._BUILT is not None else [])]
 
 
 def _varint(value: int) -> bytes:
@@ -359,7 +366,7 @@ def check_strip(data: bytes, min_bytes: int = 1) -> int:
     """
     ref = pb.AdmitRequest.FromString(data)
     results = []
-    impls: list[Any] = [_oracle_strip]  # the reference; production strips in C only
+    impls: list[Any] = [_oracle_strip, lambda d, m: pbwalk.strip_inline(d, m, pbwire._NONCE)]
     if pbwire._BUILT is not None:
         impls.append(lambda d, m: pbwire._BUILT.strip_inline(d, m, pbwire._NONCE))
     for strip in impls:
@@ -374,7 +381,7 @@ def check_strip(data: bytes, min_bytes: int = 1) -> int:
         assert len(small) < len(data) or min_bytes <= len(pbwire._NONCE) + 4
         _same(_restore(small, payloads), ref)
         results.append((small, [bytes(v) for v in payloads]))
-    assert all(r == results[0] for r in results), "C and Python strip alike"
+    assert all(r == results[0] for r in results), "both builds and the reference strip alike"
     # parse_admit_request too (both implementations, via the module switch), its ids
     # taken from any message (take_ids)
     parsed = pbwire.parse_admit_request(data, min_bytes, take_min_bytes=1)
@@ -699,10 +706,10 @@ TAKEN = {"unpadded", "merged", "unpacked and packed", "empty packed", "overlong 
 @pytest.mark.parametrize("label", list(TAKE_CASES))
 def test_take_ids_equals_fromstring(impl: str, label: str) -> None:
     took = check_take(TAKE_CASES[label], True) | check_take(TAKE_CASES[label], False)
-    if impl == "python":
-        assert not took  # the fallback leaves the ids to upb
-    elif label.startswith(("vector", "large")) or label in TAKEN:
+    if label.startswith(("vector", "large")) or label in TAKEN:
         assert took
+    # production takes with the compiled walk only (native off: upb parses the ids)
+    assert (pbwire.take_ids(TAKE_CASES[label], True) is not None) is (took and impl == "native")
 
 
 @pytest.mark.parametrize(
@@ -723,10 +730,9 @@ def test_take_ids_equals_fromstring(impl: str, label: str) -> None:
     ids=range(11),
 )
 def test_take_ids_declines_what_it_does_not_take_exactly(data: bytes) -> None:
-    if pbwire._BUILT is None:
-        pytest.skip(NOT_BUILT)
-    with _compiled():
-        assert pbwire.take_ids(data, True) is None
+    assert pbwalk.take_ids(data, True) is None
+    if pbwire._BUILT is not None:
+        assert pbwire._BUILT.take_ids(data, True) is None
 
 
 def test_take_ids_truncations_and_bit_flips(impl: str) -> None:
@@ -738,7 +744,7 @@ def test_take_ids_truncations_and_bit_flips(impl: str) -> None:
         flipped[k] ^= 1 << int(rng.integers(0, 8))
         took += check_take(bytes(flipped), True)
         _same_outcome(bytes(flipped), 1)
-    assert took > len(data) // 2 or impl == "python"
+    assert took > len(data) // 2
 
 
 @pytest.mark.parametrize("name", vector_names())
@@ -880,7 +886,7 @@ def test_take_ids_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -
     assert _parses(pb.AdmitRequest, data) is upb_takes
     for unpadded in (True, False):
         took = check_take(data, unpadded)
-        assert took is (upb_takes and impl == "native"), (unpadded, took)
+        assert took is upb_takes, (unpadded, took)
     check_parse(data, pb.AdmitRequest, 1)
     check_parse(data, ts.GenerateRequest, 1)
     _same_outcome(data, 1)
@@ -891,9 +897,9 @@ COUNTED = {"request_id", "mm_inputs", "items", "encoder_input", "map entry", "mr
 
 @pytest.mark.parametrize(("where", "n"), _width_cases(_strip_wide, STRIP_WIDE))
 def test_strip_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> None:
-    """strip_inline (C and Python) strips a request with a 1-to-5-byte key or length
-    anywhere it walks or skips, and declines one of 6 to 10 bytes (which protobuf
-    refuses); so does the limits count (``within_limits`` and ``_Count`` bail)."""
+    """strip_inline (both builds and the reference) strips a request with a 1-to-5-byte
+    key or length anywhere it walks or skips, and declines one of 6 to 10 bytes (which
+    protobuf refuses); so does the limits count where it walks (both builds)."""
     data = _strip_wide(where, n)
     upb_takes = n <= UPB_KEY_LEN_MAX
     assert _parses(pb.AdmitRequest, data) is upb_takes
@@ -901,8 +907,8 @@ def test_strip_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> N
         assert check_strip(data, pbwire.STRIP_MIN_BYTES) == 3
     else:
         assert _oracle_strip(data, pbwire.STRIP_MIN_BYTES) is None
-        if pbwire._BUILT is not None:
-            assert pbwire._BUILT.strip_inline(data, pbwire.STRIP_MIN_BYTES, pbwire._NONCE) is None
+        for build in _builds():
+            assert build.strip_inline(data, pbwire.STRIP_MIN_BYTES, pbwire._NONCE) is None
         assert pbwire.strip_inline_payloads(data) is None
     _same_outcome(data, pbwire.STRIP_MIN_BYTES)
     check_parse(data, pb.AdmitRequest, pbwire.STRIP_MIN_BYTES)
@@ -910,17 +916,8 @@ def test_strip_reads_keys_and_lengths_as_upb(impl: str, where: str, n: int) -> N
     # the pre-parse count reads keys and lengths alike, where it walks (not in map
     # entries, tensors or mrope)
     counted = where.rsplit(" ", 1)[0] in COUNTED
-    count = pbwire._Count(data, DEFAULT_LIMITS)
-    try:
-        count.message(0, len(data), pbwire._C_ADMIT)
-        walked = True
-    except pbwire._Bail:
-        walked = False
-    assert walked is (upb_takes or not counted)
-    if pbwire._BUILT is not None:
-        lim = DEFAULT_LIMITS
-        ok = pbwire._BUILT.within_limits(data, lim.max_tokens, lim.max_items, lim.max_msgpack_len)
-        assert ok is walked
+    for build in _builds():
+        assert count(build, data, DEFAULT_LIMITS) == ("ok", upb_takes or not counted)
     assert pbwire.check_admit_limits(data, DEFAULT_LIMITS) is None
 
 
@@ -1042,12 +1039,17 @@ def test_client_inline_is_never_a_marker(stripping: None) -> None:
     assert parsed.inline(odd).tobytes() == foreign
 
 
-def test_without_the_extension_nothing_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Native off (or not built): no strip and no ids taken; upb parses the whole
-    message, to what the C walks give once their markers and ids are put back."""
+def test_without_the_extension_nothing_is_stripped() -> None:
+    """Native off (or not built): no strip and no ids taken, though the interpreted
+    walks would; upb parses the whole message."""
     data = _large_request().SerializeToString()
-    monkeypatch.setattr(pbwire, "_pbwire", None)
-    monkeypatch.setattr(pbwire, "HAVE_NATIVE", False)
+    assert pbwalk.strip_inline(data, pbwire.STRIP_MIN_BYTES, pbwire._NONCE) is not None
+    assert pbwalk.take_ids(data, True) is not None
+    with native_as(False):
+        _not_stripped(data)
+
+
+def _not_stripped(data: bytes) -> None:
     assert pbwire.strip_inline_payloads(data) is None
     assert pbwire.take_ids(data, True) is None
     parsed = pbwire.parse_admit_request(data, take_min_bytes=1)

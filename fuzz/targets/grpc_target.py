@@ -24,14 +24,14 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from mmadmit import pbwire, servicer
-from mmadmit.errors import AbortCode, AdmissionError, TooLarge
+from mmadmit.errors import AbortCode, AdmissionError
 from mmadmit.limits import Limits
 from mmadmit.materializer import Materializer
 from mmadmit.profile import load_profile
 from mmadmit_client.proto import admission_pb2 as pb
 
 from ._common import native_mode
-from .pbwire_target import check_parse
+from .pbwire_target import check_parse, count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from response_oracle import response_from_outcome  # noqa: E402  (the tests' oracle)
@@ -78,15 +78,13 @@ def _counted(body: bytes) -> None:
     """The count's verdict agrees with protobuf's parse of the same bytes: a walk that
     neither bailed nor refused saw everything within the limits; a refusal for tokens,
     items or placeholders is a real excess."""
-    count = pbwire._Count(body, TIGHT)
-    try:
-        count.message(0, len(count.view), pbwire._C_ADMIT)
-        verdict: str | None = None
-    except TooLarge as exc:
-        assert exc.code is AbortCode.TOO_LARGE
-        verdict = exc.message
-    except pbwire._Bail:
+    got = count(pbwire._walks, body, TIGHT)
+    if got == ("ok", False):
         return  # not understood: left to protobuf
+    verdict: str | None = None
+    if got[0] == "refused":
+        assert got[1] is AbortCode.TOO_LARGE
+        verdict = got[2]
     try:
         msg = pb.AdmitRequest.FromString(body)
     except DecodeError:

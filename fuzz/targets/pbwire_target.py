@@ -1,19 +1,19 @@
-"""The protobuf shortcuts (``_pbwire.c``) against their Python references and protobuf.
+"""The protobuf walks (``mmadmit.pbwalk``) compiled against interpreted, the tests'
+reference walk and protobuf.
 
 First byte even: ``strip_inline`` on the rest (a would-be ``AdmitRequest``)
-with a small strip threshold, so short inputs exercise it, against the tests'
-reference walk (``tests/pbwire_oracle.py``; production strips in C only);
-the stripped bytes and payloads must be identical, and held to protobuf
-(:func:`check_strip`): when it strips, the stripped message parses exactly
-when the rest does, to the same message once the markers are resolved. 1 mod
-4: ``packed_uint32_field`` on an int64 array from the rest (the same bytes, or
-the same ``ValueError`` message). 3 mod 8: ``within_limits`` on
-the rest under limits drawn from the next bytes, held to the Python walk
-(``pbwire._Count``): it passes exactly what the walk passes. 7 mod 8:
-``take_ids`` on the rest, held to protobuf itself (it has no Python twin: the
-fallback lets upb parse the ids): when it takes, the rest parses exactly when
-the message it returns parses, to the same message less the ids, and the ids
-it returns are the parsed ones.
+with a small strip threshold, so short inputs exercise it, in both builds and
+in the tests' reference walk (``tests/pbwire_oracle.py``); the stripped bytes
+and payloads must be identical, and held to protobuf (:func:`check_strip`):
+when it strips, the stripped message parses exactly when the rest does, to the
+same message once the markers are resolved. 1 mod 4: ``packed_uint32_field``
+on an int64 array from the rest (the same bytes, or the same ``ValueError``
+message). 3 mod 8: ``limits_breach`` on the rest under limits drawn from the
+next bytes: the same outcome in both builds (passed, not understood, or the
+same refusal with the same request id). 7 mod 8: ``take_ids`` on the rest in
+both builds, held to each other and to protobuf (:func:`check_take`): when it
+takes, the rest parses exactly when the message it returns parses, to the same
+message less the ids, and the ids it returns are the parsed ones.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from mmadmit import pbwire
+from mmadmit import pbwalk, pbwire
 from mmadmit.errors import TooLarge
 from mmadmit.limits import Limits
 from mmadmit_client.proto import admission_pb2 as pb
@@ -42,8 +42,8 @@ def _strip(d: Data) -> None:
     min_bytes = d.int_in(1, 64)
     data = d.rest()
     a = outcome(pbwire._BUILT.strip_inline, data, min_bytes, pbwire._NONCE)
-    b = outcome(oracle_strip, data, min_bytes)
-    same(a, b, f"strip_inline(min_bytes={min_bytes})")
+    same(a, outcome(pbwalk.strip_inline, data, min_bytes, pbwire._NONCE), "strip_inline builds")
+    same(a, outcome(oracle_strip, data, min_bytes), f"strip_inline(min_bytes={min_bytes})")
     if a[0] == "ok" and a[1] is not None:
         check_strip(data, *a[1])
 
@@ -131,8 +131,18 @@ def _packed(d: Data) -> None:
     if near:  # mostly inside [0, 2**32), some just outside
         values = values % (2**32 + 64) - 32
     a = outcome(pbwire._BUILT.packed_uint32_field, field, values)
-    b = outcome(pbwire._packed_uint32_field_py, field, values)
+    b = outcome(pbwalk.packed_uint32_field, field, values)
     same(a, b, "packed_uint32_field")
+
+
+def count(build: Any, data: bytes, limits: Limits) -> tuple[Any, ...]:
+    """``build``'s count of ``data`` (``pbwalk._Count.walk``): ("ok", walked within
+    the limits, or False: not understood) or the refusal, with the request id."""
+    walk = build._Count(data, limits.max_tokens, limits.max_items, limits.max_msgpack_len)
+    try:
+        return ("ok", walk.walk())
+    except TooLarge as exc:
+        return ("refused", exc.code, exc.message, walk.request_id())
 
 
 def _within(d: Data) -> None:
@@ -140,23 +150,18 @@ def _within(d: Data) -> None:
         max_tokens=d.int_in(0, 80), max_items=d.int_in(0, 6), max_msgpack_len=d.int_in(0, 40)
     )
     data = d.rest()
-    native = pbwire._BUILT.within_limits(
-        data, limits.max_tokens, limits.max_items, limits.max_msgpack_len
-    )
-    count = pbwire._Count(data, limits)
-    try:
-        count.message(0, len(count.view), pbwire._C_ADMIT)
-        walked = True
-    except (TooLarge, pbwire._Bail):
-        walked = False
-    assert native is walked, f"within_limits {native}, the walk {walked} ({limits})"
+    a, b = count(pbwire._BUILT, data, limits), count(pbwalk, data, limits)
+    assert a == b, f"the count: compiled {a}, interpreted {b} ({limits})"
 
 
 def check_take(data: bytes, unpadded: bool) -> bool:
-    """``take_ids`` on ``data`` held to protobuf (also ``tests/test_pbwire.py``'s
-    check): when it takes, the rest parses exactly when ``data`` does, to the same
-    message less the ids, and the ids are the parsed ones. Whether it took."""
-    got = pbwire.take_ids(data, unpadded)
+    """``take_ids`` on ``data`` in both builds (the compiled one when built), held to
+    each other and to protobuf (also ``tests/test_pbwire.py``'s check): when it
+    takes, the rest parses exactly when ``data`` does, to the same message less the
+    ids, and the ids are the parsed ones. Whether it took."""
+    got = pbwalk.take_ids(data, unpadded)
+    if pbwire._BUILT is not None:
+        same(outcome(pbwire._BUILT.take_ids, data, unpadded), ("ok", got), "take_ids builds")
     if got is None:
         return False
     small, ids, unp = got

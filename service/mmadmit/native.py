@@ -1,11 +1,12 @@
-"""One switch for every optional C extension: native accelerators on or off.
+"""One switch for every optional extension: native accelerators on or off.
 
 mmadmit parses untrusted network bytes in four optional native extensions
-(``_walk_c``, ``_rules_c`` and ``_tensorcheck_c``, Cython's builds of
-``msgpack_walk.py``, ``rules.py`` and ``tensorcheck.py``; ``_pbwire``, from C).
-Without one, the Cython builds' own source runs interpreted, and without
-``_pbwire`` protobuf parses whole messages: same results, same aborts (tests
-and the fuzz targets under ``fuzz/`` compare them). An operator who
+(``_walk_c``, ``_rules_c``, ``_tensorcheck_c`` and ``_pbwalk_c``, Cython's
+builds of ``msgpack_walk.py``, ``rules.py``, ``tensorcheck.py`` and
+``pbwalk.py``). Without one, its own source runs interpreted (and without
+``_pbwalk_c`` protobuf parses whole messages, nothing stripped or taken
+first): same results, same aborts (tests and the fuzz targets under
+``fuzz/`` compare them). An operator who
 will not run native code on untrusted input turns them off with
 ``--native off`` (``MMADMIT_NATIVE=0``); ``serve`` and ``materialize`` call
 :func:`set_enabled` once at start-up, before any request is read.

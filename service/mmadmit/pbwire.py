@@ -57,13 +57,13 @@ wins): only the bytes of an ``inline`` value change, so upb applies its own
 rules to the stripped message, and each marker names exactly the bytes it
 replaced.
 
-The walks are the optional C extension ``mmadmit._pbwire`` (``HAVE_NATIVE``
-says whether it runs; :mod:`mmadmit.native` switches it). Without it nothing
-is stripped and no ids are taken: upb parses the whole message, which
-measured faster than the same walk in Python (``tests/pbwire_oracle.py``,
-the tests' reference of the strip). :func:`packed_uint32_field` has a numpy
-twin for native off, and the limits' pre-parse count (:func:`check_admit_limits`)
-decides in Python what the C walk cannot pass, wording every refusal.
+The walks are :mod:`mmadmit.pbwalk`, one source in Cython's pure-Python mode
+that ``setup.py`` also compiles into ``mmadmit._pbwalk_c``; ``HAVE_NATIVE``
+says whether the compiled build runs (:mod:`mmadmit.native` switches it).
+The limits' count and :func:`packed_uint32_field` run in whichever build is
+active. The strip and the take run compiled only: interpreted, they cost more
+than they save, so with native code off (or not built) nothing is stripped and
+no ids are taken, and upb parses the whole message.
 """
 
 from __future__ import annotations
@@ -75,16 +75,17 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from mmadmit_client.proto import admission_pb2 as pb
 
-from . import native
-from .errors import AbortCode, TooLarge
-from .limits import Limits, items_over, msgpack_len_over, placeholders_over, tokens_over
+from . import native, pbwalk
+from .errors import AbortCode
+from .limits import Limits
 
 try:
-    from mmadmit import _pbwire as _BUILT  # type: ignore[attr-defined]
-except ImportError:  # not built (no compiler at install time): use the fallback
+    from . import _pbwalk_c as _BUILT  # type: ignore[attr-defined]
+except ImportError:  # no compiler (or no Cython) at install time: pbwalk.py interpreted
     _BUILT = None
 
-_pbwire: Any = _BUILT  # the active extension; None: the fallback (native.set_enabled)
+_compiled: Any = _BUILT  # the compiled walks when they run, else None (native.set_enabled)
+_walks: Any = _BUILT or pbwalk  # the active build
 
 __all__ = [
     "HAVE_NATIVE",
@@ -108,13 +109,14 @@ __all__ = [
     "TAKE_MIN_BYTES",
 ]
 
-HAVE_NATIVE: bool = _pbwire is not None
+HAVE_NATIVE: bool = _compiled is not None
 
 
 def _use_native(on: bool) -> bool:
-    global _pbwire, HAVE_NATIVE
-    _pbwire = _BUILT if on else None
-    HAVE_NATIVE = _pbwire is not None
+    global _compiled, _walks, HAVE_NATIVE
+    _compiled = _BUILT if on else None
+    _walks = _compiled or pbwalk
+    HAVE_NATIVE = _compiled is not None
     return HAVE_NATIVE
 
 
@@ -123,8 +125,6 @@ native.register(__name__, _use_native)
 # Inline payloads at least this large are stripped (smaller ones cost less to
 # copy than to track).
 STRIP_MIN_BYTES = 64 << 10
-
-_UINT32_MAX = 2**32 - 1
 
 # A marker: the process nonce + the payload's index (4 bytes, little-endian).
 _NONCE = os.urandom(16)
@@ -157,40 +157,8 @@ def packed_uint32_field(field_number: int, values: np.ndarray) -> bytes:
     """
     if values.ndim != 1 or values.dtype != np.int64:
         raise TypeError(f"packed_uint32_field needs a 1-D int64 array, got {values.dtype}")
-    if _pbwire is not None:
-        result: bytes = _pbwire.packed_uint32_field(field_number, np.ascontiguousarray(values))
-        return result
-    return _packed_uint32_field_py(field_number, values)
-
-
-def _packed_uint32_field_py(field_number: int, values: np.ndarray) -> bytes:
-    """numpy fallback: a handful of whole-array passes, one per varint byte position."""
-    n = values.shape[0]
-    if n == 0:
-        return b""
-    if values.min() < 0 or values.max() > _UINT32_MAX:
-        first = int(np.argmax((values < 0) | (values > _UINT32_MAX)))
-        raise ValueError(f"Value out of range: {int(values[first])}")
-    v = values.astype(np.uint32)
-    extra = (v >= 1 << 7).view(np.uint8)  # bytes after each value's first: 0 to 4
-    for bits in (14, 21, 28):
-        extra = extra + (v >= 1 << bits).view(np.uint8)
-    sizes = extra.astype(np.int64) + 1
-    ends = np.cumsum(sizes)
-    out = np.empty(int(ends[-1]), np.uint8)
-    starts = ends - sizes
-    for k in range(5):  # byte k of every value that has one
-        if k == 0:
-            at, vk, ek = starts, v, extra
-        else:
-            has = extra >= k
-            if not has.any():
-                break
-            at, vk, ek = starts[has] + k, v[has], extra[has]
-        more = (ek > k).view(np.uint8) << 7  # continuation bit
-        out[at] = ((vk >> (7 * k)) & 0x7F).astype(np.uint8) | more
-    payload = out.tobytes()
-    return encode_varint((field_number << 3) | 2) + encode_varint(len(payload)) + payload
+    result: bytes = _walks.packed_uint32_field(field_number, np.ascontiguousarray(values))
+    return result
 
 
 # ------------------------------------------------------------------------- request side
@@ -330,17 +298,10 @@ def take_ids(
     Parsing the returned message gives what parsing ``data`` gives, less those
     fields.
     """
-    if _pbwire is None:
+    if _compiled is None:
         return None
-    got = _pbwire.take_ids(data, unpadded)
-    if got is None:
-        return None
-    small, ids, unp = got
-    return (
-        small,
-        np.frombuffer(ids, np.int64),
-        None if unp is None else np.frombuffer(unp, np.int64),
-    )
+    got: tuple[bytes, np.ndarray, np.ndarray | None] | None = _compiled.take_ids(data, unpadded)
+    return got
 
 
 def parse_admit_request(
@@ -368,48 +329,10 @@ def strip_inline_payloads(
     """
     if min_bytes < 1:
         raise ValueError("strip_inline_payloads: min_bytes must be positive")
-    if _pbwire is None:
+    if _compiled is None:
         return None
-    result: tuple[bytes, list[memoryview]] | None = _pbwire.strip_inline(data, min_bytes, _NONCE)
+    result: tuple[bytes, list[memoryview]] | None = _compiled.strip_inline(data, min_bytes, _NONCE)
     return result
-
-
-class _Bail(Exception):
-    """The walker met something it does not handle: parse the original bytes."""
-
-
-# upb reads a tag or a length in 5 bytes at most: a 6th is "Wire format was corrupt",
-# even in a non-minimal encoding of a small value (one of 2 to 5 bytes it takes). A
-# value varint may take 10.
-_SHORT_MAX = 5
-
-
-def _varint(buf: bytes | memoryview, pos: int, end: int, most: int = 10) -> tuple[int, int]:
-    """The varint at ``buf[pos]`` and where it ends; :class:`_Bail` if cut, over 64 bits
-    or over ``most`` bytes (:data:`_SHORT_MAX` for a length)."""
-    result = shift = 0
-    for k in range(most):
-        if pos >= end:
-            raise _Bail
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            if k == 9 and b > 1:
-                raise _Bail  # more than 64 bits
-            return result, pos
-        shift += 7
-    raise _Bail
-
-
-def _key(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int]:
-    """The field number, wire type and end of the key at ``buf[pos]``; :class:`_Bail`
-    for what upb refuses: a key over 5 bytes, field number 0 or above 2**29 - 1."""
-    key, pos = _varint(buf, pos, end, _SHORT_MAX)
-    number = key >> 3
-    if number == 0 or number > 0x1FFFFFFF:
-        raise _Bail
-    return number, key & 7, pos
 
 
 # ------------------------------------------------------------------- limits, pre-parse
@@ -450,118 +373,6 @@ class RefusedRequest:
         self.request_id, self.code, self.message = request_id, code, message
 
 
-# What the count walks: message kind -> field number -> kind of its contents. Tensors
-# are not entered: a shape's packed dimensions cost upb 4 bytes per wire byte at
-# most, and the materializer checks rank and dimensions right after the parse.
-_C_ADMIT, _C_TOKENIZED, _C_MM, _C_ITEM = range(4)
-_C_RID, _C_IDS, _C_UNPADDED, _C_ENTRY, _C_PLACEHOLDER = range(4, 9)
-_COUNT_SCHEMA: dict[int, dict[int, int]] = {
-    _C_ADMIT: {1: _C_RID, 2: _C_TOKENIZED, 9: _C_MM, 100: _C_UNPADDED},
-    _C_TOKENIZED: {1: _C_IDS},
-    _C_MM: {1: _C_ITEM},
-    _C_ITEM: {4: _C_ENTRY, 5: _C_PLACEHOLDER},
-}
-# field kinds each bounded by a limit of their own (not counted as plain fields)
-_BOUNDED = frozenset((_C_IDS, _C_UNPADDED, _C_ITEM, _C_ENTRY, _C_PLACEHOLDER))
-_C_NAMES = {_C_ADMIT: "AdmitRequest", _C_TOKENIZED: "tokenized", _C_MM: "mm_inputs",
-            _C_ITEM: "item"}  # fmt: skip
-
-
-class _Count:
-    """One walk over an ``AdmitRequest``'s wire bytes: counts, never builds.
-
-    Repeated fields add up over their occurrences, packed or not, as protobuf
-    merges them. Anything the walk does not understand ends it quietly: upb
-    then parses (and refuses) the bytes as before.
-    """
-
-    def __init__(self, data: bytes | memoryview, limits: Limits) -> None:
-        self.view = memoryview(data).cast("B")
-        self.lim = limits
-        self.rid = ""
-        self.tokens = {_C_IDS: 0, _C_UNPADDED: 0}
-        self.items = 0
-
-    def varint(self, pos: int, end: int) -> tuple[int, int]:
-        return _varint(self.view, pos, end)
-
-    def message(self, start: int, end: int, kind: int, item: int | None = None) -> None:
-        schema, lim, view = _COUNT_SCHEMA[kind], self.lim, self.view
-        fields = entries = placeholders = 0
-        pos = start
-        while pos < end:
-            key = view[pos]
-            if 8 <= key < 0x80:  # every field number mmadmit reads but 100 has a 1-byte key
-                number, wire_type = key >> 3, key & 7
-                pos += 1
-            else:
-                number, wire_type, pos = _key(view, pos, end)
-            sub = schema.get(number)
-            if sub not in _BOUNDED:  # a field no other limit counts
-                fields += 1
-                if fields > lim.max_msgpack_len:
-                    raise msgpack_len_over(self.where(kind, item), fields, "fields",
-                                           lim.max_msgpack_len, at_least=True)  # fmt: skip
-            if wire_type == 2:
-                if pos < end and view[pos] < 0x80:
-                    length, data_start = view[pos], pos + 1
-                else:
-                    length, data_start = _varint(view, pos, end, _SHORT_MAX)
-                pos = data_start + length
-                if pos > end:
-                    raise _Bail
-                packed = True
-            elif wire_type == 0:
-                data_start = pos
-                _, pos = self.varint(pos, end)
-                packed = False
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-                if pos > end:
-                    raise _Bail
-                continue
-            else:
-                raise _Bail  # groups and the reserved wire types
-            if sub is None:
-                continue
-            if sub == _C_IDS or sub == _C_UNPADDED:
-                values = 1
-                if packed:  # one varint ends at each byte below 0x80
-                    chunk = np.frombuffer(view[data_start:pos], np.uint8)
-                    values = int(np.count_nonzero(chunk < 0x80))
-                n = self.tokens[sub] = self.tokens[sub] + values
-                if n > lim.max_tokens:
-                    name = "input_ids" if sub == _C_IDS else "input_ids_unpadded"
-                    raise tokens_over(name, n, lim.max_tokens, at_least=True)
-            elif not packed:
-                continue  # a varint where a sub-message belongs: upb words it
-            elif sub == _C_RID:
-                self.rid = bytes(view[data_start:pos]).decode("utf-8", "replace")
-            elif sub == _C_PLACEHOLDER:
-                placeholders += 1
-                if placeholders > lim.max_tokens:  # each covers one token at least
-                    raise placeholders_over(item or 0, placeholders, lim.max_tokens)
-            elif sub == _C_ENTRY:
-                entries += 1
-                if entries > lim.max_msgpack_len:
-                    raise msgpack_len_over(f"item {item}", entries, "model_specific_tensors",
-                                           lim.max_msgpack_len, at_least=True)  # fmt: skip
-            else:
-                if sub == _C_ITEM:
-                    self.items += 1
-                    if self.items > lim.max_items:
-                        raise items_over(self.items, lim.max_items, at_least=True)
-                    item = self.items - 1
-                self.message(data_start, pos, sub, item)
-        if pos != end:
-            raise _Bail
-
-    @staticmethod
-    def where(kind: int, item: int | None) -> str:
-        name = _C_NAMES[kind]
-        return name if item is None else f"item {item}"
-
-
 def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedRequest | None:
     """Count an ``AdmitRequest``'s wire bytes against ``limits``, before any parse.
 
@@ -570,22 +381,12 @@ def check_admit_limits(data: bytes | memoryview, limits: Limits) -> RefusedReque
     is a :class:`RefusedRequest`. None within the limits, and for bytes the walk
     does not understand (protobuf then refuses them with its own error).
 
-    Packed fields are counted by numpy over their bytes; the walk visits each
-    field once and stops at the first breach, so it is bounded by the limits,
-    not by what the sender put in the message. With the C extension the same
-    walk runs compiled first (``_pbwire.within_limits``, 224 -> about 10 us for
-    SMG's 8K-token request of 22 items); only a message it cannot pass (a
-    breach, or bytes it does not understand) is walked again here.
+    The walk (:func:`mmadmit.pbwalk.limits_breach`, in the active build) visits
+    each field once and stops at the first breach, so it is bounded by the
+    limits, not by what the sender put in the message.
     """
-    if _pbwire is not None and _pbwire.within_limits(
-        data, limits.max_tokens, limits.max_items, limits.max_msgpack_len
-    ):
-        return None  # the same walk, compiled, ended cleanly within every limit
-    count = _Count(data, limits)  # the reference: it decides, and words, the rest
-    try:
-        count.message(0, len(count.view), _C_ADMIT)
-    except TooLarge as exc:  # worded by mmadmit.limits
-        return RefusedRequest(count.rid, exc.code, exc.message)
-    except _Bail:
+    breach = _walks.limits_breach(data, limits.max_tokens, limits.max_items, limits.max_msgpack_len)
+    if breach is None:
         return None
-    return None
+    request_id, exc = breach
+    return RefusedRequest(request_id, exc.code, exc.message)
