@@ -438,7 +438,9 @@ def test_a_breach_allocates_nothing_sized_by_the_sender(case: str) -> None:
     small, large = build(1 << 14), build(1 << 16)
     grown = len(large[1]) - len(small[1])
     refused = [_peak(lambda f=f: decode(f, limits)) for f in (small, large, small, large)]
-    growth = max(refused[1], refused[3]) - min(refused[0], refused[2])
+    # a one-off allocation (a cache filled, a dict resized) can land in any one run:
+    # per-element growth would show in both large runs
+    growth = min(refused[1], refused[3]) - max(refused[0], refused[2])
     assert growth < grown // 8, (refused, grown)  # headers only, nothing per element
     lifted_peak = _peak(lambda: decode(large, lifted))
     assert lifted_peak > 4 * len(large[1]), (lifted_peak, len(large[1]))  # the control

@@ -37,7 +37,7 @@ def register(name: str, setter: Callable[[bool], bool]) -> None:
 
 
 def set_enabled(on: bool) -> None:
-    """Use the C extensions (``True``, the default) or the Python fallbacks only."""
+    """Use the compiled extensions (``True``, the default) or their sources interpreted only."""
     global _enabled
     _enabled = bool(on)
     for setter in _setters.values():

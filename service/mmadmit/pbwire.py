@@ -15,7 +15,7 @@ Three things upb (the protobuf runtime) does slowly for our message shapes:
   (:meth:`StrippedRequest.inline`).
 * **Token ids.** upb reads a packed ``repeated uint32`` at about 7 ns a value,
   and an int64 array is then made from the repeated field. :func:`take_ids`
-  (C only) takes ``tokenized.input_ids`` (and ``input_ids_unpadded``) out of
+  (compiled only) takes ``tokenized.input_ids`` (and ``input_ids_unpadded``) out of
   the received bytes first, at about 3 ns a value, and upb parses the rest; it
   declines whatever it would not take exactly as upb parses it, and whatever upb
   refuses in the fields it takes out or rewrites.
@@ -290,8 +290,8 @@ def take_ids(
     100 of ``AdmitRequest``), and their values as int64 arrays in wire order
     (protobuf concatenates a repeated field's occurrences, packed or not).
 
-    ``None`` when there is nothing to take, when the native extension is not
-    active (upb then parses the ids), and for anything the walk does not take
+    ``None`` when there is nothing to take, when the compiled walks do not run
+    (upb then parses the ids), and for anything the walk does not take
     exactly as upb parses it (malformed bytes, a tag or a length over 5 bytes or
     a field number upb refuses, an unexpected wire type, a value above
     ``2**32 - 1``, which upb truncates): the caller then parses ``data`` whole.
@@ -323,8 +323,8 @@ def strip_inline_payloads(
     """``data`` (an ``AdmitRequest``) with its inline payloads of ``min_bytes`` or more
     replaced by markers, and those payloads (views on ``data``).
 
-    ``None`` when there is nothing to strip, when the native extension is not
-    active, or when the walker does not understand the bytes, which includes
+    ``None`` when there is nothing to strip, when the compiled walks do not
+    run, or when the walker does not understand the bytes, which includes
     every key and length upb refuses (the caller then parses ``data`` as it is).
     """
     if min_bytes < 1:
