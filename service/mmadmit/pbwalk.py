@@ -72,7 +72,7 @@ ssize = cython.typedef(cython.Py_ssize_t)
 _SHORT_MAX = cython.declare(cython.int, 5)  # bytes of a key or a length, as upb reads them
 _VALUE_MAX = cython.declare(cython.int, 10)  # bytes of a value varint (64 bits)
 _FIELD_MAX = cython.declare(u64, 0x1FFFFFFF)
-_U32_MAX = cython.declare(i64, 0xFFFFFFFF)
+_U32_MAX = cython.declare(u64, 0xFFFFFFFF)
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -150,10 +150,10 @@ def _put_varint(o: _Out, at: ssize, v: u64) -> ssize:
     """``v``'s minimal varint written at ``o[at]``; where it ends."""
     _room(o, at, _varint_size(v))
     while v > 0x7F:
-        o.p[at] = cython.cast(u8, (v & 0x7F) | 0x80)
+        o.p[at] = (v & 0x7F) | 0x80
         v >>= 7
         at += 1
-    o.p[at] = cython.cast(u8, v)
+    o.p[at] = v
     return at + 1
 
 
@@ -179,7 +179,8 @@ class _Reader:
     pointer to them compiled, a view interpreted): each read takes a position and
     the end of the message it is in, and returns where the read ends (-1: the bytes
     are not read as upb reads them); the value read is left in ``value`` (a key's
-    in ``number`` and ``wire_type``)."""
+    in ``number`` and ``wire_type``, a length's also in ``size``). Integers
+    convert implicitly: ``cython.cast`` costs a call each interpreted."""
 
     data: bytes
     buf: cython.pointer(cython.const[u8])
@@ -187,6 +188,7 @@ class _Reader:
     value: u64
     number: u64
     wire_type: cython.int
+    size: ssize
 
     def __init__(self, data: object) -> None:
         self.data = data if type(data) is bytes else bytes(data)  # type: ignore[arg-type]
@@ -198,6 +200,7 @@ class _Reader:
         self.value = 0
         self.number = 0
         self.wire_type = 0
+        self.size = 0
 
     @cython.cfunc
     @cython.final
@@ -231,7 +234,7 @@ class _Reader:
         if pos < 0:
             return -1
         self.number = self.value >> 3
-        self.wire_type = cython.cast(cython.int, self.value & 7)
+        self.wire_type = self.value & 7
         if self.number == 0 or self.number > _FIELD_MAX:
             return -1
         return pos
@@ -241,9 +244,14 @@ class _Reader:
     @cython.exceptval(check=False)
     def length(self, pos: ssize, end: ssize) -> ssize:
         """A length of 5 bytes at most, whose contents end by ``end``: where they start."""
+        room: u64
         pos = self.varint(pos, end, _SHORT_MAX)
-        if pos < 0 or self.value > cython.cast(u64, end - pos):
+        if pos < 0:
             return -1
+        room = end - pos
+        if self.value > room:
+            return -1
+        self.size = self.value
         return pos
 
     @cython.cfunc
@@ -258,7 +266,7 @@ class _Reader:
             return pos if pos <= end else -1
         if wire_type == 2:
             pos = self.length(pos, end)
-            return -1 if pos < 0 else pos + cython.cast(ssize, self.value)
+            return -1 if pos < 0 else pos + self.size
         return -1  # groups and the reserved wire types
 
 
@@ -381,7 +389,7 @@ class _Count(_Reader):
                 data = self.length(pos, end)
                 if data < 0:
                     return 0
-                pos = data + cython.cast(ssize, self.value)
+                pos = data + self.size
                 packed = True
             elif self.wire_type == 0:
                 pos = self.varint(pos, end, _VALUE_MAX)
@@ -539,7 +547,7 @@ class _Strip(_Reader):
             data = self.length(pos, end)
             if data < 0:
                 return -1
-            pos = data + cython.cast(ssize, self.value)
+            pos = data + self.size
             sub = _strip_kind(kind, number)
             if sub == _K_NONE:
                 continue
@@ -642,26 +650,26 @@ class _Take(_Reader):
         appended at ``into[n]`` when ``writing``, else counted. How many there
         are now; -1 for a cut or malformed value, a value above 2**32 - 1 or
         another wire type. The count pass checks that a packed run ends with a
-        whole varint; the write pass checks each value. ``self.value``: where
+        whole varint; the write pass checks each value. ``self.size``: where
         the occurrence ends."""
         stop: ssize
         b: u8
         if wire_type == 0:
             pos = self.varint(pos, end, _VALUE_MAX)
-            if pos < 0 or self.value > cython.cast(u64, _U32_MAX):
+            if pos < 0 or self.value > _U32_MAX:
                 return -1
             if writing:
                 if n >= into.cap:
                     return -1  # more than counted
-                _set_int(into, n, cython.cast(i64, self.value))
-            self.value = pos
+                _set_int(into, n, self.value)
+            self.size = pos
             return n + 1
         if wire_type != 2:
             return -1
         pos = self.length(pos, end)
         if pos < 0:
             return -1
-        stop = pos + cython.cast(ssize, self.value)
+        stop = pos + self.size
         if not writing:
             if stop > pos and self.buf[stop - 1] >= 0x80:
                 return -1  # the last varint is cut
@@ -685,9 +693,9 @@ class _Take(_Reader):
                 v |= cython.cast(u64, b & 0x7F) << (7 * k)
             if (k == 9 and b > 1) or v > top or n >= cap:
                 return -1  # over 64 bits, above 2**32 - 1 (or more than counted)
-            _set_int(into, n, cython.cast(i64, v))
+            _set_int(into, n, v)
             n += 1
-        self.value = stop
+        self.size = stop
         return n
 
     @cython.cfunc
@@ -714,21 +722,21 @@ class _Take(_Reader):
                 n = self.values(pos, end, self.wire_type, self.ids, self.n_ids, writing)
                 if n < 0:
                     return -1
-                self.n_ids, pos = n, cython.cast(ssize, self.value)
+                self.n_ids, pos = n, self.size
                 continue
             if kind == _T_REQUEST and self.number == 100 and self.unpadded:
                 self.seen_unp = True
                 n = self.values(pos, end, self.wire_type, self.unp, self.n_unp, writing)
                 if n < 0:
                     return -1
-                self.n_unp, pos = n, cython.cast(ssize, self.value)
+                self.n_unp, pos = n, self.size
                 continue
             if kind == _T_REQUEST and self.number == 2:
                 tag_end = pos
                 data = self.length(pos, end) if self.wire_type == 2 else -1
                 if data < 0:
                     return -1
-                pos = data + cython.cast(ssize, self.value)
+                pos = data + self.size
                 if writing:
                     inner = self.sizes[self.k_sizes]
                     self.k_sizes += 1
@@ -805,12 +813,13 @@ def _packed(key: u64, values: cython.pointer(cython.const[i64]), n: ssize) -> by
     """:func:`packed_uint32_field` compiled: one pass to check and size, one to write."""
     i: ssize
     v: i64
+    top: i64 = 0xFFFFFFFF
     payload: ssize = 0
     if n == 0:
         return b""
     for i in range(n):
         v = values[i]
-        if v < 0 or v > _U32_MAX:
+        if v < 0 or v > top:
             raise ValueError(f"Value out of range: {v}")
         payload += 1 + (v >= 1 << 7) + (v >= 1 << 14) + (v >= 1 << 21) + (v >= 1 << 28)
     out = _Out(_varint_size(key) + _varint_size(payload) + payload, False)
