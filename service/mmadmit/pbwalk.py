@@ -11,7 +11,8 @@ or SMG's ``GenerateRequest``, which share the field numbers walked):
   ``min_bytes`` or more replaced by a marker, and those payloads;
 * :func:`take_ids`: the message without its token ids, and their values;
 * :func:`packed_uint32_field`: an int64 array as one packed ``repeated
-  uint32`` field (the response side).
+  uint32`` field (the response side), and :func:`varint`, the one varint
+  encoder.
 
 Like :mod:`mmadmit.rules`, this file runs as plain Python, and ``setup.py``
 also compiles it into ``mmadmit._pbwalk_c`` (Cython's pure-Python mode);
@@ -155,6 +156,14 @@ def _put_varint(o: _Out, at: ssize, v: u64) -> ssize:
         at += 1
     o.p[at] = v
     return at + 1
+
+
+def varint(v: u64) -> bytes:
+    """The minimal protobuf varint of ``v`` (``pbwire.encode_varint``)."""
+    out = _Out(_varint_size(v), False)
+    _put_varint(out, 0, v)
+    result: bytes = out.result()
+    return result
 
 
 @cython.cfunc
@@ -860,6 +869,4 @@ def _packed_numpy(key: int, values: np.ndarray) -> bytes:
                 break
             at, vk, ek = starts[has] + k, v[has], extra[has]
         out[at] = ((vk >> (7 * k)) & 0x7F).astype(np.uint8) | ((ek > k).view(np.uint8) << 7)
-    head = _Out(_varint_size(key) + _varint_size(out.shape[0]), False)
-    _put_varint(head, _put_varint(head, 0, key), out.shape[0])
-    return bytes(head.result()) + out.tobytes()
+    return varint(key) + varint(out.shape[0]) + out.tobytes()

@@ -135,13 +135,9 @@ _MARKER_LEN = len(_NONCE) + 4
 
 
 def encode_varint(value: int) -> bytes:
-    """The protobuf varint of a non-negative int."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    """The protobuf varint of a non-negative int (:func:`mmadmit.pbwalk.varint`)."""
+    result: bytes = _walks.varint(value)
+    return result
 
 
 # ------------------------------------------------------------------------ response side
