@@ -1,6 +1,6 @@
 """Materializer pool scaling benchmark (issue 5). Not a test.
 
-    python bench/bench_pool.py [--rounds 5] [--requests 24] [--callers 4]
+    python bench/bench_pool.py [--rounds 5] [--requests 24] [--callers 4] [--only share]
 
 What it measures: admissions per second of one ``mmadmit serve`` process with
 ``--workers 1`` and with ``--workers 2`` (CPU), both started here as
@@ -29,6 +29,20 @@ the server process and the load generator used: the load generator, the
 server's event loop, libzmq's and gRPC's I/O threads and the kernel's loopback
 copies share the machine's cores with the workers, so on a 2-core box the
 mixed-transport ratio stays well below the pool's own.
+
+``--only share`` (issue 35 item 8): one request's hashing shared with the idle
+workers, in process, at concurrency 1. A ``MaterializerPool`` with 2 workers
+materializes Qwen3-Omni 32K requests (``workloads.mixed_hash_request``: 22
+items, 17 of them to hash, of 8 to 256 KiB each; 37 KiB is issue 35's), on
+the event loop and on a worker, with an idle
+gap of 3 ms before each (as a server sees between requests from one caller)
+and back to back. Three ways, rotated per round: ``alone`` (no sharing: the
+baseline), ``unsteered`` (shared, the helpers placed by the OS scheduler) and
+``steered`` (shared, the other workers kept off the requester's CPU for the
+share: the pool's way); the shared ways share every size, whatever the pool's
+thresholds (``SHARE_MIN_ITEM_BYTES``, ``SHARE_MIN_BYTES``), so that the table
+shows where sharing starts to pay. Medians of the per-request times, and their ratio to
+``alone``.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -278,6 +293,102 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+# --------------------------------------------------------------------------- share
+
+SHARE_WAYS = ("alone", "unsteered", "steered")
+SHARE_ITEM_KIB = (8, 16, 37, 64, 256)
+
+
+async def _share_times(
+    pool_mod: Any, pool: Any, req: Request, way: str, n: int, gap_s: float, saved: dict[str, Any]
+) -> list[float]:
+    """``n`` timed materializations of ``req`` by ``pool``, sharing as ``way`` says."""
+    for name, value in saved.items():
+        setattr(pool_mod, name, value)
+    if way == "alone":
+        pool_mod.SHARE_MIN_BYTES = 1 << 62
+    else:  # every size shared, so that the table shows where the pool's thresholds sit
+        pool_mod.SHARE_MIN_BYTES, pool_mod.SHARE_MIN_ITEM_BYTES = 0, 1
+        if way == "unsteered":
+            pool_mod._this_cpu = None
+    times = []
+    for _ in range(n):
+        if gap_s:
+            await asyncio.sleep(gap_s)
+        t0 = time.perf_counter()
+        outcome = await pool.materialize(req)
+        times.append(time.perf_counter() - t0)
+        assert type(outcome).__name__ == "Materialized", outcome
+    return times
+
+
+def run_share(rounds: int, per_round: int = 40) -> None:
+    from mmadmit import pool as pool_mod
+    from mmadmit.materializer import Materializer
+
+    saved = {
+        name: getattr(pool_mod, name)
+        for name in ("SHARE_MIN_BYTES", "SHARE_MIN_ITEM_BYTES", "_this_cpu")
+    }
+    profile = workloads.profile_for(workloads.MIXED_FAMILY)
+    reqs = {kib: workloads.mixed_hash_request(feature_bytes=kib * 1024) for kib in SHARE_ITEM_KIB}
+    where = {"loop": 1 << 20, "worker": 0}  # inline_max_tokens: on the loop / never
+    cells: dict[tuple[int, str, float, str], list[float]] = {}
+
+    async def measure() -> None:
+        for place, inline_tokens in where.items():
+            pool = pool_mod.MaterializerPool(
+                Materializer(profile),
+                workers=2,
+                inline_max_tokens=inline_tokens,
+                inline_max_us=1e9,  # on the loop: whatever its estimate
+            )
+            try:
+                for r in range(rounds):
+                    for kib, req in reqs.items():
+                        for gap in (0.003, 0.0):
+                            ways = SHARE_WAYS[r % 3 :] + SHARE_WAYS[: r % 3]
+                            for way in ways:
+                                await _share_times(pool_mod, pool, req, way, 3, gap, saved)
+                                cells.setdefault((kib, place, gap, way), []).extend(
+                                    await _share_times(
+                                        pool_mod, pool, req, way, per_round, gap, saved
+                                    )
+                                )
+            finally:
+                pool.close()
+                for name, value in saved.items():
+                    setattr(pool_mod, name, value)
+
+    asyncio.run(measure())
+    print(
+        f"one request's hashing shared with the idle workers: a pool of 2 workers in process, "
+        f"{rounds} rounds x {per_round} requests per cell, ways rotated per round; "
+        f"{pool_mod._CPUS} CPUs, steering {'on' if saved['_this_cpu'] else 'unavailable'}; "
+        f"the pool shares from {saved['SHARE_MIN_BYTES'] >> 10} KiB in items of at least "
+        f"{saved['SHARE_MIN_ITEM_BYTES'] >> 10} KiB"
+    )
+    print()
+    print(
+        "| items to hash | runs on | gap before each | alone us | unsteered us | steered us "
+        "| unsteered / alone | steered / alone |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for kib in SHARE_ITEM_KIB:
+        for place in where:
+            for gap in (0.003, 0.0):
+                med = {
+                    way: statistics.median(cells[(kib, place, gap, way)]) * 1e6
+                    for way in SHARE_WAYS
+                }
+                print(
+                    f"| 17 x {kib} KiB | {place} | {gap * 1e3:.0f} ms | {med['alone']:.0f} "
+                    f"| {med['unsteered']:.0f} | {med['steered']:.0f} "
+                    f"| {med['unsteered'] / med['alone']:.2f} "
+                    f"| {med['steered'] / med['alone']:.2f} |"
+                )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -291,7 +402,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=24, help="per measurement")
     parser.add_argument("--callers", type=int, default=4, help="concurrent callers per transport")
+    parser.add_argument(
+        "--only",
+        choices=["share"],
+        help="share: one request's hashing shared with the idle workers, in process",
+    )
     args = parser.parse_args()
+    if args.only == "share":
+        run_share(args.rounds)
+        return
 
     t_start = time.perf_counter()
     print(

@@ -2,7 +2,8 @@
 
 The bytes a request would hash are priced at BLAKE2b's measured rate, next to
 its tokens and items: a small request with features to hash runs on the event
-loop, a large one on a worker; large hashing is shared with the idle workers.
+loop, a large one on a worker; large hashing is shared with the idle workers,
+from the loop or a worker, which are steered off the requester's CPU for it.
 Every way gives the same outcome, bit for bit, with native code on and off.
 
 Run with: python -m pytest tests/test_inline_cost.py -q
@@ -11,6 +12,7 @@ Run with: python -m pytest tests/test_inline_cost.py -q
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from typing import Any
 
@@ -25,7 +27,8 @@ from mmadmit.profile import load_profile
 
 OMNI_AUDIO = 151675  # Qwen3-Omni <|audio_pad|>
 AUDIO_TOKENS = 100
-BIG = pool_mod.SHARE_MIN_ITEM_BYTES  # an item a worker shares with the idle ones
+BIG = pool_mod.SHARE_MIN_ITEM_BYTES  # an item the idle workers may take
+SHARED = [pool_mod.SHARE_MIN_BYTES // 2] * 2  # the least a request shares, in two items
 
 
 def _feature(nbytes: int, seed: int) -> Tensor:
@@ -123,6 +126,7 @@ def test_hash_bytes_are_what_the_materializer_hashes() -> None:
 def test_the_estimate_prices_hash_bytes_at_the_calibrated_rate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(pool_mod, "_CPUS", 1)  # nothing shared: one thread's hashing
     pool = _pool(inline_max_tokens=64, inline_max_us=1000.0)
     try:
         cost = pool.inline_cost
@@ -139,6 +143,21 @@ def test_the_estimate_prices_hash_bytes_at_the_calibrated_rate(
         assert pool.runs_inline(req)  # 20 + 9.1 + 200 us
         cost.hash_ns = 1.5  # 20 + 9.1 + 1200 us: the same request goes to a worker
         assert not pool.runs_inline(req)
+        # with an idle worker to share it, the loop's part of the hashing and the
+        # helper's wake-up: 20 + 9.1 + 600 + 100 us, inline again
+        monkeypatch.setattr(pool_mod, "_CPUS", 2)
+        assert pool._helpers(InlineCost.hash_sizes(req)) == 1
+        assert cost.estimate_us(req, helpers=1) == pytest.approx(
+            cost.fixed_us
+            + cost.rate_ns * units / 1000.0
+            + 1.5 * 800_000 / 1000.0 / 2
+            + pool_mod.SHARE_WAKE_US
+        )
+        assert pool.runs_inline(req)
+        small = omni_request("small", [BIG - 8] * 40)  # no item large enough to hand over
+        assert pool._helpers(InlineCost.hash_sizes(small)) == 0
+        few = omni_request("few", [BIG, pool_mod.SHARE_MIN_BYTES - 2 * BIG])  # too few bytes
+        assert pool._helpers(InlineCost.hash_sizes(few)) == 0
     finally:
         pool.close()
     # the real measurement: BLAKE2b's time per byte on this machine, a sane figure
@@ -150,7 +169,10 @@ def test_the_estimate_prices_hash_bytes_at_the_calibrated_rate(
         real.close()
 
 
-async def test_a_small_hashing_request_runs_inline_a_big_one_on_a_worker() -> None:
+async def test_a_small_hashing_request_runs_inline_a_big_one_on_a_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pool_mod, "_CPUS", 1)  # the big one's hashing is not shared
     pool = _pool(inline_max_tokens=1 << 20, inline_max_us=1000.0)
     try:
         pool.inline_cost.hash_ns = 2.0
@@ -201,7 +223,7 @@ async def test_the_hash_rate_follows_the_hashing_the_pool_times() -> None:
         cost.hash_ns = 1000.0
         assert isinstance(await workers.materialize(omni_request("w", [70_000])), Materialized)
         assert cost.hash_samples == 1 and cost.hash_ns < 1000.0
-        shared = omni_request("shared", [BIG, BIG])
+        shared = omni_request("shared", SHARED)
         before = cost.hash_ns
         assert isinstance(await workers.materialize(shared), Materialized)
         if pool_mod._CPUS > 1:  # shared with the idle worker: not one thread's rate
@@ -256,18 +278,21 @@ class Recorder:
         return self.real(data)  # type: ignore[no-any-return]
 
 
-SIZES = [BIG + 40_000, 64_000, BIG, BIG + 8_000, 4_000, BIG + 16_000, 88_000]
+M = pool_mod.SHARE_MIN_BYTES
+# item 2 comes with its hash; 4 000 and 20 000 are too small to hand over
+SIZES = [M // 3 // 8 * 8, M // 4, BIG, BIG + 8_000, 4_000, M // 5 // 8 * 8, M // 6 // 8 * 8, 20_000]
+WAYS = ["on-the-loop", "on-a-worker", "shared", "shared-from-the-loop"]
 
 
-@pytest.mark.parametrize("way", ["on-the-loop", "on-a-worker", "shared"])
+@pytest.mark.parametrize("way", WAYS)
 async def test_every_way_gives_the_same_outcome(
     native_mode: bool, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
     """Hashed on the loop (inline), on one worker, or with its large items shared
-    by the idle workers, a request's outcome is bit for bit what one plain
-    materializer run gives, and what rule 6 defines; pad values and item copies
-    come from the active build of the rules (compiled, or interpreted with native
-    off). Only a worker shares, and only its large items."""
+    by the idle workers (from a worker or from the loop), a request's outcome is
+    bit for bit what one plain materializer run gives, and what rule 6 defines;
+    pad values and item copies come from the active build of the rules (compiled,
+    or interpreted with native off). Only large items are handed over."""
     req = omni_request("same", SIZES, hashed={2})
     want = _fields(Materializer(load_profile("qwen3_omni_moe")).run(req))
 
@@ -275,24 +300,27 @@ async def test_every_way_gives_the_same_outcome(
     active = planner._active
     real_pad = active.pad_value
     monkeypatch.setattr(active, "pad_value", lambda *a: calls.append(a) or real_pad(*a))
-    recorder = Recorder(hashing.feature_hash, hold=way == "shared")
+    shared = way.startswith("shared")
+    recorder = Recorder(hashing.feature_hash, hold=shared)
     monkeypatch.setattr(pool_mod, "feature_hash", recorder)
     monkeypatch.setattr(hashing, "feature_hash", recorder)
-    monkeypatch.setattr(pool_mod, "_CPUS", 4)  # share even on a one-CPU machine
+    # share even on a one-CPU machine; never on the loop that hashes alone
+    monkeypatch.setattr(pool_mod, "_CPUS", 1 if way == "on-the-loop" else 4)
     runner: list[str] = []
 
     def on_worker(r: Request, ops: Any) -> Any:
         runner.append(threading.current_thread().name)
         return ops
 
+    inline = way in ("on-the-loop", "shared-from-the-loop")
     pool = _pool(
-        workers=3 if way == "shared" else 1,
-        inline_max_tokens=1 << 20 if way == "on-the-loop" else 0,
+        workers={"shared": 3, "shared-from-the-loop": 2}.get(way, 1),
+        inline_max_tokens=1 << 20 if inline else 0,
         inline_max_us=1e9,
         choose_ops=on_worker,
     )
     try:
-        assert pool.runs_inline(req) is (way == "on-the-loop")
+        assert pool.runs_inline(req) is inline
         got = await pool.materialize(req)
     finally:
         pool.close()
@@ -306,19 +334,18 @@ async def test_every_way_gives_the_same_outcome(
     ]
     assert got.hashed_bytes == sum(SIZES) - SIZES[2]
     hashed = [h for i, h in enumerate(hashes) if i != 2]
-    assert set(hashed) <= {h for _, h in calls}  # the six hashed items, in the active build
+    assert set(hashed) <= {h for _, h in calls}  # the hashed items, in the active build
     assert planner.HAVE_NATIVE is (native_mode and planner._BUILT is not None)
 
     threads = {name for name, _ in recorder.hashed}
     assert sorted(n for _, n in recorder.hashed) == sorted(SIZES[:2] + SIZES[3:])
-    if way == "on-the-loop":
-        assert threads == {"MainThread"} and not runner
-    elif way == "on-a-worker":
-        assert threads == set(runner) and len(runner) == 1
-    else:
-        (owner,) = runner
+    assert len(runner) == (0 if inline else 1)
+    owner = "MainThread" if inline else runner[0]
+    if shared:
         assert len(threads) >= 2, recorder.hashed  # an idle worker took large items
         assert {name for name, n in recorder.hashed if n < BIG} == {owner}  # small: the owner
+    else:
+        assert threads == {owner}
 
 
 async def test_a_busy_pool_lends_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,7 +356,7 @@ async def test_a_busy_pool_lends_no_thread(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(pool_mod, "_CPUS", 4)
     pool = _pool(workers=1, inline_max_tokens=0)
     try:
-        req = omni_request("alone", [BIG] * 3)
+        req = omni_request("alone", [M // 2] * 3)  # shared, were a worker idle
         got = await pool.materialize(req)
     finally:
         pool.close()
@@ -356,3 +383,70 @@ def test_a_helper_stops_at_small_items_and_when_a_request_waits() -> None:
     assert queued._next == 1
     queued.work()
     assert queued.wait() == [hashing.feature_hash(b) for b in buffers]
+
+
+class AffinityRecorder(Recorder):
+    """A :class:`Recorder` (holding, so that a helper takes part) that also notes
+    the CPUs each hashing thread may run on."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real, hold=True)
+        self.cpus: dict[str, set[int]] = {}
+
+    def __call__(self, data: memoryview) -> int:
+        self.cpus[threading.current_thread().name] = os.sched_getaffinity(0)
+        return super().__call__(data)
+
+
+@pytest.mark.skipif(
+    pool_mod._this_cpu is None or len(pool_mod._ALLOWED) < 2,
+    reason="steering needs libc's sched_getcpu and two CPUs",
+)
+@pytest.mark.parametrize("os_says", ["yes", "refuses", "no-cpu-reader"])
+async def test_helpers_are_steered_off_the_requesters_cpu(
+    monkeypatch: pytest.MonkeyPatch, os_says: str
+) -> None:
+    """While one request's hashing is shared, the other workers may run on every
+    allowed CPU but the requester's (a helper woken while that CPU is busy would
+    otherwise queue behind it), and get them all back after the share. An OS that
+    refuses, or no way to read the CPU, changes the placement only: the request
+    is shared and materialized all the same."""
+    real_cpu = pool_mod._this_cpu
+    assert real_cpu is not None
+    seen: list[int] = []
+    if os_says == "no-cpu-reader":
+        monkeypatch.setattr(pool_mod, "_this_cpu", None)
+    else:
+        monkeypatch.setattr(pool_mod, "_this_cpu", lambda: seen.append(real_cpu()) or seen[-1])
+    if os_says == "refuses":
+
+        def refuse(tid: int, cpus: Any) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(pool_mod.os, "sched_setaffinity", refuse)
+    pool = _pool(workers=2, inline_max_tokens=1 << 20, inline_max_us=1e9)
+    try:
+        # the executor starts a worker thread at the first submit that finds none
+        # idle: the first share's helper is new, so it is the second share that
+        # finds a worker to steer
+        warm = Recorder(hashing.feature_hash, hold=True)
+        monkeypatch.setattr(pool_mod, "feature_hash", warm)
+        await pool.materialize(omni_request("warm", SHARED))
+        assert len({name for name, _ in warm.hashed}) == 2 and pool._worker_tids
+        recorder = AffinityRecorder(hashing.feature_hash)
+        monkeypatch.setattr(pool_mod, "feature_hash", recorder)
+        req = omni_request("shared", SHARED)
+        assert pool.runs_inline(req)  # from the loop, with both workers idle
+        got = await pool.materialize(req)
+        after = {tid: os.sched_getaffinity(tid) for tid in pool._worker_tids}
+    finally:
+        pool.close()
+    assert isinstance(got, Materialized) and got.request.mm is not None
+    assert [it.hash for it in got.request.mm.items] == _want_hashes(req)
+    (helper,) = set(recorder.cpus) - {"MainThread"}
+    assert recorder.cpus["MainThread"] == set(pool_mod._ALLOWED)  # the requester: untouched
+    if os_says == "yes":
+        assert recorder.cpus[helper] == set(pool_mod._ALLOWED) - {seen[-1]}
+    else:
+        assert recorder.cpus[helper] == set(pool_mod._ALLOWED)
+    assert after and all(cpus == set(pool_mod._ALLOWED) for cpus in after.values())

@@ -329,7 +329,8 @@ class ServeConfig:
             "parse": _nonneg_float,
             "help": "any other request, features to hash included, is materialized on the "
             "event loop when its estimated time (tokens and items at the rate learned from "
-            "the runs, feature bytes at BLAKE2b's measured rate) is at most this many "
+            "the runs, feature bytes at BLAKE2b's measured rate, shared with idle workers "
+            "when large) is at most this many "
             "microseconds; 0: only --inline-max-tokens decides, and nothing that hashes "
             "runs inline",
         },

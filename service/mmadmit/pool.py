@@ -21,45 +21,56 @@ fixed part, a rate per unit (a token, or a thousandth of an item) learned from
 the runs this pool times, and the feature bytes it would hash (items with
 neither a hash nor a pad value) at BLAKE2b's rate on this machine, measured at
 start-up (:meth:`~MaterializerPool.calibrate_inline`) and then learned from the
-hashing this pool times (one thread's: shared hashing says nothing of it). A
-request is materialized at once, on the calling (event loop) thread, and
-:meth:`~MaterializerPool.submit` returns its ticket already finished, when it
-hashes nothing and has at most ``inline_max_tokens`` tokens, or when its whole
-estimate is within ``inline_max_us``. Such a request is well under a
-millisecond, while a trip through a worker costs two thread hand-offs and a GIL
-convoy, which on a small host are worth more than the work itself. Every other
-request goes to the workers: the loop never stalls behind a large request, and
-never hashes more bytes than ``inline_max_us`` buys at the measured rate (none
-at all with ``inline_max_us=0``). Inline requests never count as in flight
-(they are done before ``submit`` returns) and use the CPU array ops, which give
-the same bytes as any worker's. ``inline_max_tokens=0`` turns inline runs off;
-a pool with a ``before_run`` test hook never runs inline.
+hashing this pool times (one thread's: shared hashing says nothing of it),
+divided among the threads that would share it (below) plus a helper's
+wake-up (``SHARE_WAKE_US``). A request is materialized at once, on the calling
+(event loop) thread, and :meth:`~MaterializerPool.submit` returns its ticket
+already finished, when it hashes nothing and has at most ``inline_max_tokens``
+tokens, or when its whole estimate is within ``inline_max_us``. Such a request
+is about a millisecond at most, while a trip through a worker costs two thread
+hand-offs and a GIL convoy, which on a small host are worth more than the work
+itself. Every other request goes to the workers: the loop never stalls behind
+a large request, and never blocks for longer than ``inline_max_us`` at the
+measured rates (and hashes nothing with ``inline_max_us=0``). Inline requests
+never count as in flight (they are done before ``submit`` returns) and use the
+CPU array ops, which give the same bytes as any worker's.
+``inline_max_tokens=0`` turns inline runs off; a pool with a ``before_run``
+test hook never runs inline.
 
-**Large items are hashed by the idle workers too.** When a request on a worker
-has two items or more of at least ``SHARE_MIN_ITEM_BYTES`` to hash, the pool's
-idle workers help: each thread takes the next item left, the largest first
-(``hashlib`` releases the GIL, so they hash in parallel), and a helper stops at
-the first smaller item, or, after the item in its hands, as soon as a request
-waits in the queue; the worker running the request hashes whatever is left. A
-busy pool lends nothing. Small items are not worth it: each hand-over of the
-GIL between two hashing threads costs about what hashing tens of KiB does (on
-2 vCPUs: 17 items of 37 KiB 0.95x, 8 of 256 KiB 1.1-1.5x, 8 of 1 MiB 1.8x).
-The loop never shares: it hashes its inline requests' few bytes alone. The
-hashes are the same either way.
+**Hashing is shared with the idle workers.** When a run, on the loop or on a
+worker, has at least ``SHARE_MIN_BYTES`` to hash in two items or more of at
+least ``SHARE_MIN_ITEM_BYTES``, the pool's idle workers help: each thread takes
+the next item left, the largest first (``hashlib`` releases the GIL, so they
+hash in parallel), and a helper stops at the first smaller item, or, after the
+item in its hands, as soon as a request waits in the queue; the thread running
+the request hashes whatever is left, and waits only for items already being
+hashed. A busy pool lends nothing. Before it wakes them, the requester keeps
+the other workers off the CPU it runs on (their CPU affinity, for the length of
+the share, where libc tells a thread its CPU): woken while that CPU is busy, a
+helper would otherwise wait behind the requester there while the other CPUs
+sleep (a virtual machine's halted vCPU reads as preempted, and the scheduler
+avoids it) until a timer tick moved it, which on 2 vCPUs after an idle gap took
+about 0.5 ms and made sharing slower than hashing alone. Items under 32 KiB
+and requests under 512 KiB are not shared: each item hands the GIL over, and
+the helper's wake-up costs about what hashing 100 KiB does
+(``bench/bench_pool.py --only share``, on 2 vCPUs after a 3 ms gap, steered
+against alone: 17 items of 8 KiB 1.17-1.45x, 16 KiB 1.02-1.32x, 37 KiB
+0.69-0.88x, 64 KiB 0.68-0.72x, 256 KiB 0.54-0.62x). The hashes are the same
+either way.
 
 Workers are threads: hashing (``hashlib`` releases the GIL on large buffers)
 and numpy/torch/C array work on large arrays run in parallel. Each worker owns
 its :class:`~mmadmit.materializer.ArrayOps`: the numpy one, or with CUDA a
 :class:`~mmadmit.devices.TorchArrayOps` bound to that worker's own stream.
 The event loop awaits futures; it materializes only the small inline requests
-(on the CPU, their hashing bounded as above, on the loop's thread alone) and
-never waits on a device.
+(on the CPU, their hashing bounded as above) and never waits on a device.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import itertools
 import logging
 import os
@@ -91,11 +102,29 @@ ITEM_UNITS = 1000
 _LEARN_MIN_UNITS = 16_384
 _LEARN_MIN_BYTES = 65_536
 _LEARN_WEIGHT = 0.2
-# Hashing shared with idle workers: items of at least this many bytes, two or more
-# of them (smaller ones cost about as much in GIL hand-overs as they save; module
-# docstring), and never on more threads than the process has CPUs.
-SHARE_MIN_ITEM_BYTES = 256 * 1024
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+# Hashing shared with idle workers (module docstring): at least SHARE_MIN_BYTES
+# in two items or more of at least SHARE_MIN_ITEM_BYTES (each item is a GIL
+# hand-over), and never on more threads than the process may run on CPUs.
+SHARE_MIN_ITEM_BYTES = 32 * 1024
+SHARE_MIN_BYTES = 512 * 1024
+SHARE_WAKE_US = 100.0  # a steered helper's wake-up, in the estimate (measured: 30-110 us)
+_ALLOWED = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+_CPUS = len(_ALLOWED) or os.cpu_count() or 1
+
+
+def _cpu_reader() -> Callable[[], int] | None:
+    """libc's ``sched_getcpu`` (the CPU this thread runs on), where there is one."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu if getcpu() >= 0 else None
+
+
+_this_cpu = _cpu_reader()
 
 
 class InlineCost:
@@ -118,25 +147,36 @@ class InlineCost:
         return len(req.input_ids) + ITEM_UNITS * (len(mm.items) if mm is not None else 0)
 
     @staticmethod
-    def hash_bytes(req: Request) -> int:
-        """The feature bytes the materializer would hash: the inline features of items
-        with neither a hash nor a pad value (rule 6). Never fewer than it hashes: a
-        request refused, or taken as materialized upstream, hashes nothing; a
-        shared-memory feature is never read (without a hash it is refused)."""
+    def hash_sizes(req: Request) -> list[int]:
+        """The feature bytes the materializer would hash, item by item: the inline
+        features of items with neither a hash nor a pad value (rule 6). Never fewer
+        than it hashes: a request refused, or taken as materialized upstream, hashes
+        nothing; a shared-memory feature is never read (without a hash it is
+        refused)."""
         mm = req.mm
         if mm is None:
-            return 0
-        total = 0
-        for item in mm.items:
-            if item.hash is None and item.pad_value is None and item.feature is not None:
-                total += item.feature.data.nbytes
-        return total
+            return []
+        return [
+            item.feature.data.nbytes
+            for item in mm.items
+            if item.hash is None and item.pad_value is None and item.feature is not None
+        ]
 
-    def estimate_us(self, req: Request, hash_bytes: int | None = None) -> float:
-        """The estimate; ``hash_bytes``: :meth:`hash_bytes` when already counted."""
+    @staticmethod
+    def hash_bytes(req: Request) -> int:
+        """The sum of :meth:`hash_sizes`."""
+        return sum(InlineCost.hash_sizes(req))
+
+    def estimate_us(self, req: Request, hash_bytes: int | None = None, helpers: int = 0) -> float:
+        """The estimate; ``hash_bytes``: :meth:`hash_bytes` when already counted;
+        ``helpers``: the idle workers that would share the hashing (each takes its
+        part, after a wake-up of ``SHARE_WAKE_US``)."""
         if hash_bytes is None:
             hash_bytes = self.hash_bytes(req)
-        return self.fixed_us + (self.rate_ns * self.units(req) + self.hash_ns * hash_bytes) / 1000.0
+        hash_us = self.hash_ns * hash_bytes / 1000.0
+        if helpers:
+            hash_us = hash_us / (1 + helpers) + SHARE_WAKE_US
+        return self.fixed_us + self.rate_ns * self.units(req) / 1000.0 + hash_us
 
     def learn(self, req: Request, seconds: float) -> None:
         """Fold one timed run of a request that hashed nothing into the rate."""
@@ -353,6 +393,7 @@ class MaterializerPool:
         self._observe_run = observe_run
         self._local = threading.local()
         self._worker_ids = itertools.count()
+        self._worker_tids: list[int] = []  # the workers' OS thread ids (CPU steering)
         self._tickets: dict[int, Ticket] = {}
         self._running = 0
         self._running_lock = threading.Lock()
@@ -367,6 +408,7 @@ class MaterializerPool:
 
     def _init_worker(self) -> None:
         index = next(self._worker_ids)
+        self._worker_tids.append(threading.get_native_id())
         self._local.ops = self._ops_factory(index) if self._ops_factory else CPU_OPS
 
     def _work(self, req: Request) -> Outcome:
@@ -380,7 +422,7 @@ class MaterializerPool:
         return self._timed_run(req, ops, False, learn)
 
     def _timed_run(self, req: Request, ops: ArrayOps, inline: bool, learn: bool) -> Outcome:
-        hash_many = self._hash_alone if inline else self._hash_shared  # the loop: alone
+        hash_many = self._hash_shared
         observe = self._observe_run
         if observe is None and not learn:
             return self.materializer.run(req, ops, hash_many)
@@ -405,20 +447,59 @@ class MaterializerPool:
         self.inline_cost.learn_hash(sum(b.nbytes for b in buffers), seconds)  # float stores
         return hashes
 
+    def _helpers(self, sizes: Sequence[int]) -> int:
+        """How many idle workers would share hashing features of these sizes (module
+        docstring); 0: the calling thread hashes them alone."""
+        helpers = min(len(sizes) - 1, _CPUS - 1, self.workers - self._running)
+        if helpers < 1:
+            return 0
+        shared = [n for n in sizes if n >= SHARE_MIN_ITEM_BYTES]
+        return helpers if len(shared) >= 2 and sum(shared) >= SHARE_MIN_BYTES else 0
+
     def _hash_shared(self, buffers: Sequence[memoryview]) -> list[int]:
-        """A worker's hashing: its large items shared with the idle workers (module
-        docstring), else all of them on this thread."""
-        helpers = min(len(buffers) - 1, _CPUS - 1, self.workers - self._running)
-        if helpers < 1 or sum(b.nbytes >= SHARE_MIN_ITEM_BYTES for b in buffers) < 2:
+        """A run's hashing, on the loop or a worker: its items of at least
+        ``SHARE_MIN_ITEM_BYTES`` shared with the idle workers (module docstring),
+        else all of them on this thread."""
+        helpers = self._helpers([b.nbytes for b in buffers])
+        if not helpers:
             return self._hash_alone(buffers)
         share = _HashShare(buffers)
-        for _ in range(helpers):
+        steered = self._steer_helpers()
+        try:
+            for _ in range(helpers):
+                try:
+                    self._executor.submit(share.work, self._has_queued, SHARE_MIN_ITEM_BYTES)
+                except RuntimeError:  # the pool is closing: this thread hashes them all
+                    break
+            share.work()
+            return share.wait()
+        finally:
+            self._set_affinity(steered, _ALLOWED)
+
+    def _steer_helpers(self) -> list[int]:
+        """Keep the other workers off this thread's CPU (module docstring); the
+        thread ids steered, to be given every allowed CPU back after the share."""
+        if _this_cpu is None or _CPUS < 2:
+            return []
+        cpu = _this_cpu()
+        others = _ALLOWED - {cpu}
+        if cpu not in _ALLOWED or not others:
+            return []
+        me = threading.get_native_id()
+        tids = [tid for tid in self._worker_tids if tid != me]
+        return self._set_affinity(tids, others)
+
+    def _set_affinity(self, tids: list[int], cpus: frozenset[int]) -> list[int]:
+        """The threads' CPUs set to ``cpus``; the ids it was set for. Steering only
+        places threads: a thread gone, or an OS that refuses, changes nothing else."""
+        done = []
+        for tid in tids:
             try:
-                self._executor.submit(share.work, self._has_queued, SHARE_MIN_ITEM_BYTES)
-            except RuntimeError:  # the pool is closing: this thread hashes them all
-                break
-        share.work()
-        return share.wait()
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                continue
+            done.append(tid)
+        return done
 
     # ------------------------------------------------------------------ admission
 
@@ -477,10 +558,12 @@ class MaterializerPool:
         """The bytes ``req`` hashes when it runs inline (:meth:`runs_inline`), else None."""
         if self.inline_max_tokens == 0:
             return None
-        hash_bytes = InlineCost.hash_bytes(req)
+        sizes = InlineCost.hash_sizes(req)
+        hash_bytes = sum(sizes)
         if not hash_bytes and len(req.input_ids) <= self.inline_max_tokens:
             return 0
-        if self.inline_cost.estimate_us(req, hash_bytes) <= self.inline_max_us:
+        helpers = self._helpers(sizes)
+        if self.inline_cost.estimate_us(req, hash_bytes, helpers) <= self.inline_max_us:
             return hash_bytes
         return None
 
