@@ -71,6 +71,7 @@ bench: setup ## every benchmark in bench/ (medians next to their baselines)
 	$(PY) bench/bench_zmq.py
 	$(PY) bench/bench_grpc.py
 	$(PY) bench/bench_pool.py
+	$(PY) bench/bench_pool.py --only share
 	$(PY) bench/bench_engine.py
 	$(PY) bench/bench_smg_grpc.py
 	$(PY) bench/bench_inline.py
