@@ -154,6 +154,19 @@ def test_the_estimate_prices_hash_bytes_at_the_calibrated_rate(
             + pool_mod.SHARE_WAKE_US
         )
         assert pool.runs_inline(req)
+        # items too small to hand over stay with the requester: at least their bytes
+        cost.hash_ns = 1.0
+        mixed = omni_request("mixed", [pool_mod.SHARE_MIN_BYTES // 2] * 2 + [BIG - 8] * 26)
+        sizes = InlineCost.hash_sizes(mixed)
+        alone = 26 * (BIG - 8)
+        assert pool._helpers(sizes) == 1 and alone > sum(sizes) / 2
+        base = cost.fixed_us + cost.rate_ns * InlineCost.units(mixed) / 1000.0
+        assert cost.estimate_us(mixed, None, 1, alone) == pytest.approx(
+            base + alone / 1000.0 + pool_mod.SHARE_WAKE_US
+        )
+        assert cost.estimate_us(mixed, None, 1) <= pool.inline_max_us  # halved: it would fit
+        assert not pool.runs_inline(mixed)  # 20 + 124 + 852 + 100 us
+        cost.hash_ns = 1.5
         small = omni_request("small", [BIG - 8] * 40)  # no item large enough to hand over
         assert pool._helpers(InlineCost.hash_sizes(small)) == 0
         few = omni_request("few", [BIG, pool_mod.SHARE_MIN_BYTES - 2 * BIG])  # too few bytes

@@ -167,15 +167,21 @@ class InlineCost:
         """The sum of :meth:`hash_sizes`."""
         return sum(InlineCost.hash_sizes(req))
 
-    def estimate_us(self, req: Request, hash_bytes: int | None = None, helpers: int = 0) -> float:
+    def estimate_us(
+        self, req: Request, hash_bytes: int | None = None, helpers: int = 0, alone_bytes: int = 0
+    ) -> float:
         """The estimate; ``hash_bytes``: :meth:`hash_bytes` when already counted;
-        ``helpers``: the idle workers that would share the hashing (each takes its
-        part, after a wake-up of ``SHARE_WAKE_US``)."""
+        ``helpers``: the idle workers that would share the hashing. Shared, the
+        bytes are divided among the 1 + ``helpers`` threads, but the requester
+        hashes at least ``alone_bytes`` (the items too small to hand over), and a
+        helper's wake-up (``SHARE_WAKE_US``) is added."""
         if hash_bytes is None:
             hash_bytes = self.hash_bytes(req)
-        hash_us = self.hash_ns * hash_bytes / 1000.0
         if helpers:
-            hash_us = hash_us / (1 + helpers) + SHARE_WAKE_US
+            hashed = max(hash_bytes / (1 + helpers), alone_bytes)
+            hash_us = self.hash_ns * hashed / 1000.0 + SHARE_WAKE_US
+        else:
+            hash_us = self.hash_ns * hash_bytes / 1000.0
         return self.fixed_us + self.rate_ns * self.units(req) / 1000.0 + hash_us
 
     def learn(self, req: Request, seconds: float) -> None:
@@ -563,7 +569,8 @@ class MaterializerPool:
         if not hash_bytes and len(req.input_ids) <= self.inline_max_tokens:
             return 0
         helpers = self._helpers(sizes)
-        if self.inline_cost.estimate_us(req, hash_bytes, helpers) <= self.inline_max_us:
+        alone = sum(n for n in sizes if n < SHARE_MIN_ITEM_BYTES) if helpers else 0
+        if self.inline_cost.estimate_us(req, hash_bytes, helpers, alone) <= self.inline_max_us:
             return hash_bytes
         return None
 
