@@ -452,8 +452,18 @@ async def test_helpers_are_steered_off_the_requesters_cpu(
         assert pool.runs_inline(req)  # from the loop, with both workers idle
         got = await pool.materialize(req)
         after = {tid: os.sched_getaffinity(tid) for tid in pool._worker_tids}
+        shares, steered = pool.stats.hash_shares, pool.stats.hash_shares_steered
+        exported = {
+            (s.name, s.kind): s.value for s in pool.metrics() if s.name.startswith("hash_shares")
+        }
     finally:
         pool.close()
+    # the first share found no worker thread to steer; the second one did, if allowed
+    assert (shares, steered) == (2, 1 if os_says == "yes" else 0)
+    assert exported == {
+        ("hash_shares", "counter"): shares,
+        ("hash_shares_steered", "counter"): steered,
+    }
     assert isinstance(got, Materialized) and got.request.mm is not None
     assert [it.hash for it in got.request.mm.items] == _want_hashes(req)
     (helper,) = set(recorder.cpus) - {"MainThread"}

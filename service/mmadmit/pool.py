@@ -267,7 +267,8 @@ RunObserver = Callable[[int, float, bool], None]
 @dataclass
 class PoolStats:
     """Counters of the pool's own work, for metrics; written on the event loop thread
-    only. Outcomes (and refusals) are counted by the transports, once
+    only, but for the shares, which the thread that shares counts under the pool's
+    lock. Outcomes (and refusals) are counted by the transports, once
     (:class:`~mmadmit.admission.AdmissionStats`), not here."""
 
     admitted: int = 0
@@ -276,6 +277,8 @@ class PoolStats:
     discarded_running: int = 0  # ended early while running; result thrown away
     shutdown_aborted: int = 0  # ended SHUTTING_DOWN at the drain deadline
     inline: int = 0  # admitted and materialized on the calling thread (small requests)
+    hash_shares: int = 0  # runs whose hashing idle workers shared
+    hash_shares_steered: int = 0  # of those, with the other workers kept off its CPU
 
     # exported as mmadmit_<field>_total, with this help (MaterializerPool.metrics())
     COUNTERS: ClassVar[dict[str, str]] = {
@@ -285,6 +288,8 @@ class PoolStats:
         "inline": "Admitted requests materialized inline (--inline-max-tokens).",
         "completed": "Admitted requests whose materializer run gave their outcome.",
         "shutdown_aborted": "Admitted requests ended SHUTTING_DOWN at the drain deadline.",
+        "hash_shares": "Requests whose feature hashing was shared with idle workers.",
+        "hash_shares_steered": "Shared hashings whose helpers were kept off the requester's CPU.",
     }
 
 
@@ -471,6 +476,9 @@ class MaterializerPool:
             return self._hash_alone(buffers)
         share = _HashShare(buffers)
         steered = self._steer_helpers()
+        with self._running_lock:  # from the loop or a worker
+            self.stats.hash_shares += 1
+            self.stats.hash_shares_steered += bool(steered)
         try:
             for _ in range(helpers):
                 try:
