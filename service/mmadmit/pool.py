@@ -475,11 +475,12 @@ class MaterializerPool:
         if not helpers:
             return self._hash_alone(buffers)
         share = _HashShare(buffers)
-        steered = self._steer_helpers()
-        with self._running_lock:  # from the loop or a worker
-            self.stats.hash_shares += 1
-            self.stats.hash_shares_steered += bool(steered)
+        steered: list[int] = []
         try:
+            steered = self._steer_helpers()
+            with self._running_lock:  # from the loop or a worker
+                self.stats.hash_shares += 1
+                self.stats.hash_shares_steered += bool(steered)
             for _ in range(helpers):
                 try:
                     self._executor.submit(share.work, self._has_queued, SHARE_MIN_ITEM_BYTES)
