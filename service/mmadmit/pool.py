@@ -117,7 +117,7 @@ def _cpu_reader() -> Callable[[], int] | None:
     if not hasattr(os, "sched_setaffinity"):
         return None
     try:
-        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        getcpu = ctypes.CDLL(None).sched_getcpu
     except (OSError, AttributeError):
         return None
     getcpu.restype, getcpu.argtypes = ctypes.c_int, []
@@ -494,7 +494,7 @@ class MaterializerPool:
     def _steer_helpers(self) -> list[int]:
         """Keep the other workers off this thread's CPU (module docstring); the
         thread ids steered, to be given every allowed CPU back after the share."""
-        if _this_cpu is None or _CPUS < 2:
+        if _this_cpu is None:
             return []
         cpu = _this_cpu()
         others = _ALLOWED - {cpu}
