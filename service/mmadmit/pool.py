@@ -429,7 +429,7 @@ class MaterializerPool:
         if self._before_run is not None:
             self._before_run(req)
         # what an inline run would cost: CPU runs that hash nothing teach the rate
-        learn = ops is CPU_OPS and InlineCost.hash_bytes(req) == 0
+        learn = ops is CPU_OPS and hashes_nothing(req)
         return self._timed_run(req, ops, False, learn)
 
     def _timed_run(self, req: Request, ops: ArrayOps, inline: bool, learn: bool) -> Outcome:
