@@ -69,7 +69,7 @@ COPY clients/ /src/clients/
 RUN set -eu; \
     if ls /wheels/*.whl >/dev/null 2>&1; then set -- --no-index --find-links /wheels; fi; \
     /opt/mmadmit/bin/pip install "$@" /src; \
-    /opt/mmadmit/bin/python -c "import importlib.util as u; print('mmadmit image: C extensions:', ', '.join(m for m in ('_walk_c', '_rules_c', '_tensorcheck_c', '_pbwalk_c') if u.find_spec('mmadmit.' + m)) or 'none (pure fallbacks)')"
+    /opt/mmadmit/bin/python -c "import importlib.util as u; print('mmadmit image: C extensions:', ', '.join(m for m in ('_walk_c', '_rules_c', '_rules_avx2', '_tensorcheck_c', '_pbwalk_c') if u.find_spec('mmadmit.' + m)) or 'none (pure fallbacks)')"
 
 FROM ${BASE_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive

@@ -23,12 +23,21 @@ extension (``mmadmit.msgpack_walk`` -> ``mmadmit._walk_c``, ``mmadmit.rules``
 ``optional=True`` for all: without a working compiler (or without Cython) the
 install still succeeds and the pure-Python paths run. Editable
 installs build them in place (``service/mmadmit/*.so``, gitignored).
+
+``ISA_VARIANTS`` compiles a module once more for a wider instruction set, on
+x86-64 only: ``rules.py`` -> ``mmadmit._rules_avx2`` with ``-mavx2`` (its
+per-token loops store four ints at a time, and the vocabulary check compares
+four; the x86-64 baseline has two). The same source again, never a second
+implementation: :mod:`mmadmit.planner` runs it only on a CPU whose flags list
+``avx2``, and ``_rules_c`` everywhere else (the C loops it replaced got the
+same from ``target_clones``, which Cython cannot emit).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import platform
 import sys
 import tomllib
 from pathlib import Path
@@ -84,6 +93,12 @@ CYTHON_MODULES = [
     ("mmadmit._tensorcheck_c", "service/mmadmit/tensorcheck.py"),
     ("mmadmit._pbwalk_c", "service/mmadmit/pbwalk.py"),
 ]
+# (extension name, source, compiler flag): a module of CYTHON_MODULES compiled
+# again for a wider instruction set (module docstring). One line per variant.
+ISA_VARIANTS = [
+    ("mmadmit._rules_avx2", "service/mmadmit/rules.py", "-mavx2"),
+]
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
 
 
 def _cython_extensions() -> list[Extension]:
@@ -99,6 +114,14 @@ def _cython_extensions() -> list[Extension]:
     result: list[Extension] = cythonize(
         extensions, build_dir="build/cython", language_level=3, quiet=True
     )
+    for name, source, flag in ISA_VARIANTS if _X86_64 else []:
+        # its own build_dir: Cython names the C file after the source, not the module
+        variant = Extension(
+            name, [source], extra_compile_args=[*_COMPILE_ARGS, flag], optional=True
+        )
+        result += cythonize(
+            [variant], build_dir=f"build/cython{flag}", language_level=3, quiet=True
+        )
     return result
 
 

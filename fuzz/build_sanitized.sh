@@ -28,17 +28,22 @@ mkdir -p "$OUT"
 # setup.py would run setup()): Cython's C for each, in build/fuzz/cython/.
 CYDIR=$(dirname "$OUT")/cython
 mkdir -p "$CYDIR"
+# On x86-64 also ISA_VARIANTS (name, source, flag): the same C with one more flag.
 "$PYTHON" -c '
-import ast
+import ast, platform
+x86_64 = platform.machine().lower() in ("x86_64", "amd64")
 for node in ast.parse(open("setup.py").read()).body:
     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CYTHON_MODULES":
         for name, source in ast.literal_eval(node.value):
             print(name, source)
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ISA_VARIANTS":
+        for name, source, flag in ast.literal_eval(node.value) if x86_64 else []:
+            print(name, source, flag)
 ' > "$CYDIR/modules.txt"
-while read -r name source; do
+while read -r name source flag; do
     ext=${name##*.}
-    echo "cython $source -> $CYDIR/$ext.c; $CC [asan,ubsan] -> $OUT/$ext$SUFFIX"
+    echo "cython $source -> $CYDIR/$ext.c; $CC [asan,ubsan] ${flag:-} -> $OUT/$ext$SUFFIX"
     "$PYTHON" -m cython -3 --module-name "$name" "$source" -o "$CYDIR/$ext.c"
     # shellcheck disable=SC2086
-    "$CC" $FLAGS -Wno-unused-function -I"$INCLUDE" "$CYDIR/$ext.c" -o "$OUT/$ext$SUFFIX"
+    "$CC" $FLAGS ${flag:-} -Wno-unused-function -I"$INCLUDE" "$CYDIR/$ext.c" -o "$OUT/$ext$SUFFIX"
 done < "$CYDIR/modules.txt"

@@ -160,15 +160,12 @@ def test_delta_scalar_outside_int64_is_invalid_request_not_internal(scalar: int)
 # ---------------------------------------------------------- 3. M-RoPE positions loop
 
 
-# rules.positions in both builds: the interpreted source always, the compiled one
-# where it is built
-POSITION_BUILDS = [pytest.param(rules, id="interpreted")] + [
-    pytest.param(
-        planner._BUILT,
-        id="compiled",
-        marks=pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built"),
-    )
-]
+# rules.positions in every build: the interpreted source always, each compiled one
+# this CPU runs
+POSITION_BUILDS = [pytest.param(rules, id="interpreted")] + (
+    [pytest.param(m, id=name) for name, m in planner.COMPILED.items()]
+    or [pytest.param(None, id="compiled", marks=pytest.mark.skip(reason="_rules_c not built"))]
+)
 
 
 def _runs(start, frames, rows, cols, t_off, t_index) -> RunPlan:

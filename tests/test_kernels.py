@@ -20,15 +20,13 @@ import pytest
 from mmadmit import planner, rules
 from mmadmit.mrope import RunPlan
 
-# the interpreted source always; the compiled build where it is built (whatever
-# the session's native switch: these call the modules directly)
-BUILDS = [pytest.param(rules, id="interpreted")] + [
-    pytest.param(
-        planner._BUILT,
-        id="compiled",
-        marks=pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built"),
-    )
+# the interpreted source always; every compiled build this CPU runs (_rules_c,
+# and _rules_avx2 where the CPU has AVX2), whatever the session's native switch:
+# these call the modules directly
+COMPILED = [pytest.param(m, id=name) for name, m in planner.COMPILED.items()] or [
+    pytest.param(None, id="compiled", marks=pytest.mark.skip(reason="mmadmit._rules_c not built"))
 ]
+BUILDS = [pytest.param(rules, id="interpreted"), *COMPILED]
 a = lambda *x: np.asarray(x, np.int64)  # noqa: E731
 
 
@@ -108,11 +106,10 @@ def test_spans_equal_the_oracle(build: ModuleType, shuffled: bool) -> None:
         assert np.array_equal(got, want_fill) and got is not ids
 
 
-@pytest.mark.skipif(planner._BUILT is None, reason="mmadmit._rules_c not built")
-def test_compiled_loops_take_only_contiguous_int64() -> None:
+@pytest.mark.parametrize("build", COMPILED)
+def test_compiled_loops_take_only_contiguous_int64(build: ModuleType) -> None:
     """The compiled loops read C-contiguous int64 buffers (what the rules make and
     pass) and refuse anything else instead of guessing at its layout."""
-    build = planner._BUILT
     ids = np.arange(20, dtype=np.int64)
     for bad in (ids.astype(np.int32), ids[::2]):
         with pytest.raises(ValueError):

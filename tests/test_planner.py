@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,23 +380,47 @@ def test_the_vocabulary_refusal_names_the_first_id_outside() -> None:
         ), got
 
 
-def test_first_outside_compiled_and_interpreted_agree() -> None:
-    """rules.first_outside in both builds: the first index outside [0, vocab) or -1,
-    on random ids (every length mod 4) with edge values planted anywhere (inside
-    a 4-id chain and in the tail), read-only arrays and an empty vocabulary too."""
+@pytest.mark.parametrize("vocab", [100, 0, 1, 2**63 - 1])
+def test_first_outside_compiled_and_interpreted_agree(vocab: int) -> None:
+    """rules.first_outside in every build: the first index outside [0, vocab) or -1,
+    on random ids (short ones, and long enough for the vector loop and its tail)
+    with edge values planted anywhere, read-only arrays, an empty vocabulary, and
+    the largest one (where ``vocab - 1 - id`` wraps only for a negative id)."""
     rng = np.random.default_rng(35)
-    edges = [0, 1, 99, 100, 101, -1, -(2**63), 2**63 - 1]
-    for _ in range(400):
-        ids = rng.integers(0, 100, int(rng.integers(0, 40))).astype(np.int64)
+    top = vocab - 1 if vocab > 100 else 99
+    edges = [0, 1, 99, 100, 101, -1, -(2**63), 2**63 - 1, top, top - 1]
+    builds = [rules, *planner.COMPILED.values()]
+    for _ in range(300):
+        n = int(rng.integers(0, 40)) if rng.integers(0, 2) else int(rng.integers(40, 300))
+        ids = rng.integers(0, 100, n).astype(np.int64)
         for at in rng.integers(0, max(len(ids), 1), int(rng.integers(0, 3))):
             if len(ids):
                 ids[int(at)] = int(rng.choice(edges))
         ids.flags.writeable = bool(rng.integers(0, 2))
-        for vocab in (100, 0):
-            outside = np.flatnonzero((ids < 0) | (ids >= vocab))
-            want = int(outside[0]) if outside.size else -1
-            assert planner._BUILT.first_outside(ids, vocab) == want, (ids, vocab)
-            assert rules.first_outside(ids, vocab) == want, (ids, vocab)
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+        want = int(outside[0]) if outside.size else -1
+        for build in builds:
+            assert build.first_outside(ids, vocab) == want, (build.__name__, ids, vocab)
+
+
+def test_the_avx2_build_runs_only_on_a_cpu_that_lists_avx2(tmp_path: Path) -> None:
+    """planner reads the CPU's flags and prefers ``_rules_avx2`` only where they list
+    ``avx2`` (it is never imported elsewhere: its code may use AVX2 anywhere);
+    ``_rules_c`` runs on every CPU; no flags file means the baseline build."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 bmi2\n\nprocessor\t: 1\n")
+    assert planner._cpu_flags(str(cpuinfo)) >= {"sse2", "avx2"}
+    assert planner._cpu_flags(str(tmp_path / "missing")) == frozenset()
+    plain = planner._runnable(frozenset({"sse2"}))
+    assert list(plain) == ["_rules_c"]
+    wide = planner._runnable(frozenset({"sse2", "avx2"}))
+    if any(Path(rules.__file__).parent.glob("_rules_avx2*")):  # setup.py on x86-64
+        assert list(wide) == ["_rules_avx2", "_rules_c"]
+        assert wide["_rules_avx2"].first_outside(np.arange(5, dtype=np.int64), 4) == 4
+    else:
+        assert list(wide) == ["_rules_c"]
+    # the process picked the first build its own CPU runs
+    assert planner._BUILT is next(iter(planner._runnable(planner._cpu_flags()).values()))
 
 
 def test_new_items_are_copies_and_inputs_untouched() -> None:

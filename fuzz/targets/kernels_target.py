@@ -1,4 +1,5 @@
-"""Rules 5, 7 and 8's per-token loops (:mod:`mmadmit.rules`) compiled, against the
+"""Rules 5, 7 and 8's per-token loops (:mod:`mmadmit.rules`) compiled (every build
+this CPU runs: ``_rules_c``, and ``_rules_avx2`` where it has AVX2), against the
 same source interpreted and the numpy oracle (``tests/kernels_oracle.py``).
 
 ``positions`` gets run plans that are mostly well formed (sorted, disjoint,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from mmadmit import mrope, planner, rules
@@ -90,10 +92,19 @@ def _plan(d: Data) -> tuple[int, mrope.RunPlan]:
     return n, mrope.RunPlan(*arrays)
 
 
+def _compiled(name: str, *args: Any) -> Any:
+    """The outcome of ``name`` in every compiled build this CPU runs (``_rules_c``,
+    and ``_rules_avx2`` where it has AVX2), which must all agree."""
+    outs = [outcome(getattr(build, name), *args) for build in planner.COMPILED.values()]
+    for other in outs[1:]:
+        same(other, outs[0], f"{name}: the compiled builds differ")
+    return outs[0]
+
+
 def _mrope(d: Data) -> None:
     n, plan = _plan(d)
     ok = plan_ok(n, plan)
-    got = outcome(planner._BUILT.positions, n, plan)
+    got = _compiled("positions", n, plan)
     same(got, outcome(rules.positions, n, plan), f"positions (n={n}, {plan})")
     if got[0] == "err":
         assert not ok, f"positions refused a plan inside its contract: {got} (n={n}, {plan})"
@@ -124,7 +135,7 @@ def _spans(d: Data) -> None:
     a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
     ok = all(0 <= a <= z <= n for a, z in zip(starts, stops, strict=True))
     disjoint = ok and all(stops[i] <= starts[i + 1] for i in range(k - 1))
-    got = outcome(planner._BUILT.first_mismatch, ids, a_, z_, v_)
+    got = _compiled("first_mismatch", ids, a_, z_, v_)
     same(got, outcome(rules.first_mismatch, ids, a_, z_, v_), "first_mismatch")
     if got[0] == "err":
         assert not ok, "first_mismatch refused valid spans"
@@ -139,7 +150,7 @@ def _spans(d: Data) -> None:
         vals = [d.int_in(0, 3) for _ in range(k)]
         a_, z_, v_ = (np.array(x, np.int64) for x in (starts, stops, vals))
         ok, disjoint = True, False
-    got = outcome(planner._BUILT.fill_spans, ids, a_, z_, v_)
+    got = _compiled("fill_spans", ids, a_, z_, v_)
     same(got, outcome(rules.fill_spans, ids, a_, z_, v_), "fill_spans")
     if got[0] == "err":
         assert not ok, "fill_spans refused valid spans"

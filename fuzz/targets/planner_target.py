@@ -289,8 +289,10 @@ def _direct(pi: int, req: Request, d: Data) -> None:
     phs = tuple(d.wild_int() if d.flag(20) else p for p in m._placeholders(req.mm))
     ids = np.asarray(req.input_ids, np.int64)
     args = (m._rules, req.mm.items, ids, phs, d.flag(), d.flag(80))
-    compiled, interpreted = _plan(planner._BUILT, args), _plan(rules, args)
-    assert compiled == interpreted, (compiled, interpreted)
+    interpreted = _plan(rules, args)
+    for build in planner.COMPILED.values():  # _rules_c, and _rules_avx2 with AVX2
+        compiled = _plan(build, args)
+        assert compiled == interpreted, (build.__name__, compiled, interpreted)
 
 
 def one(data: bytes) -> None:

@@ -3,10 +3,11 @@
 mmadmit parses untrusted network bytes in four optional native extensions
 (``_walk_c``, ``_rules_c``, ``_tensorcheck_c`` and ``_pbwalk_c``, Cython's
 builds of ``msgpack_walk.py``, ``rules.py``, ``tensorcheck.py`` and
-``pbwalk.py``). Without one, its own source runs interpreted (and without
-``_pbwalk_c`` protobuf parses whole messages, nothing stripped or taken
-first): same results, same aborts (tests and the fuzz targets under
-``fuzz/`` compare them). An operator who
+``pbwalk.py``; on x86-64 ``_rules_avx2`` is ``rules.py`` built once more with
+AVX2, run in place of ``_rules_c`` on a CPU that has it). Without one, its
+own source runs interpreted (and without ``_pbwalk_c`` protobuf parses whole
+messages, nothing stripped or taken first): same results, same aborts (tests
+and the fuzz targets under ``fuzz/`` compare them). An operator who
 will not run native code on untrusted input turns them off with
 ``--native off`` (``MMADMIT_NATIVE=0``); ``serve`` and ``materialize`` call
 :func:`set_enabled` once at start-up, before any request is read.

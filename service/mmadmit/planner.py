@@ -1,24 +1,54 @@
 """Which build of :mod:`mmadmit.rules` runs: compiled when it is built, else interpreted.
 
-:mod:`mmadmit.rules` is one source of rules 5 and 6 in Cython's pure-Python
-mode; ``setup.py`` also compiles it into ``mmadmit._rules_c``. This module
-hands the materializer the compiled entry points unless native code is off
-(:mod:`mmadmit.native`, ``--native off``) or the extension was not built, and
-the interpreted ones otherwise. Both give the same outcome, message included
-(``tests/test_planner.py``, the ``planner`` fuzz target).
+:mod:`mmadmit.rules` is one source of rules 5 to 8 in Cython's pure-Python
+mode; ``setup.py`` also compiles it into ``mmadmit._rules_c``, and on x86-64
+once more with AVX2 into ``mmadmit._rules_avx2``. This module hands the
+materializer the compiled entry points unless native code is off
+(:mod:`mmadmit.native`, ``--native off``) or no extension was built, and the
+interpreted ones otherwise: ``_rules_avx2`` on a CPU whose flags
+(``/proc/cpuinfo``) list ``avx2``, else ``_rules_c``. Every build gives the
+same outcome, message included (``tests/test_planner.py``,
+``tests/test_kernels.py``, the ``planner`` and ``kernels`` fuzz targets).
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Any
 
 from . import native, rules
 
-try:
-    from . import _rules_c as _BUILT  # type: ignore[attr-defined]
-except ImportError:  # no compiler (or no Cython) at install time: rules.py interpreted
-    _BUILT = None
+
+def _cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where it does not)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _runnable(flags: frozenset[str]) -> dict[str, ModuleType]:
+    """The compiled builds that are built and can run on a CPU with ``flags``,
+    the preferred first."""
+    builds = {}
+    for name, needs in (("_rules_avx2", "avx2"), ("_rules_c", None)):
+        if needs is not None and needs not in flags:
+            continue
+        try:
+            builds[name] = importlib.import_module(f"{__package__}.{name}")
+        except ImportError:  # not built here (no compiler, or not x86-64)
+            continue
+    return builds
+
+
+# every compiled build this process can run (the tests hold each to the source)
+COMPILED = _runnable(_cpu_flags())
+_BUILT: ModuleType | None = next(iter(COMPILED.values()), None)
 
 _active: ModuleType = _BUILT or rules
 HAVE_NATIVE = _BUILT is not None
