@@ -68,6 +68,26 @@ def test_positions_equal_the_oracle_on_random_plans(build: ModuleType) -> None:
         assert type(d1) is int and d1 == d2 and np.array_equal(got, want), (n, plan)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_long_positions_start_on_a_cache_line(build: ModuleType) -> None:
+    """From 16K tokens the positions are allocated 64-byte aligned (the vector
+    stores of the grid loops then never straddle a cache line), still one
+    C-contiguous [3, n] int64 array with the oracle's values; shorter ones are
+    a plain array."""
+    rng = np.random.default_rng(16)
+    for n in (16_383, 16_384, 16_385, 40_000, 1 << 17):
+        cols = int(rng.integers(1, 60))
+        rows = (n // 2) // cols
+        plan = RunPlan(a(n // 4), a(1), a(rows), a(cols), a(0), a(0))
+        for _ in range(3):  # whatever the heap hands out
+            got, delta = build.positions(n, plan)
+            want, want_delta = oracle.positions(n, plan)
+            assert np.array_equal(got, want) and delta == want_delta
+            assert got.shape == (3, n) and got.dtype == np.int64 and got.flags.c_contiguous
+            if n >= 16_384:
+                assert got.__array_interface__["data"][0] % 64 == 0, n
+
+
 def random_spans(rng: np.random.Generator, shuffled: bool) -> tuple[np.ndarray, ...]:
     n = int(rng.integers(1, 400))
     cuts = np.sort(
