@@ -26,7 +26,7 @@ installs build them in place (``service/mmadmit/*.so``, gitignored).
 
 ``ISA_VARIANTS`` compiles a module once more for a wider instruction set, on
 x86-64 only: ``rules.py`` -> ``mmadmit._rules_avx2`` with ``-mavx2`` (its
-per-token loops store four ints at a time, and the vocabulary check compares
+per-token loops store four ints at a time, and the vocabulary check reads
 four; the x86-64 baseline has two). The same source again, never a second
 implementation: :mod:`mmadmit.planner` runs it only on a CPU whose flags list
 ``avx2``, and ``_rules_c`` everywhere else (the C loops it replaced got the
