@@ -214,6 +214,19 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"mmadmit native extensions: {'on' if SESSION_NATIVE else 'off (MMADMIT_NATIVE)'}"
 
 
+def rules_builds() -> list[Any]:
+    """pytest params of every build of ``rules.py``: the source interpreted, then
+    each compiled build this CPU runs (``planner.COMPILED``: ``_rules_c``, and
+    ``_rules_avx2`` where the CPU has AVX2), whatever the session's native switch
+    (the tests call the modules directly); a skipped ``compiled`` where none is built."""
+    from mmadmit import planner, rules
+
+    compiled = [pytest.param(m, id=name) for name, m in planner.COMPILED.items()] or [
+        pytest.param(None, id="compiled", marks=pytest.mark.skip(reason="_rules_c not built"))
+    ]
+    return [pytest.param(rules, id="interpreted"), *compiled]
+
+
 @contextlib.contextmanager
 def native_as(on: bool) -> Iterator[None]:
     """Native code switched ``on`` (or off) whatever the session's setting

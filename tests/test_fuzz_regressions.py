@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from conftest import SESSION_NATIVE, forged_tensor
-from mmadmit import native, planner, rules, wire
+from conftest import SESSION_NATIVE, forged_tensor, rules_builds
+from mmadmit import native, planner, wire
 from mmadmit.dtypes import parse_dtype
 from mmadmit.errors import Abort, AbortCode, InvalidRequest, TooLarge
 from mmadmit.limits import DEFAULT_LIMITS, Limits
@@ -162,10 +162,7 @@ def test_delta_scalar_outside_int64_is_invalid_request_not_internal(scalar: int)
 
 # rules.positions in every build: the interpreted source always, each compiled one
 # this CPU runs
-POSITION_BUILDS = [pytest.param(rules, id="interpreted")] + (
-    [pytest.param(m, id=name) for name, m in planner.COMPILED.items()]
-    or [pytest.param(None, id="compiled", marks=pytest.mark.skip(reason="_rules_c not built"))]
-)
+POSITION_BUILDS = rules_builds()
 
 
 def _runs(start, frames, rows, cols, t_off, t_index) -> RunPlan:

@@ -17,16 +17,11 @@ from types import ModuleType
 import kernels_oracle as oracle
 import numpy as np
 import pytest
-from mmadmit import planner, rules
+from conftest import rules_builds
 from mmadmit.mrope import RunPlan
 
-# the interpreted source always; every compiled build this CPU runs (_rules_c,
-# and _rules_avx2 where the CPU has AVX2), whatever the session's native switch:
-# these call the modules directly
-COMPILED = [pytest.param(m, id=name) for name, m in planner.COMPILED.items()] or [
-    pytest.param(None, id="compiled", marks=pytest.mark.skip(reason="mmadmit._rules_c not built"))
-]
-BUILDS = [pytest.param(rules, id="interpreted"), *COMPILED]
+BUILDS = rules_builds()
+COMPILED = BUILDS[1:]
 a = lambda *x: np.asarray(x, np.int64)  # noqa: E731
 
 
